@@ -1,0 +1,180 @@
+"""Canonicalisation of user input: the one place that turns scores into logits.
+
+Every public entry point (fit, predict_proba, metrics, checks) goes through
+:func:`as_logits` and :func:`as_labels`, so validation rules and messages are
+identical everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+Kind = Literal["logits", "probabilities"]
+KINDS = ("logits", "probabilities")
+
+#: The smallest positive float32 (2**-149). Probabilities are clipped to it
+#: before the log, so a zero probability becomes a finite, very negative logit
+#: (log(2**-149) = -103.28) instead of -inf. The ONNX graphs apply the same rule
+#: to a ``-inf`` fed to them, so numpy and ONNX agree on zero probabilities.
+PROBABILITY_FLOOR = float(np.finfo(np.float32).smallest_subnormal)
+LOG_FLOOR = float(np.log(PROBABILITY_FLOOR))
+
+#: Rows of a probability matrix must sum to 1 within this tolerance.
+ROW_SUM_TOLERANCE = 1e-3
+
+
+class CalibrationInputError(ValueError):
+    """Input that the calibrators cannot use: wrong shape, NaN/Inf, bad labels...
+
+    The message names the problem, the expected form, and the first offending
+    row or value.
+    """
+
+
+class NotFittedError(CalibrationInputError):
+    """A calibrator was used before :meth:`fit` (or :func:`from_params`)."""
+
+
+def _first_bad_row(mask: np.ndarray) -> int:
+    """Index of the first row of a boolean (N,) or (N, K) mask that is True."""
+    rows = mask if mask.ndim == 1 else mask.any(axis=1)
+    return int(np.flatnonzero(rows)[0])
+
+
+def check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise CalibrationInputError(f"kind must be 'logits' or 'probabilities'. Got {kind!r}.")
+
+
+def as_scores(scores, kind: str = "logits", *, n_classes: int | None = None) -> np.ndarray:
+    """Validate a score matrix and return it as a float array of shape (N, K).
+
+    float32 input stays float32 (no copy when already contiguous), anything
+    else becomes float64. Probabilities are *not* converted here; see
+    :func:`as_logits`.
+    """
+    check_kind(kind)
+    try:
+        arr = np.asarray(scores)
+    except (ValueError, TypeError) as exc:  # ragged nested lists
+        raise CalibrationInputError(
+            f"{kind} must be a rectangular array of shape (n_samples, n_classes). "
+            f"Got an object numpy cannot make rectangular: {exc}."
+        ) from None
+    if arr.dtype == object or not (
+        np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)
+        or arr.dtype == np.bool_
+    ):
+        raise CalibrationInputError(
+            f"{kind} must be a numeric array of shape (n_samples, n_classes). "
+            f"Got dtype {arr.dtype}."
+        )
+    if arr.ndim != 2:
+        raise CalibrationInputError(
+            f"{kind} must be a 2-D array of shape (n_samples, n_classes). "
+            f"Got {arr.ndim} dimension(s), shape {arr.shape}."
+        )
+    n, k = arr.shape
+    if n == 0:
+        raise CalibrationInputError(f"{kind} must have at least one row. Got shape {arr.shape}.")
+    if k < 2:
+        raise CalibrationInputError(
+            f"{kind} must have at least 2 classes (columns). Got shape {arr.shape}."
+        )
+    if n_classes is not None and k != n_classes:
+        raise CalibrationInputError(
+            f"{kind} must have {n_classes} columns, the number of classes this calibrator "
+            f"was fitted on. Got {k}."
+        )
+    dtype = np.float32 if arr.dtype == np.float32 else np.float64
+    arr = np.ascontiguousarray(arr, dtype=dtype)
+    finite = np.isfinite(arr)
+    if not finite.all():
+        row = _first_bad_row(~finite)
+        col = int(np.flatnonzero(~finite[row])[0])
+        raise CalibrationInputError(
+            f"{kind} must be finite (no NaN or Inf). Got {arr[row, col]} at row {row}, "
+            f"column {col}."
+        )
+    if kind == "probabilities":
+        negative = arr < 0
+        if negative.any():
+            row = _first_bad_row(negative)
+            col = int(np.flatnonzero(negative[row])[0])
+            raise CalibrationInputError(
+                f"probabilities must be non-negative. Got {arr[row, col]} at row {row}, "
+                f"column {col}."
+            )
+        sums = arr.sum(axis=1, dtype=np.float64)
+        off = np.abs(sums - 1.0) > ROW_SUM_TOLERANCE
+        if off.any():
+            row = _first_bad_row(off)
+            raise CalibrationInputError(
+                f"probabilities rows must sum to 1 (within {ROW_SUM_TOLERANCE:g}); pass "
+                f"kind='logits' for unnormalised scores. Got a sum of {sums[row]!r} at row {row}."
+            )
+    return arr
+
+
+def probabilities_to_logits(probs: np.ndarray, out_dtype=np.float64) -> np.ndarray:
+    """``log(max(p, 2**-149))``: finite logits for probabilities, zeros included."""
+    return np.log(np.maximum(probs, PROBABILITY_FLOOR), dtype=out_dtype)
+
+
+def as_logits(scores, kind: str = "logits", *, n_classes: int | None = None) -> np.ndarray:
+    """Validated logits of shape (N, K); probabilities are turned into their log.
+
+    The dtype is float32 for float32 input (memory: the fitting code
+    accumulates in float64 chunk by chunk) and float64 otherwise.
+    """
+    arr = as_scores(scores, kind, n_classes=n_classes)
+    if kind == "probabilities":
+        arr = probabilities_to_logits(arr, out_dtype=arr.dtype)
+    return arr
+
+
+def as_labels(labels, n_samples: int, n_classes: int) -> np.ndarray:
+    """Validate integer class labels in [0, n_classes) and return them as int64."""
+    try:
+        arr = np.asarray(labels)
+    except (ValueError, TypeError) as exc:
+        raise CalibrationInputError(
+            f"labels must be a 1-D array of integers. Got an unusable object: {exc}."
+        ) from None
+    if arr.ndim != 1:
+        raise CalibrationInputError(
+            f"labels must be a 1-D array of shape (n_samples,). Got shape {arr.shape}."
+        )
+    if arr.shape[0] != n_samples:
+        raise CalibrationInputError(
+            f"labels must have one entry per row of the scores ({n_samples}). "
+            f"Got {arr.shape[0]}."
+        )
+    if arr.dtype == np.bool_ or not (
+        np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)
+    ):
+        raise CalibrationInputError(
+            f"labels must be integers in [0, {n_classes}). Got dtype {arr.dtype}."
+        )
+    if np.issubdtype(arr.dtype, np.floating):
+        bad = ~np.isfinite(arr) | (arr != np.round(arr))
+        if bad.any():
+            row = _first_bad_row(bad)
+            raise CalibrationInputError(
+                f"labels must be integers in [0, {n_classes}). Got {arr[row]!r} at row {row}."
+            )
+    out_of_range = (arr < 0) | (arr >= n_classes)
+    if out_of_range.any():
+        row = _first_bad_row(out_of_range)
+        raise CalibrationInputError(
+            f"labels must be integers in [0, {n_classes}). Got {arr[row]!r} at row {row}."
+        )
+    return arr.astype(np.int64, copy=False)
+
+
+def as_scores_and_labels(scores, labels, kind: str = "logits", *, logits: bool = True):
+    """Validate a labelled score matrix; returns (array (N, K), labels int64 (N,))."""
+    arr = as_logits(scores, kind) if logits else as_scores(scores, kind)
+    return arr, as_labels(labels, arr.shape[0], arr.shape[1])

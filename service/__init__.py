@@ -1,0 +1,1 @@
+"""welltempered service: REST API, registry, background fits and ONNX Runtime serving."""
