@@ -126,13 +126,24 @@ def probabilities_to_logits(probs: np.ndarray, out_dtype=np.float64) -> np.ndarr
 def as_logits(scores, kind: str = "logits", *, n_classes: int | None = None) -> np.ndarray:
     """Validated logits of shape (N, K); probabilities are turned into their log.
 
-    The dtype is float32 for float32 input (memory: the fitting code
-    accumulates in float64 chunk by chunk) and float64 otherwise.
+    Logits keep their dtype (float32 stays float32); the log of probabilities
+    is taken in float64.
     """
     arr = as_scores(scores, kind, n_classes=n_classes)
     if kind == "probabilities":
-        arr = probabilities_to_logits(arr, out_dtype=arr.dtype)
+        arr = probabilities_to_logits(arr)
     return arr
+
+
+def logits64(block: np.ndarray, kind: str) -> np.ndarray:
+    """A float64 copy of a block of validated scores, as logits.
+
+    Used chunk by chunk, so a float32 input never needs a float64 copy of the
+    whole array.
+    """
+    if kind == "probabilities":
+        return probabilities_to_logits(block)
+    return block.astype(np.float64)
 
 
 def as_labels(labels, n_samples: int, n_classes: int) -> np.ndarray:
@@ -174,7 +185,11 @@ def as_labels(labels, n_samples: int, n_classes: int) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-def as_scores_and_labels(scores, labels, kind: str = "logits", *, logits: bool = True):
-    """Validate a labelled score matrix; returns (array (N, K), labels int64 (N,))."""
-    arr = as_logits(scores, kind) if logits else as_scores(scores, kind)
+def as_scores_and_labels(scores, labels, kind: str = "logits"):
+    """Validate a labelled score matrix; returns (scores (N, K), labels int64 (N,)).
+
+    The scores are returned as given (validated, not log-transformed): convert
+    blocks of them with :func:`logits64`.
+    """
+    arr = as_scores(scores, kind)
     return arr, as_labels(labels, arr.shape[0], arr.shape[1])
