@@ -90,32 +90,41 @@ def as_scores(scores, kind: str = "logits", *, n_classes: int | None = None) -> 
         )
     dtype = np.float32 if arr.dtype == np.float32 else np.float64
     arr = np.ascontiguousarray(arr, dtype=dtype)
-    finite = np.isfinite(arr)
+    # Checked in row blocks: no full-size boolean masks for big inputs.
+    step = max(1, (1 << 20) // k)
+    for start in range(0, n, step):
+        _check_block(arr[start : start + step], start, kind)
+    return arr
+
+
+def _check_block(block: np.ndarray, offset: int, kind: str) -> None:
+    finite = np.isfinite(block)
     if not finite.all():
         row = _first_bad_row(~finite)
         col = int(np.flatnonzero(~finite[row])[0])
         raise CalibrationInputError(
-            f"{kind} must be finite (no NaN or Inf). Got {arr[row, col]} at row {row}, "
-            f"column {col}."
+            f"{kind} must be finite (no NaN or Inf). Got {block[row, col]} at row "
+            f"{offset + row}, column {col}."
         )
-    if kind == "probabilities":
-        negative = arr < 0
-        if negative.any():
-            row = _first_bad_row(negative)
-            col = int(np.flatnonzero(negative[row])[0])
-            raise CalibrationInputError(
-                f"probabilities must be non-negative. Got {arr[row, col]} at row {row}, "
-                f"column {col}."
-            )
-        sums = arr.sum(axis=1, dtype=np.float64)
-        off = np.abs(sums - 1.0) > ROW_SUM_TOLERANCE
-        if off.any():
-            row = _first_bad_row(off)
-            raise CalibrationInputError(
-                f"probabilities rows must sum to 1 (within {ROW_SUM_TOLERANCE:g}); pass "
-                f"kind='logits' for unnormalised scores. Got a sum of {sums[row]!r} at row {row}."
-            )
-    return arr
+    if kind != "probabilities":
+        return
+    negative = block < 0
+    if negative.any():
+        row = _first_bad_row(negative)
+        col = int(np.flatnonzero(negative[row])[0])
+        raise CalibrationInputError(
+            f"probabilities must be non-negative. Got {block[row, col]} at row "
+            f"{offset + row}, column {col}."
+        )
+    sums = block.sum(axis=1, dtype=np.float64)
+    off = np.abs(sums - 1.0) > ROW_SUM_TOLERANCE
+    if off.any():
+        row = _first_bad_row(off)
+        raise CalibrationInputError(
+            f"probabilities rows must sum to 1 (within {ROW_SUM_TOLERANCE:g}); pass "
+            f"kind='logits' for unnormalised scores. Got a sum of {sums[row].item()!r} at row "
+            f"{offset + row}."
+        )
 
 
 def probabilities_to_logits(probs: np.ndarray, out_dtype=np.float64) -> np.ndarray:
@@ -174,13 +183,14 @@ def as_labels(labels, n_samples: int, n_classes: int) -> np.ndarray:
         if bad.any():
             row = _first_bad_row(bad)
             raise CalibrationInputError(
-                f"labels must be integers in [0, {n_classes}). Got {arr[row]!r} at row {row}."
+                f"labels must be integers in [0, {n_classes}). "
+                f"Got {arr[row].item()!r} at row {row}."
             )
     out_of_range = (arr < 0) | (arr >= n_classes)
     if out_of_range.any():
         row = _first_bad_row(out_of_range)
         raise CalibrationInputError(
-            f"labels must be integers in [0, {n_classes}). Got {arr[row]!r} at row {row}."
+            f"labels must be integers in [0, {n_classes}). Got {arr[row].item()!r} at row {row}."
         )
     return arr.astype(np.int64, copy=False)
 

@@ -28,7 +28,6 @@ calibration", NeurIPS 2019.
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -45,6 +44,8 @@ from calibrators.base import Calibrator, Progress, check_positive
 DEFAULT_GRID = (1e5, 1e4, 1e3, 1e2, 10.0, 1.0)
 #: L-BFGS tolerance inside the search (only the ranking of candidates matters).
 CV_TOL = 1e-6
+#: Stop walking the grid after this many candidates in a row worse than the best.
+PATIENCE = 2
 
 
 class _Problem:
@@ -170,38 +171,44 @@ class _LinearScaler(Calibrator):
         return out
 
     def _cross_validate(self, feats, y, fold_of, candidates, warm, progress):
-        """Mean held-out NLL of each (lam, mu) candidate over the folds.
+        """Mean held-out NLL of (lam, mu) candidates along a path, over the folds.
 
-        Within a fold the candidates are fitted in order, each warm-started
-        from the previous solution; folds run on parallel threads (numpy and
-        scipy release the GIL in the products). Returns (nll per candidate,
-        per-fold solution of every candidate, L-BFGS evaluations).
+        The candidates are walked in order (strongest penalty first); each
+        fold's fit is warm-started from that fold's previous solution, and the
+        folds of one candidate run on parallel threads (numpy and scipy
+        release the GIL in the products). The walk stops early once the CV
+        NLL has risen ``PATIENCE`` times in a row past the best candidate:
+        the weakly penalised fits at the end of the path are the slow ones.
+
+        Returns (CV NLL per candidate tried, per-fold solutions, evaluations).
         """
         n_folds = self._options["n_folds"]
         tol = max(self._options["tol"], CV_TOL)
+        splits = [(fold_of != f, fold_of == f) for f in range(n_folds)]
+        thetas = list(warm)
+        scores, solutions, evaluations = [], [], 0
 
-        def run_fold(fold):
+        def fit_fold(args):
+            fold, (lam, mu) = args
+            train, test = splits[fold]
             with threadpool_limits(limits=1, user_api="blas"):
-                train, test = fold_of != fold, fold_of == fold
-                xt, yt = feats[train], y[train]
-                theta = warm[fold]
-                out, thetas, evals = [], [], 0
-                for lam, mu in candidates:
-                    prob = _Problem(xt, yt, self.structure, lam, mu)
-                    res = prob.solve(prob.initial() if theta is None else theta,
-                                     max_iter=self._options["max_iter"], tol=tol)
-                    theta = res.x
-                    evals += prob.evaluations
-                    out.append(prob.nll(theta, feats[test], y[test]))
-                    thetas.append(theta)
-                    progress()
-                return out, thetas, evals
+                prob = _Problem(feats[train], y[train], self.structure, lam, mu)
+                start = prob.initial() if thetas[fold] is None else thetas[fold]
+                res = prob.solve(start, max_iter=self._options["max_iter"], tol=tol)
+                return res.x, prob.nll(res.x, feats[test], y[test]), prob.evaluations
 
         with ThreadPoolExecutor(max_workers=min(n_folds, n_threads())) as pool:
-            results = list(pool.map(run_fold, range(n_folds)))
-        scores = np.mean([r[0] for r in results], axis=0)
-        thetas = [r[1] for r in results]
-        return scores, thetas, sum(r[2] for r in results)
+            for cand in candidates:
+                results = list(pool.map(fit_fold, [(f, cand) for f in range(n_folds)]))
+                thetas = [r[0] for r in results]
+                scores.append(float(np.mean([r[1] for r in results])))
+                solutions.append(thetas)
+                evaluations += sum(r[2] for r in results)
+                progress(n_folds)
+                best = int(np.argmin(scores))
+                if len(scores) - 1 - best >= PATIENCE:
+                    break
+        return scores, solutions, evaluations
 
     def _fit(self, x: np.ndarray, y: np.ndarray, kind: str, progress: Progress) -> None:
         started = time.perf_counter()
@@ -222,15 +229,14 @@ class _LinearScaler(Calibrator):
             stages.append("mu")
         total = sum(len(grid) for _ in stages) * opts["n_folds"] + 1
         done = [0]
-        lock = threading.Lock()
 
-        def tick():
-            with lock:
-                done[0] += 1
-                progress(0.95 * done[0] / total)
+        def tick(fits):
+            done[0] += fits
+            progress(0.95 * done[0] / total)
 
         evaluations = 0
         cv = []
+        warm = [None] * opts["n_folds"]
         if stages:
             if n < 2 * opts["n_folds"]:
                 raise CalibrationInputError(
@@ -240,7 +246,6 @@ class _LinearScaler(Calibrator):
             fold_of = np.empty(n, dtype=np.int64)
             perm = np.random.default_rng(opts["seed"]).permutation(n)
             fold_of[perm] = np.arange(n) % opts["n_folds"]
-            warm = [None] * opts["n_folds"]
             for stage in stages:
                 if stage == "lam":
                     cands = [(g, g if mu is None else mu) for g in grid]
@@ -250,15 +255,18 @@ class _LinearScaler(Calibrator):
                 evaluations += evals
                 best = int(np.argmin(scores))
                 lam, mu = cands[best]
-                warm = [t[best] for t in thetas]
+                warm = thetas[best]
                 cv.extend(
                     {"stage": stage, "reg_lambda": a if full else None, "reg_mu": b,
                      "cv_nll": float(s)}
-                    for (a, b), s in zip(cands, scores, strict=True)
+                    for (a, b), s in zip(cands[: len(scores)], scores, strict=True)
                 )
         prob = _Problem(feats, y, self.structure, lam, mu)
+        # The final fit starts from the mean of the folds' solutions at the
+        # chosen penalties (each fold path itself started from the identity).
+        start = prob.initial() if warm[0] is None else np.mean(warm, axis=0)
         with threadpool_limits(limits=1, user_api="blas"):
-            res = prob.solve(prob.initial(), max_iter=opts["max_iter"], tol=opts["tol"])
+            res = prob.solve(start, max_iter=opts["max_iter"], tol=opts["tol"])
         evaluations += prob.evaluations
         w, b = prob.unpack(res.x)
         self.weight_, self.bias_ = w.copy(), b.copy()
