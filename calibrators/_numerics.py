@@ -9,10 +9,13 @@ not a float64 copy of the input.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 #: Entries per chunk (2**18 float64 = 2 MiB per temporary: stays in L2/L3).
 CHUNK_ELEMENTS = 1 << 18
@@ -56,3 +59,35 @@ def softmax(u: np.ndarray) -> np.ndarray:
     np.exp(out, out=out)
     out /= out.sum(axis=1, keepdims=True)
     return out
+
+
+_blas_lock = threading.Lock()
+_blas_users = 0
+_blas_limiter = None
+
+
+@contextmanager
+def single_threaded_blas():
+    """Limit BLAS to one thread while any caller is inside this context.
+
+    The products of the penalised fits are small (N x K by K x K); OpenBLAS's
+    threads spin badly when another process or thread holds the other core
+    (measured 20x slower under load), and our own fold threads already use
+    the cores. The BLAS thread count is process-wide, so nested and
+    concurrent users are reference-counted: the first sets the limit, the
+    last restores it (a plain ``threadpool_limits`` per thread would restore
+    it under the feet of a thread still running).
+    """
+    global _blas_users, _blas_limiter
+    with _blas_lock:
+        if _blas_users == 0:
+            _blas_limiter = threadpool_limits(limits=1, user_api="blas")
+        _blas_users += 1
+    try:
+        yield
+    finally:
+        with _blas_lock:
+            _blas_users -= 1
+            if _blas_users == 0:
+                _blas_limiter.restore_original_limits()
+                _blas_limiter = None

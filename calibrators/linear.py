@@ -33,10 +33,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from scipy.optimize import minimize
-from threadpoolctl import threadpool_limits
 
 from calibrators._input import CalibrationInputError, logits64
-from calibrators._numerics import log_softmax, n_threads, row_chunks
+from calibrators._numerics import log_softmax, n_threads, row_chunks, single_threaded_blas
 from calibrators.base import Calibrator, Progress, check_positive
 
 #: Default penalty grid (both lam and mu), strongest first. The penalties are
@@ -191,11 +190,10 @@ class _LinearScaler(Calibrator):
         def fit_fold(args):
             fold, (lam, mu) = args
             train, test = splits[fold]
-            with threadpool_limits(limits=1, user_api="blas"):
-                prob = _Problem(feats[train], y[train], self.structure, lam, mu)
-                start = prob.initial() if thetas[fold] is None else thetas[fold]
-                res = prob.solve(start, max_iter=self._options["max_iter"], tol=tol)
-                return res.x, prob.nll(res.x, feats[test], y[test]), prob.evaluations
+            prob = _Problem(feats[train], y[train], self.structure, lam, mu)
+            start = prob.initial() if thetas[fold] is None else thetas[fold]
+            res = prob.solve(start, max_iter=self._options["max_iter"], tol=tol)
+            return res.x, prob.nll(res.x, feats[test], y[test]), prob.evaluations
 
         with ThreadPoolExecutor(max_workers=min(n_folds, n_threads())) as pool:
             for cand in candidates:
@@ -211,6 +209,10 @@ class _LinearScaler(Calibrator):
         return scores, solutions, evaluations
 
     def _fit(self, x: np.ndarray, y: np.ndarray, kind: str, progress: Progress) -> None:
+        with single_threaded_blas():
+            self._fit_penalised(x, y, kind, progress)
+
+    def _fit_penalised(self, x, y, kind, progress) -> None:
         started = time.perf_counter()
         feats = self._features(x, kind)
         n, _ = feats.shape
@@ -265,8 +267,7 @@ class _LinearScaler(Calibrator):
         # The final fit starts from the mean of the folds' solutions at the
         # chosen penalties (each fold path itself started from the identity).
         start = prob.initial() if warm[0] is None else np.mean(warm, axis=0)
-        with threadpool_limits(limits=1, user_api="blas"):
-            res = prob.solve(start, max_iter=opts["max_iter"], tol=opts["tol"])
+        res = prob.solve(start, max_iter=opts["max_iter"], tol=opts["tol"])
         evaluations += prob.evaluations
         w, b = prob.unpack(res.x)
         self.weight_, self.bias_ = w.copy(), b.copy()

@@ -1,0 +1,555 @@
+"""Offline CLI: fit calibrators on a ``.npz`` file and compare them on held-out rows.
+
+::
+
+    welltempered fit FILE.npz --method temperature|vector|matrix|dirichlet|all
+                     [--kind logits|probabilities] [--holdout 0.5] [--seed 0] [--json OUT]
+    welltempered fit --demo [--method ...]          # scikit-learn digits, no file needed
+    python -m calibrators.offline ...                # the same, without the service
+
+Input
+-----
+The archive holds one score array and one label array:
+
+* scores: ``logits`` (kind "logits"), or ``probabilities`` / netcal's
+  ``predictions`` (kind "probabilities"). When both a logits and a probability
+  array are present, ``logits`` is used unless ``--kind probabilities`` asks for
+  the other. ``--kind`` also overrides what the name says when the file holds only
+  one score array (e.g. ``--kind logits`` for a ``predictions`` array that holds
+  logits).
+* labels: ``labels`` or netcal's ``ground_truth``, integers in ``[0, K)``.
+
+Split
+-----
+``perm = numpy.random.default_rng(seed).permutation(N)``; the first
+``n_fit = round(N * (1 - holdout))`` rows of ``perm`` are fitted on, the other
+``N - n_fit`` rows are held out. ``round`` is Python's built-in (a half goes to the
+even integer), so for even ``N`` and the default ``holdout=0.5`` the split is
+exactly ``N / 2`` and ``N / 2``: the convention of the shared CIFAR data. Both
+parts must be non-empty.
+
+Output
+------
+A table on stdout, one row for the uncalibrated scores (softmax of the logits, or
+the probabilities as given) and one per method, with the :func:`calibrators.metrics.report`
+metrics on the held-out rows, the :func:`calibrators.checks.argmax_report`
+agreement and changes, and the fit time; then, per method, its key fitted numbers
+and where the changed predictions came from. ``--json OUT`` writes the same
+content (see :func:`compare`) as strict JSON (non-finite numbers become ``null``).
+
+Exit codes: 0 on success, 2 for bad input (unreadable file, missing arrays,
+invalid scores or labels, bad ``--holdout``...), with a one-line message on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from calibrators import METHODS, create
+from calibrators._input import CalibrationInputError, as_scores_and_labels, logits64
+from calibrators._numerics import row_chunks, softmax
+from calibrators.checks import RANK_BUCKETS, argmax_report
+from calibrators.metrics import report
+
+__all__ = [
+    "LABEL_ARRAYS",
+    "SCORE_ARRAYS",
+    "OfflineError",
+    "add_arguments",
+    "compare",
+    "demo_npz",
+    "format_report",
+    "load_npz",
+    "main",
+    "run",
+    "split_indices",
+]
+
+PROG = "welltempered fit"
+#: Score array names, in order of preference, with the kind each name implies.
+SCORE_ARRAYS = {
+    "logits": "logits", "probabilities": "probabilities", "predictions": "probabilities"
+}
+#: What ``file`` says in the output of ``--demo`` (its temporary file is deleted).
+DEMO_NAME = "demo: scikit-learn digits, logistic regression (temporary file)"
+#: Label array names, in order of preference.
+LABEL_ARRAYS = ("labels", "ground_truth")
+
+
+class OfflineError(ValueError):
+    """A problem with the command line or the input file, reported in one line (exit 2)."""
+
+
+# ---------------------------------------------------------------------------
+# command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``fit`` arguments to ``parser`` (a parser or a subcommand parser).
+
+    Parameters
+    ----------
+    parser : argparse.ArgumentParser
+        Receives ``file``, ``--method``, ``--kind``, ``--holdout``, ``--seed``,
+        ``--json`` and ``--demo``; :func:`run` reads them back.
+    """
+    parser.add_argument(
+        "file", nargs="?", metavar="FILE.npz",
+        help="arrays 'logits' or 'probabilities' (or 'predictions') and 'labels' "
+        "(or 'ground_truth'); optional with --demo",
+    )
+    parser.add_argument(
+        "--method", choices=(*METHODS, "all"), default="temperature",
+        help="calibrator to fit, or 'all' of them (default: temperature)",
+    )
+    parser.add_argument(
+        "--kind", choices=("logits", "probabilities"), default=None,
+        help="what the scores are (default: what the array name says; "
+        "logits when the file has both)",
+    )
+    parser.add_argument(
+        "--holdout", type=float, default=0.5, metavar="FRACTION",
+        help="fraction of rows held out for evaluation, in (0, 1) (default: 0.5)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0,
+        help="seed of numpy.random.default_rng(seed).permutation(N) (default: 0)",
+    )
+    parser.add_argument(
+        "--json", metavar="OUT", default=None, help="also write the results as JSON to OUT"
+    )
+    parser.add_argument(
+        "--demo", action="store_true",
+        help="fit on the logits of a small scikit-learn model of the bundled digits data "
+        "(written to a temporary file) instead of FILE",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``welltempered fit`` with parsed arguments (see :func:`add_arguments`).
+
+    Returns
+    -------
+    int
+        0 on success; 2 after a one-line message on stderr when the input is bad.
+    """
+    try:
+        if args.demo and args.file is not None:
+            raise OfflineError("give FILE.npz or --demo, not both.")
+        if not args.demo and args.file is None:
+            raise OfflineError("FILE.npz is required (or --demo for a built-in example).")
+        _check_holdout(args.holdout)
+        methods = METHODS if args.method == "all" else (args.method,)
+        if args.demo:
+            with tempfile.TemporaryDirectory(prefix="welltempered-demo-") as tmp:
+                path = demo_npz(Path(tmp) / "digits-logreg.npz")
+                result = _run_file(path, methods, args)
+                result["file"] = DEMO_NAME
+        else:
+            result = _run_file(Path(args.file), methods, args)
+        print(format_report(result))
+        if args.json is not None:
+            _write_json(result, Path(args.json))
+    except (OfflineError, CalibrationInputError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m calibrators.offline``: parse ``argv`` and :func:`run`; returns the exit code."""
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Fit calibrators on a .npz file and compare them on held-out rows."
+    )
+    add_arguments(parser)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2), already printed
+        return exc.code if isinstance(exc.code, int) else 2
+    return run(args)
+
+
+def _run_file(path: Path, methods, args: argparse.Namespace) -> dict[str, Any]:
+    scores, labels, kind, names = load_npz(path, kind=args.kind)
+    progress = sys.stderr.isatty()
+    result = compare(
+        scores, labels, kind=kind, methods=methods, holdout=args.holdout, seed=args.seed,
+        progress=progress,
+    )
+    return {"file": str(path), "arrays": names, **result}
+
+
+def _check_holdout(holdout) -> None:
+    if not (isinstance(holdout, int | float) and 0 < holdout < 1):
+        raise OfflineError(f"--holdout must be a fraction in (0, 1). Got {holdout!r}.")
+
+
+def _write_json(result: dict, out: Path) -> None:
+    text = json.dumps(_finite(result), indent=1, allow_nan=False)
+    try:
+        out.write_text(text + "\n")
+    except OSError as exc:
+        raise OfflineError(f"cannot write --json {out}: {exc.strerror or exc}.") from None
+
+
+def _finite(value):
+    """``value`` with every non-finite float replaced by None (strict JSON)."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+# ---------------------------------------------------------------------------
+# input and split
+
+
+def load_npz(path, *, kind: str | None = None):
+    """Read the scores and labels of a ``.npz`` archive (see the module docstring).
+
+    Parameters
+    ----------
+    path : str or Path
+    kind : {"logits", "probabilities"}, optional
+        What the scores are; by default what the array name says.
+
+    Returns
+    -------
+    scores : ndarray of shape (n_samples, n_classes)
+    labels : ndarray of shape (n_samples,)
+    kind : {"logits", "probabilities"}
+    names : dict
+        ``{"scores": name, "labels": name}``, the arrays used.
+
+    Raises
+    ------
+    OfflineError
+        The file cannot be read as ``.npz`` or lacks a score or label array.
+        The arrays themselves are validated later (CalibrationInputError).
+    """
+    path = Path(path)
+    try:
+        loaded = np.load(path, allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):
+            raise OfflineError(f"{path} is not a .npz archive. Got a single .npy array.")
+        with loaded as archive:
+            files = list(archive.files)
+            score_name = _pick_scores(files, kind, path)
+            label_name = next((n for n in LABEL_ARRAYS if n in files), None)
+            if label_name is None:
+                raise OfflineError(
+                    f"{path} has no label array: expected 'labels' or 'ground_truth'. "
+                    f"Got arrays {files}."
+                )
+            scores, labels = archive[score_name], archive[label_name]
+    except OfflineError:
+        raise
+    except FileNotFoundError:
+        raise OfflineError(f"{path}: no such file.") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise OfflineError(f"cannot read {path} as .npz: {exc}.") from None
+    if kind is None:
+        kind = SCORE_ARRAYS[score_name]
+    return scores, labels, kind, {"scores": score_name, "labels": label_name}
+
+
+def _pick_scores(files: list[str], kind: str | None, path: Path) -> str:
+    present = [n for n in SCORE_ARRAYS if n in files]
+    if not present:
+        raise OfflineError(
+            f"{path} has no score array: expected 'logits', 'probabilities' or 'predictions'. "
+            f"Got arrays {files}."
+        )
+    if kind is not None:
+        matching = [n for n in present if SCORE_ARRAYS[n] == kind]
+        if matching:
+            return matching[0]
+    return present[0]
+
+
+def split_indices(n: int, holdout: float = 0.5, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Row indices of the fit part and the held-out part.
+
+    ``perm = numpy.random.default_rng(seed).permutation(n)``; the fit part is
+    ``perm[:round(n * (1 - holdout))]`` (Python's ``round``, halves to even) and
+    the held-out part the rest.
+
+    Parameters
+    ----------
+    n : int
+        Number of rows.
+    holdout : float, default 0.5
+        Fraction held out, in (0, 1).
+    seed : int, default 0
+
+    Returns
+    -------
+    fit_idx, holdout_idx : ndarray of int64
+
+    Raises
+    ------
+    OfflineError
+        ``holdout`` outside (0, 1), or a part would be empty.
+
+    Examples
+    --------
+    >>> fit_idx, test_idx = split_indices(10, 0.3, seed=0)
+    >>> len(fit_idx), len(test_idx)
+    (7, 3)
+    """
+    _check_holdout(holdout)
+    n_fit = round(n * (1 - holdout))
+    if not 0 < n_fit < n:
+        raise OfflineError(
+            f"--holdout {holdout} leaves {n_fit} of {n} rows to fit on and {n - n_fit} to "
+            f"evaluate; both parts must be non-empty. Got {n} rows."
+        )
+    perm = np.random.default_rng(seed).permutation(n)
+    return perm[:n_fit], perm[n_fit:]
+
+
+# ---------------------------------------------------------------------------
+# fitting and evaluation
+
+
+def _as_probabilities(scores: np.ndarray, kind: str) -> np.ndarray:
+    """Softmax of validated logits (float64), or validated probabilities as given."""
+    if kind == "probabilities":
+        return scores
+    out = np.empty(scores.shape, dtype=np.float64)
+    for rows in row_chunks(*scores.shape):
+        out[rows] = softmax(logits64(scores[rows], kind))
+    return out
+
+
+def compare(scores, labels, *, kind: str = "logits", methods=METHODS, holdout: float = 0.5,
+            seed: int = 0, progress: bool = False) -> dict[str, Any]:
+    """Fit each method on one part of the rows and evaluate it on the other.
+
+    Parameters
+    ----------
+    scores : array-like of shape (n_samples, n_classes)
+        Logits, or probabilities with ``kind="probabilities"``.
+    labels : array-like of shape (n_samples,)
+        Integer class labels in ``[0, n_classes)``.
+    kind : {"logits", "probabilities"}
+    methods : sequence of str, default all of :data:`calibrators.METHODS`
+    holdout : float, default 0.5
+        Fraction of rows held out (see :func:`split_indices`).
+    seed : int, default 0
+    progress : bool, default False
+        Say on stderr which method is being fitted.
+
+    Returns
+    -------
+    dict
+        JSON-serialisable: ``n``, ``n_classes``, ``kind``, ``holdout``, ``seed``,
+        ``n_fit``, ``n_holdout``, ``uncalibrated`` (the :func:`~calibrators.metrics.report`
+        of the uncalibrated held-out probabilities) and ``methods``, mapping each
+        method name to ``{"report", "argmax", "fit_seconds", "params"}``: the
+        report of its held-out probabilities, the
+        :func:`~calibrators.checks.argmax_report` of the held-out scores against
+        them, the seconds spent in ``fit`` and :meth:`~calibrators.base.Calibrator.to_params`.
+
+    Raises
+    ------
+    CalibrationInputError
+        Invalid scores, labels or kind, or a method cannot be fitted on the data
+        (the message then starts with the method name).
+    OfflineError
+        Bad ``holdout`` or an empty part.
+    """
+    x, y = as_scores_and_labels(scores, labels, kind)
+    n, k = x.shape
+    fit_idx, test_idx = split_indices(n, holdout, seed)
+    x_fit, y_fit = x[fit_idx], y[fit_idx]
+    x_test, y_test = x[test_idx], y[test_idx]
+    out: dict[str, Any] = {
+        "n": int(n), "n_classes": int(k), "kind": kind, "holdout": float(holdout),
+        "seed": int(seed), "n_fit": int(fit_idx.shape[0]), "n_holdout": int(test_idx.shape[0]),
+        "uncalibrated": report(_as_probabilities(x_test, kind), y_test),
+        "methods": {},
+    }
+    for method in methods:
+        if progress:
+            print(f"{PROG}: fitting {method} on {len(fit_idx)} rows...", file=sys.stderr)
+        cal = create(method)
+        started = time.perf_counter()
+        try:
+            cal.fit(x_fit, y_fit, kind=kind)
+        except CalibrationInputError as exc:
+            raise CalibrationInputError(f"{method}: {exc}") from None
+        seconds = time.perf_counter() - started
+        probs = cal.predict_proba(x_test, kind=kind)
+        out["methods"][method] = {
+            "report": report(probs, y_test),
+            "argmax": argmax_report(x_test, probs, kind=kind),
+            "fit_seconds": seconds,
+            "params": cal.to_params(),
+        }
+    return out
+
+
+# ---------------------------------------------------------------------------
+# the table
+
+#: (header, key in the report, format); lower is better except accuracy.
+_COLUMNS = (
+    ("acc", "accuracy", "{:.4f}"),
+    ("NLL", "nll", "{:.4f}"),
+    ("NLL med", "nll_median", "{:.4f}"),
+    ("NLL p95", "nll_p95", "{:.4f}"),
+    ("ECE", "ece", "{:.4f}"),
+    ("ECE-q", "ece_quantile", "{:.4f}"),
+    ("cw-ECE", "classwise_ece", "{:.4f}"),
+    ("Brier", "brier", "{:.4f}"),
+    ("entropy", "entropy", "{:.4f}"),
+)
+
+
+def _fmt(template: str, value) -> str:
+    return "-" if value is None else template.format(value)
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """The human-readable table of a :func:`compare` result (as printed by the CLI).
+
+    Parameters
+    ----------
+    result : dict
+        Output of :func:`compare`, optionally with ``file`` and ``arrays`` keys.
+
+    Returns
+    -------
+    str
+        Several lines, no trailing newline.
+    """
+    header = ["", *(c[0] for c in _COLUMNS), "agree", "changed", "fit s"]
+    rows = []
+    base = result["uncalibrated"]
+    rows.append(["uncalibrated", *(_fmt(f, base[key]) for _, key, f in _COLUMNS), "-", "-", "-"])
+    for name, m in result["methods"].items():
+        rep, arg = m["report"], m["argmax"]
+        rows.append([
+            name, *(_fmt(f, rep[key]) for _, key, f in _COLUMNS),
+            f"{arg['agreement']:.4f}", str(arg["changed"]), f"{m['fit_seconds']:.3f}",
+        ])
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+
+    def line(cells):
+        first = cells[0].ljust(widths[0])
+        rest = (c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True))
+        return "  ".join([first, *rest]).rstrip()
+
+    lines = []
+    if "file" in result:
+        names = result.get("arrays")
+        used = f" (arrays {names['scores']!r}, {names['labels']!r})" if names else ""
+        lines.append(f"file: {result['file']}{used}")
+    lines.append(
+        f"{result['n']} rows x {result['n_classes']} classes, kind={result['kind']}; "
+        f"fit on {result['n_fit']}, evaluated on {result['n_holdout']} held-out rows "
+        f"(holdout={result['holdout']:g}, seed={result['seed']})"
+    )
+    lines.append("")
+    lines.append(line(header))
+    lines.append("  ".join("-" * w for w in widths))
+    lines.extend(line(r) for r in rows)
+    lines.append("")
+    lines.append(
+        "Held-out metrics, lower is better except acc; ECE-q: equal-mass bins; cw-ECE: "
+        f"classwise; {base['n_bins']} bins; NLL and entropy in nats; agree/changed: "
+        "predicted class unchanged (fraction) / changed (rows)."
+    )
+    width = max((len(name) for name in result["methods"]), default=0)
+    for name, m in result["methods"].items():
+        fitted, changes = _describe(m)
+        lines.append(f"{name.ljust(width)}  {fitted}")
+        lines.append(f"{' ' * width}  {changes}")
+    return "\n".join(lines)
+
+
+def _describe(m: dict[str, Any]) -> tuple[str, str]:
+    """Two lines about one method: its fitted numbers, and the predictions it changed."""
+    params, arg = m["params"], m["argmax"]
+    info = params.get("fit_info") or {}
+    if params["method"] == "temperature":
+        fitted = f"T = {1.0 / params['weight']:.6g} (beta = {params['weight']:.6g})"
+        status = f"{info.get('reason', '?')} after {info.get('passes', '?')} passes"
+    else:
+        parts = []
+        if info.get("reg_lambda") is not None:
+            parts.append(f"reg_lambda = {info['reg_lambda']:g}")
+        parts.append(f"reg_mu = {info.get('reg_mu', 0):g}")
+        cv = info.get("cross_validation")
+        how = f" (chosen by {cv['n_folds']}-fold CV)" if cv else ""
+        fitted = ", ".join(parts) + how
+        done = "converged" if info.get("converged") else "not converged"
+        status = f"L-BFGS {done} in {info.get('iterations', '?')} iterations"
+    ranks = ", ".join(f"{key}: {arg['changed_from_rank'][key]}" for key in RANK_BUCKETS)
+    return (
+        f"{fitted}; {status}",
+        f"predicted class changed in {arg['changed']} of {arg['n']} rows; original rank of "
+        f"the new class: {ranks} (rank 1 = tied for first)",
+    )
+
+
+# ---------------------------------------------------------------------------
+# demo data
+
+
+def demo_npz(path) -> Path:
+    """Write logits of a small scikit-learn model of the digits data to ``path``.
+
+    A multinomial logistic regression (weakly regularised, ``C=1000``, so it is
+    over-confident, as real networks are) is trained on a stratified half of
+    scikit-learn's bundled 8x8 digits (``load_digits``, no download); its
+    ``decision_function`` (logits) on the other half, 899 rows x 10 classes,
+    is saved with the labels. Deterministic; takes about a second.
+
+    Parameters
+    ----------
+    path : str or Path
+        Where to write the ``.npz`` (arrays ``logits`` float32 and ``labels`` int64).
+
+    Returns
+    -------
+    Path
+        ``path``.
+    """
+    import warnings
+
+    from sklearn.datasets import load_digits
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x_train, x_test, y_train, y_test = train_test_split(
+        x / 16.0, y, test_size=0.5, random_state=0, stratify=y
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        model = LogisticRegression(C=1000.0, max_iter=5000).fit(x_train, y_train)
+    logits = model.decision_function(x_test).astype(np.float32)
+    path = Path(path)
+    with path.open("wb") as f:  # a file object: np.savez would append ".npz" to a name
+        np.savez(f, logits=logits, labels=y_test.astype(np.int64))
+    return path
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
