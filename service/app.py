@@ -1,0 +1,85 @@
+"""The FastAPI application: ``create_app(settings)``; nothing is built at import time."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from sqlalchemy.orm import sessionmaker
+from starlette.types import Scope
+
+from service import problems
+from service.arrays import ArrayStore
+from service.db import make_engine
+from service.deps import AppState
+from service.fitting import FitRunner, WorkerConfig, recover
+from service.inference import ServingCache, SessionCache
+from service.migrate import ensure_schema
+from service.routers import aliases, calibrators, datasets, health, models, predict
+from service.settings import Settings
+from service.uploads import BodyLimitMiddleware
+
+_BIG_BODY = re.compile(r"^/v1/models/[^/]+/(datasets|predict)/?$")
+
+
+def _limit_for(settings: Settings):
+    def limit_for(scope: Scope) -> int:
+        if scope.get("method") == "POST" and _BIG_BODY.match(scope.get("path", "")):
+            return settings.max_body_bytes
+        return settings.max_metadata_bytes
+
+    return limit_for
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The service. The lifespan connects, checks the schema, recovers jobs, starts the pool."""
+    settings = settings if settings is not None else Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = make_engine(settings.database_url)
+        try:
+            ensure_schema(engine, settings.database_url)
+            sessions = sessionmaker(engine, expire_on_commit=False)
+            arrays = ArrayStore(settings.data_dir)
+            arrays.ensure()
+            if settings.recover_jobs:
+                recover(sessions)
+                arrays.clean_tmp()
+            config = WorkerConfig(
+                settings.database_url,
+                str(settings.data_dir),
+                settings.progress_interval_seconds,
+                settings.fit_threads or max(1, (os.cpu_count() or 2) // 2),
+            )
+            fits = FitRunner(settings.fit_executor, settings.fit_workers, config, sessions)
+            onnx = SessionCache(settings.onnx_threads, settings.onnx_cache_size)
+            serving = ServingCache(sessions, onnx, settings.alias_cache_seconds)
+            app.state.welltempered = AppState(settings, engine, sessions, arrays, fits, serving)
+            try:
+                yield
+            finally:
+                fits.shutdown()
+        finally:
+            engine.dispose()
+
+    app = FastAPI(
+        title="welltempered",
+        summary="Fit, compare, promote and serve post-hoc calibrators.",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    problems.install(app)
+    app.add_middleware(BodyLimitMiddleware, limit_for=_limit_for(settings))
+    # predict first: routes are matched in order, and it is the hot path.
+    for module in (predict, models, datasets, calibrators, aliases, health):
+        app.include_router(module.router)
+    return app
+
+
+def app_from_env() -> FastAPI:
+    """For ``uvicorn --factory service.app:app_from_env`` (settings from the environment)."""
+    return create_app(Settings())

@@ -1,0 +1,137 @@
+"""``welltempered``: serve, migrate, fit (offline). One function per subcommand.
+
+A new subcommand is one entry in :data:`COMMANDS`: a name, a help line, a
+function that adds its arguments, and one that runs it and returns the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
+    p.add_argument(
+        "--demo",
+        action="store_true",
+        help="start with model 'digits-mlp' calibrated and aliased 'production' "
+        "(own SQLite file and data folder under ./welltempered-data/demo)",
+    )
+    p.add_argument("--log-level", default="info")
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+    from sqlalchemy.orm import sessionmaker
+
+    from service import demo, fitting, migrate
+    from service.arrays import ArrayStore
+    from service.db import make_engine
+    from service.settings import Settings
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
+    settings = Settings()
+    if args.demo:
+        settings = demo.demo_settings(settings)
+    engine = make_engine(settings.database_url)
+    try:
+        migrate.ensure_schema(engine, settings.database_url)
+        # Once, before any worker exists (several uvicorn workers must not each do it).
+        failed = fitting.recover(sessionmaker(engine))
+        if failed:
+            logging.warning("marked %d fit(s) left by a stopped server as failed", failed)
+        ArrayStore(settings.data_dir).clean_tmp()
+        if args.demo:
+            demo.install(settings, engine)
+    except migrate.NotMigrated as exc:
+        print(f"welltempered serve: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        engine.dispose()
+    settings = settings.model_copy(update={"recover_jobs": False})
+    if args.workers > 1:
+        # Workers are new processes: hand them the settings through the environment.
+        for name, value in settings.model_dump(exclude_none=True).items():
+            os.environ[f"WELLTEMPERED_{name.upper()}"] = str(value)
+        uvicorn.run(
+            "service.app:app_from_env",
+            factory=True,
+            host=args.host,
+            port=args.port,
+            workers=args.workers,
+            log_level=args.log_level,
+        )
+    else:
+        from service.app import create_app
+
+        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _no_arguments(p: argparse.ArgumentParser) -> None:
+    pass
+
+
+def migrate_command(args: argparse.Namespace) -> int:
+    from service import migrate
+    from service.settings import Settings
+
+    settings = Settings()
+    migrate.upgrade(settings.database_url, verbose=True)
+    print(f"database at revision {migrate.head_revision(settings.database_url)} (head)")
+    return 0
+
+
+def _fit_arguments(p: argparse.ArgumentParser) -> None:
+    from calibrators import offline
+
+    offline.add_arguments(p)
+
+
+def fit(args: argparse.Namespace) -> int:
+    from calibrators import offline
+
+    return offline.run(args)
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: list[Command] = [
+    Command("serve", "run the HTTP service (uvicorn)", _serve_arguments, serve),
+    Command("migrate", "upgrade the database to the latest schema", _no_arguments, migrate_command),
+    Command("fit", "fit a calibrator offline from a .npz file", _fit_arguments, fit),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="welltempered", description="Post-hoc calibration: library CLI and service."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS:
+        p = sub.add_parser(command.name, help=command.help, description=command.help)
+        command.add_arguments(p)
+        p.set_defaults(run=command.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""The registry's tables (SQLAlchemy 2.0 typed models) and the engine factory.
+
+Four tables: ``models`` (a classifier to calibrate), ``datasets`` (immutable
+labelled scores; the arrays are content-addressed files, see
+:mod:`service.storage`), ``calibrator_versions`` (one immutable fit per row,
+numbered per model; the row is also the background job) and ``aliases``
+((model, alias) -> version, moved in one UPDATE).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, ClassVar
+
+import orjson
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Engine,
+    Float,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    event,
+)
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+#: Deterministic constraint names, so migrations can refer to them (and SQLite
+#: batch mode can recreate tables) on every backend.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+ARGMAX_POLICIES = ("require", "warn", "off")
+KINDS = ("logits", "probabilities")
+STATUSES = ("queued", "running", "succeeded", "rejected", "failed")
+FINISHED = ("succeeded", "rejected", "failed")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map: ClassVar = {
+        dict[str, Any]: JSON,
+        list[str]: JSON,
+        datetime: DateTime(timezone=True),
+    }
+
+
+class Model(Base):
+    """A classifier whose scores are calibrated; immutable once created."""
+
+    __tablename__ = "models"
+    __table_args__ = (
+        CheckConstraint(_in("argmax_policy", ARGMAX_POLICIES), name="argmax_policy"),
+        CheckConstraint("num_classes >= 2", name="num_classes"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    num_classes: Mapped[int]
+    class_names: Mapped[list[str] | None]
+    argmax_policy: Mapped[str] = mapped_column(String(16))
+    #: The number the next calibrator version gets; bumped with UPDATE ... RETURNING
+    #: so concurrent fits never get the same number.
+    next_version: Mapped[int] = mapped_column(Integer, server_default="1")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Dataset(Base):
+    """Labelled scores of one model; the arrays live in ``data_dir`` by sha256."""
+
+    __tablename__ = "datasets"
+    __table_args__ = (
+        UniqueConstraint("model_id", "sha256"),
+        CheckConstraint(_in("kind", KINDS), name="kind"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
+    #: Content hash of the dataset: sha256 over kind, scores .npy and labels .npy.
+    sha256: Mapped[str] = mapped_column(String(64))
+    kind: Mapped[str] = mapped_column(String(16))
+    n_rows: Mapped[int]
+    n_classes: Mapped[int]
+    dtype: Mapped[str] = mapped_column(String(16))
+    scores_sha256: Mapped[str] = mapped_column(String(64))
+    labels_sha256: Mapped[str] = mapped_column(String(64))
+    #: metrics.report of the raw scores, computed once at upload.
+    metrics: Mapped[dict[str, Any]] = mapped_column(deferred=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class CalibratorVersion(Base):
+    """One fit: queued -> running -> succeeded | rejected | failed, then frozen.
+
+    ``params`` and the metrics are written in the same transaction as the final
+    status, so no reader ever sees a half-fitted calibrator.
+    """
+
+    __tablename__ = "calibrator_versions"
+    __table_args__ = (
+        UniqueConstraint("model_id", "version"),
+        CheckConstraint(_in("status", STATUSES), name="status"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
+    version: Mapped[int]
+    dataset_id: Mapped[int] = mapped_column(ForeignKey("datasets.id"), index=True)
+    method: Mapped[str] = mapped_column(String(16))
+    chosen_method: Mapped[str | None] = mapped_column(String(16))
+    holdout: Mapped[float] = mapped_column(Float)
+    seed: Mapped[int] = mapped_column(BigInteger)
+    options: Mapped[dict[str, Any]]
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    progress: Mapped[float] = mapped_column(Float, default=0.0)
+    params: Mapped[dict[str, Any] | None] = mapped_column(deferred=True)
+    metrics_before: Mapped[dict[str, Any] | None] = mapped_column(deferred=True)
+    metrics_after: Mapped[dict[str, Any] | None] = mapped_column(deferred=True)
+    argmax: Mapped[dict[str, Any] | None]
+    candidates: Mapped[dict[str, Any] | None] = mapped_column(deferred=True)
+    warning: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(Text)
+    fit_seconds: Mapped[float | None] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+
+
+class Alias(Base):
+    """A movable name for one version of a model (MLflow's registry aliases)."""
+
+    __tablename__ = "aliases"
+
+    model_id: Mapped[int] = mapped_column(
+        ForeignKey("models.id", ondelete="CASCADE"), primary_key=True
+    )
+    alias: Mapped[str] = mapped_column(String(64), primary_key=True)
+    version_id: Mapped[int] = mapped_column(ForeignKey("calibrator_versions.id"))
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+def _json_dumps(obj: Any) -> str:
+    # orjson: exact float round trip, numpy scalars/arrays, NaN -> null (valid JSON).
+    return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY).decode()
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA foreign_keys=ON")
+    # WAL: the API reads while a fit worker (another process) writes progress.
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+
+
+def make_engine(url: str) -> Engine:
+    """An engine with the service's JSON codec; SQLite gets WAL and a busy timeout."""
+    kwargs: dict[str, Any] = {"json_serializer": _json_dumps, "json_deserializer": orjson.loads}
+    if url.startswith("sqlite"):
+        database = make_url(url).database
+        if database and database != ":memory:":
+            Path(database).parent.mkdir(parents=True, exist_ok=True)
+        kwargs["connect_args"] = {"timeout": 30, "check_same_thread": False}
+    else:
+        kwargs["pool_pre_ping"] = True
+    engine = create_engine(url, **kwargs)
+    if url.startswith("sqlite"):
+        event.listen(engine, "connect", _sqlite_pragmas)
+    return engine

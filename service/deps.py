@@ -1,0 +1,103 @@
+"""Typed dependencies: what a handler needs, resolved (or 404ed) before it runs.
+
+``SessionDep`` is a database session; ``ModelDep``, ``DatasetDep``,
+``VersionDep`` and ``AliasDep`` are the looked-up rows, each one validating
+dependency reused by every route that names the object in its path.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Path, Request
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from service import store
+from service.arrays import ArrayStore
+from service.db import Alias, CalibratorVersion, Dataset, Model
+from service.fitting import FitRunner
+from service.inference import ServingCache
+from service.problems import NotFound
+from service.schemas import ALIAS_PATTERN, MAX_ID
+from service.settings import Settings
+
+_ALIAS = re.compile(ALIAS_PATTERN)
+
+
+@dataclass
+class AppState:
+    """Everything the lifespan builds; one per app, reached through ``StateDep``."""
+
+    settings: Settings
+    engine: Engine
+    sessions: sessionmaker[Session]
+    arrays: ArrayStore
+    fits: FitRunner
+    serving: ServingCache
+
+
+def get_app_state(request: Request) -> AppState:
+    return request.app.state.welltempered
+
+
+async def get_state(request: Request) -> AppState:  # async: no thread hop for a lookup
+    return get_app_state(request)
+
+
+StateDep = Annotated[AppState, Depends(get_state)]
+
+
+def get_session(state: StateDep) -> Iterator[Session]:
+    with state.sessions() as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+
+
+def get_model(
+    session: SessionDep, model: Annotated[str, Path(description="The model's name.")]
+) -> Model:
+    return store.find_model(session, model)
+
+
+ModelDep = Annotated[Model, Depends(get_model)]
+
+
+def find_dataset(session: Session, model: Model, dataset_id: int) -> Dataset:
+    row = session.get(Dataset, dataset_id)
+    if row is None or row.model_id != model.id:
+        raise NotFound(f"Model {model.name!r} has no dataset {dataset_id}.")
+    return row
+
+
+def get_dataset(
+    session: SessionDep, model: ModelDep, dataset_id: Annotated[int, Path(ge=1, le=MAX_ID)]
+) -> Dataset:
+    return find_dataset(session, model, dataset_id)
+
+
+DatasetDep = Annotated[Dataset, Depends(get_dataset)]
+
+
+def get_version(
+    session: SessionDep, model: ModelDep, version: Annotated[int, Path(ge=1, le=MAX_ID)]
+) -> CalibratorVersion:
+    return store.find_version(session, model, version)
+
+
+VersionDep = Annotated[CalibratorVersion, Depends(get_version)]
+
+
+def get_alias(session: SessionDep, model: ModelDep, alias: str) -> Alias:
+    row = session.get(Alias, (model.id, alias)) if _ALIAS.match(alias) else None
+    if row is None:
+        raise NotFound(f"Model {model.name!r} has no alias {alias!r}.")
+    return row
+
+
+AliasDep = Annotated[Alias, Depends(get_alias)]

@@ -1,0 +1,400 @@
+"""Background fits: the job function, the worker pool, and crash recovery.
+
+A calibrator version row *is* the job. Its life, and what a crash leaves:
+
+1. the API inserts it ``queued`` (committed) and submits its id to the pool;
+2. the worker flips it to ``running``, loads the dataset (``mmap``), fits, and
+   writes progress now and then;
+3. the worker writes the outcome (``succeeded`` / ``rejected`` with params and
+   metrics, or ``failed`` with the error) in ONE transaction, guarded by
+   ``WHERE status = 'running'``.
+
+A version that is not ``succeeded`` or ``rejected`` has no params, so a
+half-fitted calibrator is never visible. If the serve process dies, rows left
+``queued``/``running`` are marked ``failed`` by :func:`recover` on the next start.
+
+:func:`fit_job` is pure numerics (no database), so it is tested directly.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import multiprocessing
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from sqlalchemy import Engine, update
+from sqlalchemy.orm import sessionmaker
+
+import calibrators
+from calibrators import checks, metrics
+from service.arrays import ArrayStore
+from service.db import CalibratorVersion, Dataset, Model, make_engine, utcnow
+
+log = logging.getLogger("welltempered.fits")
+
+AUTO = "auto"
+
+
+def softmax(scores: np.ndarray, kind: str, chunk_rows: int = 8192) -> np.ndarray:
+    """Row-wise probabilities (float64) of logits, or the probabilities themselves."""
+    if kind == "probabilities":
+        return np.asarray(scores, dtype=np.float64)
+    out = np.empty(scores.shape, dtype=np.float64)
+    for start in range(0, scores.shape[0], chunk_rows):
+        z = np.asarray(scores[start : start + chunk_rows], dtype=np.float64)
+        z = z - z.max(axis=1, keepdims=True)
+        np.exp(z, out=z)
+        z /= z.sum(axis=1, keepdims=True)
+        out[start : start + chunk_rows] = z
+    return out
+
+
+def split(n: int, holdout: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``default_rng(seed).permutation(n)``: the first (1 - holdout) part fits, the rest
+    is held out."""
+    n_hold = round(n * holdout)
+    n_fit = n - n_hold
+    if n_hold < 1 or n_fit < 2:
+        raise calibrators.CalibrationInputError(
+            f"holdout={holdout} leaves {n_fit} rows to fit and {n_hold} to evaluate on a "
+            f"dataset of {n} rows; both parts need rows (at least 2 to fit). Got N={n}."
+        )
+    perm = np.random.default_rng(seed).permutation(n)
+    return perm[:n_fit], perm[n_fit:]
+
+
+def check_fit_request(method: str, options: dict[str, Any]) -> None:
+    """Build the calibrator(s) once, so bad options are a 422 now, not a failed job later."""
+    if method == AUTO:
+        unknown = set(options) - set(calibrators.METHODS)
+        if unknown:
+            raise calibrators.CalibrationInputError(
+                "options of an 'auto' fit are keyed by method "
+                f"({', '.join(calibrators.METHODS)}). Got {sorted(unknown)!r}."
+            )
+        for m in calibrators.METHODS:
+            _create(m, options.get(m) or {})
+    else:
+        _create(method, options)
+
+
+def _create(method: str, options: Any):
+    if not isinstance(options, dict):
+        raise calibrators.CalibrationInputError(
+            f"options for {method!r} must be an object. Got {options!r}."
+        )
+    try:
+        return calibrators.create(method, **options)
+    except TypeError as exc:  # an unknown keyword
+        raise calibrators.CalibrationInputError(
+            f"invalid options for {method!r}: {exc}. Got {options!r}."
+        ) from None
+
+
+def fit_job(
+    scores: np.ndarray,
+    labels: np.ndarray,
+    *,
+    kind: str,
+    method: str,
+    holdout: float,
+    seed: int,
+    options: dict[str, Any],
+    argmax_policy: str,
+    progress: Callable[[float], None] | None = None,
+) -> dict[str, Any]:
+    """Fit on the first part of the permutation, evaluate on the rest; no side effects.
+
+    Returns the columns of the finished version: status (succeeded | rejected),
+    chosen_method, params, metrics_before/after, argmax, candidates (auto only),
+    warning and fit_seconds.
+    """
+    fit_idx, hold_idx = split(labels.shape[0], holdout, seed)
+    x_fit, y_fit = np.asarray(scores[fit_idx]), labels[fit_idx]
+    x_hold, y_hold = np.asarray(scores[hold_idx]), labels[hold_idx]
+    before = metrics.report(softmax(x_hold, kind), y_hold)
+
+    methods = tuple(calibrators.METHODS) if method == AUTO else (method,)
+    results: dict[str, dict[str, Any]] = {}
+    started = time.perf_counter()
+    for i, m in enumerate(methods):
+        opts = (options.get(m) or {}) if method == AUTO else options
+
+        def scaled(p: float, i: int = i) -> None:
+            if progress is not None:
+                progress(min(1.0, (i + float(p)) / len(methods)))
+
+        t0 = time.perf_counter()
+        cal = _create(m, opts).fit(x_fit, y_fit, kind=kind, progress=scaled)
+        seconds = time.perf_counter() - t0
+        probs = cal.predict_proba(x_hold, kind=kind)
+        argmax = checks.argmax_report(x_hold, probs, kind=kind)
+        results[m] = {
+            "cal": cal,
+            "metrics": metrics.report(probs, y_hold),
+            "argmax": argmax,
+            "fit_seconds": seconds,
+            "allowed": argmax_policy != "require" or argmax["changed"] == 0,
+        }
+        scaled(1.0)
+    total = time.perf_counter() - started
+
+    allowed = [m for m in methods if results[m]["allowed"]]
+    pool = allowed or list(methods)
+    chosen = min(pool, key=lambda m: results[m]["metrics"]["nll"])
+    best = results[chosen]
+    warning = None
+    changed = best["argmax"]["changed"]
+    if changed and argmax_policy == "warn":
+        warning = (
+            f"{chosen} calibration changed the predicted class of {changed} of "
+            f"{best['argmax']['n']} held-out rows (argmax_policy 'warn')."
+        )
+    return {
+        "status": "succeeded" if allowed else "rejected",
+        "chosen_method": chosen,
+        "params": best["cal"].to_params(),
+        "metrics_before": before,
+        "metrics_after": best["metrics"],
+        "argmax": best["argmax"],
+        "candidates": (
+            {
+                m: {k: r[k] for k in ("metrics", "argmax", "fit_seconds", "allowed")}
+                for m, r in results.items()
+            }
+            if method == AUTO
+            else None
+        ),
+        "warning": warning,
+        "fit_seconds": total,
+    }
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What a worker process needs (picklable): no engine crosses a process boundary."""
+
+    database_url: str
+    data_dir: str
+    progress_interval: float
+    threads: int | None = None
+
+
+def _init_worker(threads: int | None) -> None:
+    """Runs first in each worker process: cap the numeric libraries' thread pools."""
+    if threads is not None:
+        from threadpoolctl import threadpool_limits
+
+        global _limits
+        _limits = threadpool_limits(limits=threads)
+
+
+_limits = None
+
+
+_engines: dict[str, Engine] = {}
+_engines_lock = threading.Lock()
+
+
+def _engine(url: str) -> Engine:
+    with _engines_lock:
+        if url not in _engines:
+            _engines[url] = make_engine(url)
+        return _engines[url]
+
+
+def dispose_engine(url: str) -> None:
+    with _engines_lock:
+        engine = _engines.pop(url, None)
+    if engine is not None:
+        engine.dispose()
+
+
+def _finish(session_factory, version_id: int, **columns: Any) -> bool:
+    with session_factory() as s, s.begin():
+        res = s.execute(
+            update(CalibratorVersion)
+            .where(CalibratorVersion.id == version_id, CalibratorVersion.status == "running")
+            .values(finished_at=utcnow(), **columns)
+        )
+        return res.rowcount == 1
+
+
+def run_fit(version_id: int, config: WorkerConfig) -> str:
+    """The job: runs in a worker process (or thread). Returns the final status."""
+    factory = sessionmaker(_engine(config.database_url))
+    with factory() as s, s.begin():
+        row = s.get(CalibratorVersion, version_id)
+        if row is None or row.status != "queued":
+            return row.status if row is not None else "missing"
+        ds = s.get(Dataset, row.dataset_id)
+        policy = s.get(Model, row.model_id).argmax_policy
+        row.status, row.started_at, row.progress = "running", utcnow(), 0.0
+        spec = {
+            "kind": ds.kind,
+            "method": row.method,
+            "holdout": row.holdout,
+            "seed": row.seed,
+            "options": dict(row.options or {}),
+            "argmax_policy": policy,
+        }
+        shas = (ds.scores_sha256, ds.labels_sha256)
+
+    last = [0.0]
+
+    def progress(p: float) -> None:
+        now = time.monotonic()
+        if now - last[0] < config.progress_interval:
+            return
+        last[0] = now
+        try:
+            with factory() as s, s.begin():
+                s.execute(
+                    update(CalibratorVersion)
+                    .where(
+                        CalibratorVersion.id == version_id,
+                        CalibratorVersion.status == "running",
+                    )
+                    .values(progress=round(float(p), 4))
+                )
+        except Exception:  # progress is advisory: never fail a fit for it
+            log.warning("could not record progress of version id %s", version_id, exc_info=True)
+
+    try:
+        store = ArrayStore(Path(config.data_dir))
+        scores, labels = store.load(shas[0]), store.load(shas[1])
+        result = fit_job(scores, labels, progress=progress, **spec)
+    except Exception as exc:  # the job's outcome: recorded, not raised into the pool
+        log.info("fit of version id %s failed: %s", version_id, exc)
+        _finish(factory, version_id, status="failed", error=f"{type(exc).__name__}: {exc}")
+        return "failed"
+    _finish(factory, version_id, progress=1.0, error=None, **result)
+    return result["status"]
+
+
+def mark_failed(session_factory, version_id: int, error: str) -> None:
+    with session_factory() as s, s.begin():
+        s.execute(
+            update(CalibratorVersion)
+            .where(
+                CalibratorVersion.id == version_id,
+                CalibratorVersion.status.in_(("queued", "running")),
+            )
+            .values(status="failed", error=error, finished_at=utcnow())
+        )
+
+
+def recover(session_factory) -> int:
+    """Mark fits left queued/running by a dead serve process as failed; returns how many.
+
+    Called once when ``serve`` starts, before any worker exists: nothing can be
+    legitimately running then (one ``serve`` per database, see the README).
+    """
+    with session_factory() as s, s.begin():
+        res = s.execute(
+            update(CalibratorVersion)
+            .where(CalibratorVersion.status.in_(("queued", "running")))
+            .values(
+                status="failed",
+                error="interrupted: the server stopped before this fit finished; submit it again",
+                finished_at=utcnow(),
+            )
+        )
+        return res.rowcount
+
+
+class FitRunner:
+    """Owns the pool. Processes by default: a fit holds the GIL in places (scipy's
+    optimizer loop), and a process cannot slow the API's threads down."""
+
+    def __init__(self, kind: str, workers: int, config: WorkerConfig, session_factory):
+        self.kind = kind
+        self.workers = workers
+        self.config = config
+        self.session_factory = session_factory
+        self._executor: cf.Executor | None = None
+        self._lock = threading.Lock()
+        self._pending: set[int] = set()
+
+    def _pool(self) -> cf.Executor:
+        with self._lock:
+            if self._executor is None:
+                if self.kind == "process":
+                    # spawn: never fork a process that holds sockets, locks and threads.
+                    ctx = multiprocessing.get_context("spawn")
+                    self._executor = cf.ProcessPoolExecutor(
+                        self.workers,
+                        mp_context=ctx,
+                        initializer=_init_worker,
+                        initargs=(self.config.threads,),
+                    )
+                else:
+                    self._executor = cf.ThreadPoolExecutor(self.workers, "welltempered-fit")
+            return self._executor
+
+    def submit(self, version_id: int) -> cf.Future:
+        try:
+            future = self._pool().submit(run_fit, version_id, self.config)
+        except cf.BrokenExecutor:
+            self._reset()
+            future = self._pool().submit(run_fit, version_id, self.config)
+        with self._lock:
+            self._pending.add(version_id)
+        future.add_done_callback(lambda f: self._done(version_id, f))
+        return future
+
+    def _reset(self) -> None:
+        with self._lock:
+            broken, self._executor = self._executor, None
+        if broken is not None:
+            broken.shutdown(wait=False, cancel_futures=True)
+
+    def _done(self, version_id: int, future: cf.Future) -> None:
+        with self._lock:
+            self._pending.discard(version_id)
+        if future.cancelled():
+            error = "cancelled: the server shut down before this fit started"
+        elif future.exception() is not None:
+            exc = future.exception()
+            error = f"the fit worker died: {type(exc).__name__}: {exc}"
+            if isinstance(exc, cf.BrokenExecutor):
+                self._reset()
+        else:
+            return
+        try:
+            mark_failed(self.session_factory, version_id, error)
+        except Exception:
+            log.exception("could not mark version id %s failed", version_id)
+
+    def shutdown(self) -> None:
+        """Cancel queued fits and stop running ones (their rows become failed)."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+            pending = set(self._pending)
+        if executor is None:
+            return
+        executor.shutdown(wait=False, cancel_futures=True)
+        processes = getattr(executor, "_processes", None) or {}
+        for proc in list(processes.values()):
+            proc.terminate()
+        for proc in list(processes.values()):
+            proc.join(timeout=5)
+        for version_id in pending:
+            try:
+                mark_failed(
+                    self.session_factory,
+                    version_id,
+                    "interrupted: the server shut down before this fit finished",
+                )
+            except Exception:
+                log.exception("could not mark version id %s failed", version_id)
+        if self.kind == "thread":
+            executor.shutdown(wait=True)
+            dispose_engine(self.config.database_url)

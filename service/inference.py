@@ -1,0 +1,137 @@
+"""Predictions through ONNX Runtime: one session per calibrator version, cached.
+
+A fitted version is immutable, so its session is built once per process from
+the stored params (``calibrators.from_params(params).to_onnx()``) and reused;
+``InferenceSession.run`` is thread-safe, so the handlers (plain ``def``, in the
+thread pool) share it. Intra-op threads come from the settings: several
+requests in parallel already use the cores.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import anyio.to_thread
+import numpy as np
+import onnxruntime as ort
+from sqlalchemy.orm import sessionmaker
+
+import calibrators
+from calibrators._input import PROBABILITY_FLOOR, CalibrationInputError
+
+OUTPUTS = ("probabilities", "label", "confidence", "entropy")
+
+
+class SessionCache:
+    """LRU of ``InferenceSession`` keyed by calibrator version id."""
+
+    def __init__(self, threads: int, size: int):
+        self.size = size
+        self.options = ort.SessionOptions()
+        self.options.intra_op_num_threads = threads
+        self.options.inter_op_num_threads = 1
+        self.options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        self._sessions: OrderedDict[int, ort.InferenceSession] = OrderedDict()
+        self._lock = threading.Lock()
+        self._building: dict[int, threading.Lock] = {}
+
+    def get(self, version_id: int, load_params: Callable[[], dict]) -> ort.InferenceSession:
+        with self._lock:
+            session = self._sessions.get(version_id)
+            if session is not None:
+                self._sessions.move_to_end(version_id)
+                return session
+            building = self._building.setdefault(version_id, threading.Lock())
+        with building:  # one build per version, even under concurrent first requests
+            with self._lock:
+                session = self._sessions.get(version_id)
+            if session is None:
+                onnx = onnx_bytes(load_params())
+                session = ort.InferenceSession(
+                    onnx, self.options, providers=["CPUExecutionProvider"]
+                )
+                with self._lock:
+                    self._sessions[version_id] = session
+                    while len(self._sessions) > self.size:
+                        self._sessions.popitem(last=False)
+        with self._lock:
+            self._building.pop(version_id, None)
+        return session
+
+
+@dataclass(frozen=True)
+class Served:
+    """What predict needs about the version it serves; immutable, so cacheable."""
+
+    model: str
+    num_classes: int
+    version: int
+    session: ort.InferenceSession
+
+
+class ServingCache:
+    """(model, alias | version) -> :class:`Served`, without touching the database when warm.
+
+    A version is immutable, so ``?version=N`` entries never go stale. An alias
+    can move: its entry lives ``ttl`` seconds, and a PUT in this process drops
+    the model's entries at once; another worker process sees the move within
+    ``ttl``. Lookups that fail (404/409) are not cached.
+    """
+
+    def __init__(self, sessions: sessionmaker, onnx: SessionCache, ttl: float, size: int = 4096):
+        self.sessions = sessions
+        self.onnx = onnx
+        self.ttl = ttl
+        self.size = size
+        self._entries: dict[tuple, tuple[float, Served]] = {}
+
+    async def get(self, model: str, alias: str | None, version: int | None) -> Served:
+        key = (model, alias, version)
+        hit = self._entries.get(key)
+        if hit is not None and (version is not None or hit[0] > time.monotonic()):
+            return hit[1]
+        served = await anyio.to_thread.run_sync(self._resolve, model, alias, version)
+        if len(self._entries) >= self.size:
+            self._entries.clear()
+        self._entries[key] = (time.monotonic() + self.ttl, served)
+        return served
+
+    def _resolve(self, name: str, alias: str | None, version: int | None) -> Served:
+        from service.store import resolve_served
+
+        with self.sessions() as session:
+            model, row = resolve_served(session, name, alias, version)
+            onnx = self.onnx.get(row.id, lambda: row.params)
+            return Served(model.name, model.num_classes, row.version, onnx)
+
+    def invalidate(self, model: str) -> None:
+        for key in [k for k in self._entries if k[0] == model]:
+            self._entries.pop(key, None)
+
+
+def onnx_bytes(params: dict) -> bytes:
+    return calibrators.from_params(params).to_onnx()
+
+
+def as_onnx_input(scores: np.ndarray, kind: str) -> np.ndarray:
+    """float32 logits for the graph; probabilities go in as their log (zeros floored)."""
+    if kind == "probabilities":
+        return np.log(np.maximum(scores, PROBABILITY_FLOOR), dtype=np.float32)
+    with np.errstate(over="ignore"):  # float64 beyond float32's range: refused just below
+        logits = np.ascontiguousarray(scores, dtype=np.float32)
+    if scores.dtype != np.float32 and not np.isfinite(logits).all():
+        row = int(np.flatnonzero(~np.isfinite(logits).all(axis=1))[0])
+        raise CalibrationInputError(
+            "logits must fit in float32 (magnitude below 3.4e38), the precision of the "
+            f"served graph. Got {scores[row][np.abs(scores[row]).argmax()]!r} at row {row}."
+        )
+    return logits
+
+
+def run(session: ort.InferenceSession, logits: np.ndarray) -> dict[str, np.ndarray]:
+    values = session.run(list(OUTPUTS), {"logits": logits})
+    return dict(zip(OUTPUTS, values, strict=True))

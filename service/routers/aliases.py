@@ -1,0 +1,50 @@
+"""/v1/models/{model}/aliases: movable names (e.g. "production") for versions."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Path
+
+from service import store
+from service.db import Alias, CalibratorVersion, Model
+from service.deps import AliasDep, ModelDep, SessionDep, StateDep
+from service.schemas import ALIAS_PATTERN, AliasList, AliasOut, AliasPut
+from service.uploads import require_json
+
+router = APIRouter(prefix="/v1/models/{model}/aliases", tags=["aliases"])
+
+
+def alias_out(alias: Alias, model: Model, version: int) -> AliasOut:
+    return AliasOut(
+        model=model.name, alias=alias.alias, version=version, updated_at=alias.updated_at
+    )
+
+
+@router.put("/{alias}", response_model=AliasOut, dependencies=[Depends(require_json)])
+def put_alias(
+    alias: Annotated[str, Path(pattern=ALIAS_PATTERN)],
+    body: AliasPut,
+    model: ModelDep,
+    session: SessionDep,
+    state: StateDep,
+) -> AliasOut:
+    """Point the alias at a version, atomically (creates the alias if needed)."""
+    row = store.find_version(session, model, body.version)
+    store.check_servable(row, model)
+    saved = store.set_alias(session, model, alias, row)
+    state.serving.invalidate(model.name)
+    return alias_out(saved, model, row.version)
+
+
+@router.get("", response_model=AliasList)
+def list_aliases(model: ModelDep, session: SessionDep) -> AliasList:
+    return AliasList(
+        aliases=[alias_out(a, model, v) for a, v in store.list_aliases(session, model)]
+    )
+
+
+@router.get("/{alias}", response_model=AliasOut)
+def get_alias(alias: AliasDep, model: ModelDep, session: SessionDep) -> AliasOut:
+    version = session.get(CalibratorVersion, alias.version_id)
+    return alias_out(alias, model, version.version)

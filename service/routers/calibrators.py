@@ -1,0 +1,96 @@
+"""/v1/models/{model}/calibrators: start a background fit, follow it, download its ONNX."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Response
+
+from service import store
+from service.db import CalibratorVersion, Model
+from service.deps import ModelDep, SessionDep, StateDep, VersionDep, find_dataset
+from service.fitting import check_fit_request, split
+from service.inference import onnx_bytes
+from service.problems import NotReady
+from service.schemas import FitAccepted, FitRequest, VersionList, VersionOut, VersionSummary
+from service.uploads import require_json
+
+router = APIRouter(prefix="/v1/models/{model}/calibrators", tags=["calibrators"])
+
+
+def version_url(model: Model, version: int) -> str:
+    return f"/v1/models/{model.name}/calibrators/{version}"
+
+
+def version_out(row: CalibratorVersion, model: Model) -> VersionOut:
+    fitted = row.status in ("succeeded", "rejected")
+    return VersionOut(
+        model=model.name,
+        version=row.version,
+        status=row.status,
+        progress=row.progress,
+        dataset_id=row.dataset_id,
+        method=row.method,
+        chosen_method=row.chosen_method,
+        holdout=row.holdout,
+        seed=row.seed,
+        options=row.options,
+        params=row.params if fitted else None,
+        metrics=({"before": row.metrics_before, "after": row.metrics_after} if fitted else None),
+        argmax=row.argmax,
+        candidates=row.candidates if fitted else None,
+        warning=row.warning,
+        error=row.error,
+        fit_seconds=row.fit_seconds,
+        created_at=row.created_at,
+        started_at=row.started_at,
+        finished_at=row.finished_at,
+    )
+
+
+@router.post("", status_code=202, response_model=FitAccepted, dependencies=[Depends(require_json)])
+def start_fit(
+    body: FitRequest, model: ModelDep, session: SessionDep, state: StateDep, response: Response
+) -> FitAccepted:
+    """Queue a fit; it runs in the background. Poll the status URL."""
+    dataset = find_dataset(session, model, body.dataset_id)
+    split(dataset.n_rows, body.holdout, body.seed)  # 422 now if a part would be empty
+    check_fit_request(body.method, body.options)  # 422 now for unknown options
+    row = store.create_version(session, model, dataset, body)
+    state.fits.submit(row.id)
+    url = version_url(model, row.version)
+    response.headers["Location"] = url
+    return FitAccepted(model=model.name, version=row.version, status="queued", status_url=url)
+
+
+@router.get("", response_model=VersionList)
+def list_versions(model: ModelDep, session: SessionDep) -> VersionList:
+    return VersionList(
+        calibrators=[
+            VersionSummary.model_validate(v, from_attributes=True)
+            for v in store.list_versions(session, model)
+        ]
+    )
+
+
+@router.get("/{version}", response_model=VersionOut)
+def get_version(model: ModelDep, version: VersionDep) -> VersionOut:
+    return version_out(version, model)
+
+
+@router.get(
+    "/{version}/onnx",
+    response_class=Response,
+    responses={200: {"content": {"application/octet-stream": {}}, "description": "ONNX model"}},
+)
+def get_onnx(model: ModelDep, version: VersionDep) -> Response:
+    if version.status not in ("succeeded", "rejected"):
+        raise NotReady(
+            f"Version {version.version} of {model.name!r} is {version.status}: only a fitted "
+            "version has an ONNX model.",
+            version_status=version.status,
+        )
+    name = f"{model.name}-v{version.version}.onnx"
+    return Response(
+        onnx_bytes(version.params),
+        media_type="application/octet-stream",
+        headers={"Content-Disposition": f'attachment; filename="{name}"'},
+    )

@@ -1,0 +1,138 @@
+"""/v1/models/{model}/datasets: upload labelled scores (JSON, .npz, multipart), read them."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Response
+from sqlalchemy import select
+
+from service import ingest, store
+from service.db import Dataset, Model
+from service.deps import DatasetDep, ModelDep, SessionDep, StateDep
+from service.problems import UnsupportedMediaType
+from service.schemas import DatasetList, DatasetOut
+from service.uploads import media_type, read_body, spool_body, spool_multipart_file
+
+router = APIRouter(prefix="/v1/models/{model}/datasets", tags=["datasets"])
+
+NPZ_TYPES = ("application/octet-stream", "application/x-npz", "application/zip")
+
+
+@dataclass
+class Upload:
+    json: bytes | None = None
+    npz: Path | None = None
+
+
+async def receive_upload(
+    request: Request, state: StateDep, model: ModelDep
+) -> AsyncIterator[Upload]:
+    """The body, read or spooled to disk by its media type (after the model is found)."""
+    kind = media_type(request)
+    if kind == "application/json" or kind.endswith("+json"):
+        yield Upload(json=await read_body(request, state.settings.max_json_bytes))
+        return
+    if kind not in (*NPZ_TYPES, "multipart/form-data"):
+        raise UnsupportedMediaType(
+            f"Upload a dataset as application/json, a .npz body ({', '.join(NPZ_TYPES)}) or "
+            f"multipart/form-data with a file field 'file'. Got {kind or 'no Content-Type'!r}."
+        )
+    path = state.arrays.temp_path(".npz")
+    try:
+        if kind == "multipart/form-data":
+            await spool_multipart_file(request, path)
+        else:
+            await spool_body(request, path)
+        yield Upload(npz=path)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+UploadDep = Annotated[Upload, Depends(receive_upload)]
+
+_UPLOAD_DOC = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "properties": {
+                        "logits": {
+                            "type": "array",
+                            "items": {"type": "array", "items": {"type": "number"}},
+                        },
+                        "probabilities": {
+                            "type": "array",
+                            "items": {"type": "array", "items": {"type": "number"}},
+                        },
+                        "labels": {"type": "array", "items": {"type": "integer"}},
+                    },
+                    "required": ["labels"],
+                }
+            },
+            "application/octet-stream": {
+                "schema": {"type": "string", "format": "binary"},
+                "description": ".npz: logits | probabilities | predictions, labels | ground_truth",
+            },
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"file": {"type": "string", "format": "binary"}},
+                    "required": ["file"],
+                }
+            },
+        },
+    }
+}
+
+
+def dataset_out(dataset: Dataset, model: Model, *, with_metrics: bool = True) -> DatasetOut:
+    return DatasetOut(
+        id=dataset.id,
+        model=model.name,
+        n=dataset.n_rows,
+        k=dataset.n_classes,
+        kind=dataset.kind,
+        dtype=dataset.dtype,
+        sha256=dataset.sha256,
+        created_at=dataset.created_at,
+        metrics=dataset.metrics if with_metrics else None,
+    )
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=DatasetOut,
+    openapi_extra=_UPLOAD_DOC,
+    responses={200: {"description": "Identical content was already uploaded: that dataset."}},
+)
+def upload_dataset(
+    model: ModelDep, upload: UploadDep, session: SessionDep, state: StateDep, response: Response
+) -> DatasetOut:
+    if upload.json is not None:
+        data = ingest.labelled_from_json(upload.json, model.num_classes, model.name)
+    else:
+        data = ingest.labelled_from_npz(
+            upload.npz, model.num_classes, model.name, state.settings.max_body_bytes
+        )
+    dataset, created = store.add_dataset(session, model, data, state.arrays)
+    response.status_code = 201 if created else 200
+    response.headers["Location"] = f"/v1/models/{model.name}/datasets/{dataset.id}"
+    return dataset_out(dataset, model)
+
+
+@router.get("", response_model=DatasetList)
+def list_datasets(model: ModelDep, session: SessionDep) -> DatasetList:
+    rows = session.scalars(select(Dataset).where(Dataset.model_id == model.id).order_by(Dataset.id))
+    return DatasetList(datasets=[dataset_out(d, model, with_metrics=False) for d in rows])
+
+
+@router.get("/{dataset_id}", response_model=DatasetOut)
+def get_dataset(model: ModelDep, dataset: DatasetDep) -> DatasetOut:
+    return dataset_out(dataset, model)

@@ -1,0 +1,210 @@
+"""Request bodies, streamed: size limits enforced while reading, big bodies to disk.
+
+Nothing here holds more than one copy of a body: JSON bodies (bounded by
+``max_json_bytes``) are read into one ``bytes``; binary uploads are streamed to
+a temp file in the array store's folder; multipart uploads are parsed on the
+fly with python-multipart and only the ``file`` field's bytes reach the disk.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio.to_thread
+from python_multipart.exceptions import FormParserError
+from python_multipart.multipart import MultipartParser, parse_options_header
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.problems import (
+    ContentTooLarge,
+    InvalidInput,
+    MalformedBody,
+    UnsupportedMediaType,
+    problem_response,
+)
+
+_FLUSH_BYTES = 1 << 20
+
+
+def media_type(request: Request) -> str:
+    """The request's media type without parameters, lower case ('' when absent)."""
+    return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+
+
+def require_json(request: Request) -> None:
+    """415 unless the body is JSON (for the routes whose body is a pydantic model)."""
+    kind = media_type(request)
+    if kind != "application/json" and not kind.endswith("+json"):
+        raise UnsupportedMediaType(
+            f"This endpoint takes application/json. Got {kind or 'no Content-Type'!r}."
+        )
+
+
+def _too_large(limit: int) -> ContentTooLarge:
+    return ContentTooLarge(f"The request body is larger than the limit of {limit} bytes.")
+
+
+class BodyLimitMiddleware:
+    """Answer 413 for a declared Content-Length over the limit, or stop reading once over it.
+
+    ``limit_for(scope)`` picks the limit per request, so uploads and the small
+    metadata endpoints get different ones. The count is kept on the raw ASGI
+    messages: a chunked body without Content-Length is cut off as soon as it
+    passes the limit, never read in full.
+    """
+
+    def __init__(self, app: ASGIApp, limit_for: Callable[[Scope], int]):
+        self.app = app
+        self.limit_for = limit_for
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.limit_for(scope)
+        declared = None
+        for key, value in scope.get("headers", ()):
+            if key == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = None
+        if declared is not None and declared > limit:
+            exc = _too_large(limit)
+            response = problem_response(
+                Request(scope),
+                exc.status,
+                exc.slug,
+                exc.title,
+                exc.detail,
+                headers={"Connection": "close"},
+            )
+            await response(scope, receive, send)
+            return
+        total = 0
+
+        async def limited() -> Message:
+            nonlocal total
+            message = await receive()
+            if message["type"] == "http.request":
+                total += len(message.get("body", b""))
+                if total > limit:
+                    raise _too_large(limit)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body as bytes, refusing (413) as soon as it passes ``limit``."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def spool_body(request: Request, path: Path) -> int:
+    """Stream the raw body to ``path`` (limits: :class:`BodyLimitMiddleware`); return its size."""
+    total = 0
+    pending = bytearray()
+    with open(path, "wb") as f:
+        async for chunk in request.stream():
+            total += len(chunk)
+            pending += chunk
+            if len(pending) >= _FLUSH_BYTES:
+                await anyio.to_thread.run_sync(f.write, bytes(pending))
+                pending.clear()
+        if pending:
+            await anyio.to_thread.run_sync(f.write, bytes(pending))
+    return total
+
+
+_BOUNDARY = re.compile(rb"^[ -~]{1,200}$")
+
+
+async def spool_multipart_file(request: Request, path: Path, field: str = "file") -> int:
+    """Stream the multipart field ``field`` to ``path``; other fields are skipped.
+
+    Raises 400 for a body that is not multipart/form-data with a boundary and
+    422 when the field is missing.
+    """
+    _, params = parse_options_header(request.headers.get("content-type", ""))
+    boundary = params.get(b"boundary")
+    if not boundary or not _BOUNDARY.match(boundary):
+        raise MalformedBody("multipart/form-data needs a boundary parameter in Content-Type.")
+
+    state = {"name": None, "field": b"", "value": b"", "found": False, "done": False}
+    headers: dict[bytes, bytes] = {}
+    pending = bytearray()
+
+    def on_part_begin() -> None:
+        headers.clear()
+        state["name"] = None
+
+    def on_header_field(data: bytes, start: int, end: int) -> None:
+        state["field"] += data[start:end]
+
+    def on_header_value(data: bytes, start: int, end: int) -> None:
+        state["value"] += data[start:end]
+
+    def on_header_end() -> None:
+        headers[state["field"].lower()] = state["value"]
+        state["field"] = state["value"] = b""
+
+    def on_headers_finished() -> None:
+        _, options = parse_options_header(headers.get(b"content-disposition", b""))
+        name = options.get(b"name")
+        state["name"] = name.decode("latin-1") if name is not None else None
+        if state["name"] == field:
+            if state["found"]:
+                raise MalformedBody(f"The multipart body has more than one {field!r} field.")
+            state["found"] = True
+
+    def on_part_data(data: bytes, start: int, end: int) -> None:
+        if state["name"] == field:
+            pending.extend(data[start:end])
+
+    def on_end() -> None:
+        state["done"] = True
+
+    parser = MultipartParser(
+        boundary,
+        {
+            "on_part_begin": on_part_begin,
+            "on_header_field": on_header_field,
+            "on_header_value": on_header_value,
+            "on_header_end": on_header_end,
+            "on_headers_finished": on_headers_finished,
+            "on_part_data": on_part_data,
+            "on_end": on_end,
+        },
+    )
+    total = 0
+    with open(path, "wb") as f:
+        async for chunk in request.stream():
+            try:
+                parser.write(chunk)
+            except FormParserError as exc:
+                raise MalformedBody(f"The multipart body is malformed: {exc}.") from None
+            if len(pending) >= _FLUSH_BYTES:
+                total += len(pending)
+                await anyio.to_thread.run_sync(f.write, bytes(pending))
+                pending.clear()
+        if pending:
+            total += len(pending)
+            await anyio.to_thread.run_sync(f.write, bytes(pending))
+    if not state["done"]:
+        raise MalformedBody("The multipart body ends before its closing boundary.")
+    if not state["found"]:
+        raise InvalidInput(f"The multipart body has no file field named {field!r}.")
+    return total

@@ -1,0 +1,113 @@
+"""`welltempered migrate | serve [--demo]`."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select
+
+from service import cli, demo, migrate
+from service.app import create_app
+from service.db import CalibratorVersion, make_engine
+from service.settings import Settings
+
+
+def test_migrate_command(tmp_path, monkeypatch, capsys):
+    url = f"sqlite:///{tmp_path / 'cli.sqlite3'}"
+    monkeypatch.setenv("WELLTEMPERED_DATABASE_URL", url)
+    assert cli.main(["migrate"]) == 0
+    engine = make_engine(url)
+    try:
+        assert migrate.current_revision(engine) == migrate.head_revision(url)
+    finally:
+        engine.dispose()
+    assert "head" in capsys.readouterr().out
+
+
+def test_parser_has_the_commands():
+    sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
+    assert {"serve", "migrate", "fit"} <= set(sub.choices)
+
+
+@pytest.mark.postgres
+def test_serve_refuses_an_unmigrated_postgres(pg_schema, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WELLTEMPERED_DATABASE_URL", pg_schema)
+    monkeypatch.setenv("WELLTEMPERED_DATA_DIR", str(tmp_path / "data"))
+    assert cli.main(["serve", "--port", "1"]) == 2
+    assert "welltempered migrate" in capsys.readouterr().err
+
+
+def test_demo_is_ready_and_idempotent(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    settings = demo.demo_settings(Settings()).model_copy(update={"fit_executor": "thread"})
+    engine = make_engine(settings.database_url)
+    try:
+        migrate.ensure_schema(engine, settings.database_url)
+        assert demo.install(settings, engine) == 1
+        assert demo.install(settings, engine) == 1  # a restart adds nothing
+        with engine.connect() as conn:
+            assert conn.scalar(select(func.count()).select_from(CalibratorVersion)) == 1
+    finally:
+        engine.dispose()
+    assert (tmp_path / demo.DEMO_DIR / "demo.sqlite3").exists()
+    _, _, logits, _ = demo.digits_logits()
+    with TestClient(create_app(settings)) as c:
+        v = c.get(f"/v1/models/{demo.MODEL}/calibrators/1").json()
+        assert v["status"] == "succeeded"
+        assert v["metrics"]["after"]["nll"] < v["metrics"]["before"]["nll"]
+        r = c.post(f"/v1/models/{demo.MODEL}/predict", json={"logits": logits[:3].tolist()})
+        assert r.status_code == 200, r.text
+        assert r.json()["labels"] == logits[:3].argmax(1).tolist()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_serve_demo_process(tmp_path):
+    """The README's `make run`: a real uvicorn process answers predict at once."""
+    port = _free_port()
+    exe = Path(sys.executable).with_name("welltempered")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "service.cli"]
+    proc = subprocess.Popen(
+        [*cmd, "serve", "--demo", "--port", str(port), "--log-level", "warning"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{base}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.monotonic() < deadline, "serve --demo did not become ready"
+            time.sleep(0.2)
+        row = [[0.0] * 9 + [5.0]]
+        r = httpx.post(f"{base}/v1/models/digits-mlp/predict", json={"logits": row})
+        assert r.status_code == 200, r.text
+        assert r.json()["labels"] == [9] and r.json()["version"] == 1
+        assert httpx.get(f"{base}/docs").status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0, proc.stdout.read().decode()

@@ -1,0 +1,324 @@
+"""Every 4xx is RFC 9457 problem+json with a useful detail; no input gives a 500."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from service.app import create_app
+from tests.service.conftest import (
+    assert_problem,
+    create_model,
+    fit,
+    logits_data,
+    make_settings,
+    upload,
+)
+
+
+def npy(arr) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+def npz(**arrays) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+@pytest.fixture
+def served(client):
+    """Model 'm' (4 classes) with dataset 1 and version 1 aliased 'production'."""
+    create_model(client, "m", 4)
+    logits, labels = logits_data()
+    ds = upload(client, "m", logits, labels)
+    v = fit(client, "m", ds["id"])
+    assert (
+        client.put("/v1/models/m/aliases/production", json={"version": v["version"]}).status_code
+        == 200
+    )
+    return client
+
+
+def test_model_errors(client):
+    assert_problem(
+        client.post("/v1/models", content=b"{nope", headers={"content-type": "application/json"}),
+        400,
+        "json",
+    )
+    assert_problem(
+        client.post("/v1/models", json={"name": "a", "num_classes": 1}), 422, "num_classes"
+    )
+    assert_problem(client.post("/v1/models", json={"name": "a b", "num_classes": 3}), 422, "name")
+    assert_problem(
+        client.post("/v1/models", json={"name": "a", "num_classes": 3, "extra": 1}), 422, "extra"
+    )
+    assert_problem(
+        client.post("/v1/models", json={"name": "a", "num_classes": 2, "class_names": ["x"]}),
+        422,
+        "class_names",
+    )
+    assert_problem(
+        client.post("/v1/models", json={"name": "a", "num_classes": 2, "argmax_policy": "maybe"}),
+        422,
+    )
+    assert_problem(
+        client.post("/v1/models", content=b"name=a", headers={"content-type": "text/plain"}), 415
+    )
+    create_model(client, "a", 2)
+    assert_problem(
+        client.post("/v1/models", json={"name": "a", "num_classes": 5}), 409, "already exists"
+    )
+    assert_problem(client.get("/v1/models/nope"), 404, "nope")
+    assert_problem(client.get("/v1/models/%00"), 404)
+    assert_problem(client.get("/v1/nothing"), 404, "no route")
+    assert_problem(client.delete("/v1/models"), 405, "DELETE")
+
+
+def test_dataset_errors(client):
+    create_model(client, "m", 3)
+    post = lambda **kw: client.post("/v1/models/m/datasets", **kw)  # noqa: E731
+    ok_logits = [[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]]
+    assert_problem(
+        client.post("/v1/models/zz/datasets", json={"logits": ok_logits, "labels": [0, 1]}),
+        404,
+        "zz",
+    )
+    assert_problem(
+        post(json={"logits": [[1.0, 2.0], [3.0, 4.0]], "labels": [0, 1]}), 422, "3 columns"
+    )
+    assert_problem(post(json={"logits": [1.0, 2.0, 3.0], "labels": [0]}), 422, "2-D")
+    assert_problem(
+        post(json={"logits": [[1.0, 2.0, 3.0], [1.0]], "labels": [0, 1]}), 422, "rectangular"
+    )
+    assert_problem(post(json={"logits": ok_logits, "labels": [0, 3]}), 422, "labels", "row 1")
+    assert_problem(post(json={"logits": ok_logits, "labels": [0]}), 422, "labels")
+    assert_problem(post(json={"logits": ok_logits}), 422, "labels")
+    assert_problem(
+        post(json={"logits": ok_logits, "probabilities": ok_logits, "labels": [0, 1]}),
+        422,
+        "exactly one",
+    )
+    assert_problem(post(json={"probabilities": ok_logits, "labels": [0, 1]}), 422, "sum to 1")
+    assert_problem(post(json={"logits": [["a", "b", "c"]], "labels": [0]}), 422, "numeric")
+    assert_problem(post(json=[1, 2]), 422, "object")
+    assert_problem(
+        post(
+            content=b'{"logits": [[1e999, 0, 0]], "labels": [0]}',
+            headers={"content-type": "application/json"},
+        ),
+        400,
+        "json",
+    )
+    nan = np.array([[0.0, np.nan, 1.0]], dtype=np.float32)
+    inf = np.array([[0.0, np.inf, 1.0]])
+    octet = {"content-type": "application/octet-stream"}
+    assert_problem(
+        post(content=npz(logits=nan, labels=np.array([0])), headers=octet), 422, "finite", "row 0"
+    )
+    assert_problem(
+        post(content=npz(logits=inf, labels=np.array([0])), headers=octet), 422, "finite"
+    )
+    assert_problem(post(content=npz(logits=np.zeros((2, 3))), headers=octet), 422, "label array")
+    assert_problem(
+        post(content=npz(logits=np.zeros((2, 3)), labels=np.array(["a", "b"])), headers=octet),
+        422,
+        "labels",
+    )
+    assert_problem(post(content=b"not a zip", headers=octet), 400, "npz")
+    good = npz(logits=np.zeros((2, 3)), labels=np.array([0, 1]))
+    assert_problem(post(content=good[: len(good) // 2], headers=octet), 400)
+    assert_problem(post(content=npy(np.zeros((2, 3))), headers=octet), 400, "npz")
+    obj = io.BytesIO()
+    np.savez(obj, logits=np.array([[1, "x"]], dtype=object), labels=np.array([0]))
+    assert_problem(post(content=obj.getvalue(), headers=octet), 422, "object")
+    assert_problem(post(content=b"a,b\n1,2", headers={"content-type": "text/csv"}), 415, "text/csv")
+    assert_problem(post(content=b"x"), 415)
+    assert_problem(post(files={"other": ("d.npz", good)}), 422, "file")
+    assert_problem(
+        post(content=b"--x\r\nbroken", headers={"content-type": "multipart/form-data; boundary=x"}),
+        400,
+    )
+    assert_problem(
+        post(content=b"", headers={"content-type": "multipart/form-data"}), 400, "boundary"
+    )
+    assert_problem(client.get("/v1/models/m/datasets/99"), 404, "99")
+    assert_problem(client.get("/v1/models/m/datasets/99999999999999999999"), 422)
+
+
+def test_fit_and_alias_errors(served):
+    c = served
+    fit_url = "/v1/models/m/calibrators"
+    assert_problem(
+        c.post(fit_url, json={"dataset_id": 42, "method": "temperature"}), 404, "dataset 42"
+    )
+    assert_problem(c.post(fit_url, json={"dataset_id": 1, "method": "platt"}), 422, "method")
+    assert_problem(c.post(fit_url, json={"dataset_id": 1, "holdout": 0}), 422, "holdout")
+    assert_problem(c.post(fit_url, json={"dataset_id": 1, "holdout": 0.999}), 422, "holdout")
+    assert_problem(
+        c.post(fit_url, json={"dataset_id": 1, "method": "temperature", "options": {"bogus": 1}}),
+        422,
+        "bogus",
+    )
+    assert_problem(
+        c.post(fit_url, json={"dataset_id": 1, "method": "auto", "options": {"bogus": {}}}),
+        422,
+        "keyed by method",
+    )
+    assert_problem(c.post(fit_url, json={"dataset_id": 1, "seed": -1}), 422, "seed")
+    assert_problem(c.post(fit_url, json={"dataset_id": 10**40}), 422)
+    create_model(c, "other", 4)
+    assert_problem(c.post("/v1/models/other/calibrators", json={"dataset_id": 1}), 404, "dataset 1")
+    assert_problem(c.get(f"{fit_url}/7"), 404, "version 7")
+    assert_problem(c.get(f"{fit_url}/abc"), 422)
+    assert_problem(c.get(f"{fit_url}/7/onnx"), 404)
+    assert_problem(c.put("/v1/models/m/aliases/production", json={"version": 7}), 404, "version 7")
+    assert_problem(c.put("/v1/models/m/aliases/bad%20name", json={"version": 1}), 422, "alias")
+    assert_problem(c.put("/v1/models/m/aliases/x", json={"version": "one"}), 422, "version")
+    assert_problem(c.get("/v1/models/m/aliases/nope"), 404, "nope")
+
+
+def test_predict_errors(served):
+    c = served
+    url = "/v1/models/m/predict"
+    x = [[0.1, 0.2, 0.3, 0.4]]
+    assert c.post(url, json={"logits": x}).status_code == 200
+    assert_problem(c.post(url, json={"logits": [[0.1, 0.2]]}), 422, "4 columns")
+    assert_problem(c.post(url, json={"logits": [[1e300, 0, 0, 0]]}), 422, "float32")
+    assert_problem(c.post(url, json={"logits": x, "labels": [0]}), 422, "labels")
+    assert_problem(c.post(url, json={"scores": x}), 422)
+    assert_problem(c.post(url, json={"probabilities": [[0.5, 0.5, 0.5, 0.5]]}), 422, "sum to 1")
+    assert_problem(
+        c.post(url, json={"probabilities": [[-0.5, 0.5, 0.5, 0.5]]}), 422, "non-negative"
+    )
+    assert_problem(
+        c.post(url, content=b"[[", headers={"content-type": "application/json"}), 400, "json"
+    )
+    assert_problem(c.post(url, content=b"1,2,3,4", headers={"content-type": "text/csv"}), 415)
+    npy_h = {"content-type": "application/x-npy"}
+    assert_problem(
+        c.post(url, content=npy(np.array([[0.0, np.nan, 0.0, 0.0]])), headers=npy_h), 422, "finite"
+    )
+    assert_problem(c.post(url, content=npy(np.zeros((2, 2, 4))), headers=npy_h), 422, "2-D")
+    assert_problem(c.post(url, content=npy(np.zeros((2, 3))), headers=npy_h), 422, "4 columns")
+    assert_problem(c.post(url, content=b"\x93NUMPY garbage", headers=npy_h), 400, "npy")
+    assert_problem(c.post(url, content=npy(np.zeros((2, 4)))[:-8], headers=npy_h), 400, "truncated")
+    assert_problem(c.post(f"{url}?alias=production&version=1", json={"logits": x}), 422, "either")
+    assert_problem(c.post(f"{url}?alias=canary", json={"logits": x}), 404, "canary")
+    assert_problem(c.post(f"{url}?version=9", json={"logits": x}), 404, "version 9")
+    assert_problem(c.post(f"{url}?version=0", json={"logits": x}), 422)
+    assert_problem(c.post("/v1/models/zz/predict", json={"logits": x}), 404, "zz")
+
+
+def test_body_limits(database_url, tmp_path):
+    s = make_settings(
+        database_url, tmp_path, max_body_bytes=4096, max_json_bytes=1024, max_metadata_bytes=512
+    )
+    with TestClient(create_app(s), raise_server_exceptions=False) as c:
+        create_model(c, "m", 3)
+        big = npz(logits=np.zeros((400, 3)), labels=np.zeros(400, dtype=int))
+        octet = {"content-type": "application/octet-stream"}
+        assert_problem(c.post("/v1/models/m/datasets", content=big, headers=octet), 413, "4096")
+
+        def chunks():  # no Content-Length: cut off while streaming
+            for _ in range(100):
+                yield b"x" * 1000
+
+        assert_problem(c.post("/v1/models/m/datasets", content=chunks(), headers=octet), 413)
+        rows = {"logits": [[0.0, 1.0, 2.0]] * 100, "labels": [0] * 100}
+        assert_problem(c.post("/v1/models/m/datasets", json=rows), 413, "1024")
+        small = npz(logits=np.eye(3)[[0, 1, 2] * 10] * 3.0, labels=np.array([0, 1, 2] * 10))
+        r = c.post("/v1/models/m/datasets", content=small, headers=octet)
+        assert r.status_code == 201, r.text
+        fit(c, "m", r.json()["id"])
+        assert_problem(c.post("/v1/models/m/predict?version=1", json=rows), 413)
+        assert_problem(
+            c.post(
+                "/v1/models",
+                json={"name": "n" * 100, "num_classes": 2, "class_names": ["y" * 600, "z"]},
+            ),
+            413,
+        )
+        # the service still works after refusing
+        assert c.get("/v1/models/m").status_code == 200
+
+
+# -- fuzz: garbage in, a 2xx or a problem out, never a 500 ------------------
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=30,
+)
+keys = st.sampled_from(
+    [
+        "logits",
+        "probabilities",
+        "labels",
+        "name",
+        "num_classes",
+        "dataset_id",
+        "method",
+        "holdout",
+        "options",
+        "version",
+        "seed",
+        "class_names",
+        "argmax_policy",
+    ]
+)
+json_objects = st.dictionaries(keys, json_values, max_size=4)
+matrices = st.lists(
+    st.lists(st.floats(width=32) | st.integers(-5, 5), min_size=0, max_size=5), max_size=4
+)
+shaped = st.fixed_dictionaries(
+    {"logits": matrices, "labels": st.lists(st.integers(-2, 5), max_size=4)}
+)
+bodies = st.one_of(
+    st.binary(max_size=64).map(lambda b: ("application/octet-stream", b)),
+    st.binary(max_size=64).map(lambda b: ("application/x-npy", b)),
+    st.binary(max_size=64).map(lambda b: ("multipart/form-data; boundary=xyz", b)),
+    st.text(max_size=30).map(lambda t: ("application/json", t.encode())),
+    st.sampled_from(["text/plain", "", "application/json; charset=utf-8"]).flatmap(
+        lambda ct: json_values.map(lambda v: (ct, json.dumps(v).encode()))
+    ),
+    json_objects.map(lambda v: ("application/json", json.dumps(v).encode())),
+    shaped.map(lambda v: ("application/json", json.dumps(v).encode())),
+)
+targets = st.sampled_from(
+    [
+        ("POST", "/v1/models"),
+        ("POST", "/v1/models/m/datasets"),
+        ("POST", "/v1/models/m/calibrators"),
+        ("PUT", "/v1/models/m/aliases/production"),
+        ("POST", "/v1/models/m/predict"),
+        ("POST", "/v1/models/m/predict?kind=probabilities"),
+        ("POST", "/v1/models/m/predict?version=1"),
+    ]
+)
+
+
+@settings(
+    max_examples=150,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(target=targets, body=bodies)
+def test_garbage_never_500(served, target, body):
+    method, url = target
+    content_type, content = body
+    headers = {"content-type": content_type} if content_type else {}
+    r = served.request(method, url, content=content, headers=headers)
+    assert r.status_code < 500, (r.status_code, r.text)
+    if r.status_code >= 400:
+        assert r.headers["content-type"] == "application/problem+json", r.headers
+        assert r.json()["detail"]

@@ -1,0 +1,312 @@
+"""service.observability: the metric vocabulary, the exposition in single-process and
+multiprocess mode, and the scrape-time database gauges."""
+
+from __future__ import annotations
+
+import doctest
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.parser import text_string_to_metric_families
+
+from service import observability as obs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: A snapshot with one sample for every database gauge.
+FAKE_SNAPSHOT = {
+    "fit_jobs": [({"status": "queued"}, 1), ({"status": "succeeded"}, 4)],
+    "holdout_ece": [({"model": "m", "version": 2, "alias": "production"}, 0.0123)],
+    "holdout_nll": [({"model": "m", "version": 2, "alias": "production"}, 0.91)],
+    "holdout_accuracy": [({"model": "m", "version": 2, "alias": "production"}, 0.75)],
+    "holdout_argmax_agreement": [({"model": "m", "version": 2, "alias": "production"}, 1.0)],
+    "live_ece": [({"model": "m", "version": 2}, 0.02), ({"model": "m", "version": 1}, None)],
+    "live_ece_bound": [({"model": "m", "version": 2}, 0.035)],
+    "live_nll": [({"model": "m", "version": 2}, 0.95)],
+    "live_accuracy": [({"model": "m", "version": 2}, 0.74)],
+    "live_entropy": [({"model": "m", "version": 2}, 0.8)],
+    "live_labelled_rows": [({"model": "m", "version": 2}, 5000)],
+    "live_window_seconds": [({}, 3600)],
+}
+
+
+def families(body: bytes) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(body.decode())}
+
+
+def sample(fams: dict, family: str, name: str, **labels) -> float:
+    for s in fams[family].samples:
+        if s.name == name and all(s.labels.get(k) == str(v) for k, v in labels.items()):
+            return s.value
+    raise KeyError((family, name, labels))
+
+
+def touch_everything(model: str = "touch") -> None:
+    obs.observe_request("/v1/models/{model}/predict", "POST", 200, 0.02)
+    obs.observe_predictions(model, 1, np.array([0.1, 1.0]), np.array([0.9, 0.6]), flipped=1)
+    obs.observe_feedback(model, 1, 2)
+    obs.observe_fit("temperature", 0.5)
+    with obs.track_in_progress():
+        pass
+
+
+# ---------------------------------------------------------------------------
+# the vocabulary
+
+
+def test_names_units_and_labels_follow_the_rules():
+    for name, (kind, labels) in obs.METRICS.items():
+        assert re.fullmatch(r"welltempered_[a-z][a-z0-9_]*[a-z0-9]", name), name
+        assert (kind == "counter") == name.endswith("_total"), name
+        assert set(labels) <= obs.LABELS, (name, labels)
+        if kind == "histogram":
+            assert name.endswith(("_seconds", "_nats", "_ratio")), name
+    assert {"welltempered_http_requests_total", "welltempered_fit_jobs"} <= set(obs.METRICS)
+
+
+def test_exposition_has_every_metric_with_help_and_type():
+    touch_everything()
+    body, content_type = obs.render_metrics(lambda: FAKE_SNAPSHOT)
+    assert content_type.startswith("text/plain")
+    text = body.decode()
+    for name, (kind, _) in obs.METRICS.items():
+        assert re.search(rf"^# HELP {name} \S", text, re.M), name
+        assert re.search(rf"^# TYPE {name} {kind}$", text, re.M), name
+    assert "_created" not in text  # same series as in multiprocess mode
+    fams = families(body)
+    assert sample(fams, "welltempered_holdout_ece_ratio", "welltempered_holdout_ece_ratio",
+                  model="m", version=2, alias="production") == 0.0123  # fmt: skip
+    assert sample(fams, "welltempered_fit_jobs", "welltempered_fit_jobs", status="succeeded") == 4
+    assert sample(fams, "welltempered_database_up", "welltempered_database_up") == 1
+    # a None value (an empty window) is no sample at all
+    assert [s.labels["version"] for s in fams["welltempered_live_ece_ratio"].samples] == ["2"]
+
+
+def test_without_snapshot_there_are_no_database_gauges():
+    body, _ = obs.render_metrics()
+    assert b"welltempered_fit_jobs" not in body
+    assert b"welltempered_http_requests_total" in body
+
+
+def test_observe_helpers_count_what_they_say():
+    model = "helpers"
+    obs.observe_predictions(model, 3, np.array([0.0, 0.3, np.nan]), np.array([1.0, 0.8, 0.5]), 2)
+    obs.observe_predictions(model, 3, np.zeros(0), np.zeros(0))
+    obs.observe_request("/healthz", "get", 503, 0.001)
+    obs.observe_request("/healthz", "BREW", 418, 0.001)
+    fams = families(obs.render_metrics()[0])
+    rows = sample(fams, "welltempered_predictions", "welltempered_predictions_total",
+                  model=model, version=3)  # fmt: skip
+    assert rows == 3
+    flips = "welltempered_prediction_argmax_flips"
+    assert sample(fams, flips, flips + "_total", model=model, version=3) == 2
+    entropy = "welltempered_prediction_entropy_nats"
+    assert sample(fams, entropy, entropy + "_count", model=model) == 2  # NaN not observed
+    assert sample(fams, entropy, entropy + "_bucket", model=model, le="0.01") == 1
+    http = "welltempered_http_requests"
+    assert sample(fams, http, http + "_total", route="/healthz", method="GET", status="5xx") >= 1
+    assert sample(fams, http, http + "_total", route="/healthz", method="OTHER", status="4xx") >= 1
+    with pytest.raises(ValueError, match="one entry per row"):
+        obs.observe_predictions(model, 3, np.zeros(2), np.zeros(3))
+    with pytest.raises(ValueError, match="flipped"):
+        obs.observe_predictions(model, 3, np.zeros(2), np.zeros(2), flipped=3)
+
+
+def test_batch_histogram_equals_one_observe_per_row():
+    rng = np.random.default_rng(0)
+    values = np.concatenate(
+        [rng.exponential(1.5, 5000), list(obs.ENTROPY_BUCKETS_NATS), [0.0, 1e9, -1.0]]
+    )
+    one, batch = CollectorRegistry(), CollectorRegistry()
+    kwargs = {"labelnames": ("model",), "buckets": obs.ENTROPY_BUCKETS_NATS}
+    h1 = Histogram("h", "h", registry=one, **kwargs).labels("m")
+    h2 = Histogram("h", "h", registry=batch, **kwargs).labels("m")
+    for v in values:
+        h1.observe(float(v))
+    obs._observe_many(h2, values)
+    s1 = {(s.name, s.labels["le"] if "le" in s.labels else ""): s.value
+          for s in next(iter(one.collect())).samples}  # fmt: skip
+    s2 = {(s.name, s.labels["le"] if "le" in s.labels else ""): s.value
+          for s in next(iter(batch.collect())).samples}  # fmt: skip
+    assert s1.keys() == s2.keys()
+    for key in s1:
+        assert s2[key] == pytest.approx(s1[key], rel=1e-12), key
+
+
+def test_status_class_method_and_route_template():
+    assert [obs.status_class(c) for c in (101, 200, 204, 307, 404, 422, 500, 599, 600)] == [
+        "1xx", "2xx", "2xx", "3xx", "4xx", "4xx", "5xx", "5xx", "other",
+    ]  # fmt: skip
+
+    class Route:
+        path = "/v1/models/{model}/predict"
+
+    assert obs.route_template({"route": Route()}) == "/v1/models/{model}/predict"
+    assert obs.route_template({"path": "/wp-admin.php"}) == obs.UNMATCHED_ROUTE
+
+
+# ---------------------------------------------------------------------------
+# the database collector
+
+
+def test_database_collector_yields_gauges_from_a_fake_snapshot():
+    collector = obs.DatabaseQualityCollector(lambda: FAKE_SNAPSHOT)
+    described = [m.name for m in collector.describe()]
+    collected = {m.name: m for m in collector.collect()}
+    assert described == list(collected)
+    assert {spec.name for spec in obs.DB_GAUGES.values()} <= set(collected)
+    assert all(m.type == "gauge" for m in collected.values())
+    live = collected["welltempered_live_labelled_rows"].samples
+    assert [(s.labels, s.value) for s in live] == [({"model": "m", "version": "2"}, 5000.0)]
+
+
+def test_registering_the_collector_does_not_query_the_database():
+    calls = []
+    registry = CollectorRegistry()
+    registry.register(obs.DatabaseQualityCollector(lambda: calls.append(1) or {}))
+    assert calls == []
+
+
+def test_a_failing_database_leaves_the_process_metrics(caplog):
+    def broken():
+        raise ConnectionError("database is down")
+
+    body, _ = obs.render_metrics(broken)
+    fams = families(body)
+    assert sample(fams, "welltempered_database_up", "welltempered_database_up") == 0
+    assert fams["welltempered_live_ece_ratio"].samples == []
+    assert "welltempered_http_requests" in fams
+    assert "database snapshot failed" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("snapshot", "message"),
+    [
+        ({"live_eec": []}, "snapshot keys must be among"),
+        ({"live_ece": [({"model": "m"}, 0.1)]}, "labels must be"),
+        ({"live_ece": [({"model": "m", "version": 1, "pod": "x"}, 0.1)]}, "labels must be"),
+        ({"live_ece": [({"model": "m", "version": 1}, "0.1")]}, "must be numbers"),
+    ],
+)
+def test_a_snapshot_breaking_the_contract_raises(snapshot, message):
+    with pytest.raises(ValueError, match=message):
+        list(obs.DatabaseQualityCollector(lambda: snapshot).collect())
+
+
+# ---------------------------------------------------------------------------
+# multiprocess mode, in real processes
+
+
+def run_python(code: str, env_extra: dict[str, str]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    env.update(PYTHONPATH=str(ROOT), **env_extra)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+WORKER = """
+    import os
+    import numpy as np
+    from service import observability as obs
+    k = int(os.environ["ROWS"])
+    for _ in range(k):
+        obs.observe_request("/v1/models/{model}/predict", "POST", 200, 0.02)
+    obs.observe_predictions("m", 1, np.full(k, 0.15), np.full(k, 0.85), flipped=1)
+    obs.observe_fit("temperature", 0.3)
+    obs.HTTP_IN_PROGRESS.inc()  # a request still running when the worker dies
+    if os.environ.get("CLEAN_EXIT") == "1":
+        obs.mark_process_dead()
+    print(os.getpid())
+"""
+
+
+def test_two_worker_processes_add_up(tmp_path):
+    mp_dir = tmp_path / "prom"
+    (mp_dir / "stale").mkdir(parents=True)
+    (mp_dir / "counter_999999.db").write_bytes(b"left over from a previous run")
+    assert obs.prepare_multiprocess_dir(mp_dir) == str(mp_dir)
+    assert [p.name for p in mp_dir.iterdir()] == ["stale"]  # only *.db files are wiped
+
+    pids = []
+    for rows, clean in ((3, "1"), (5, "0")):
+        done = run_python(
+            WORKER,
+            {"PROMETHEUS_MULTIPROC_DIR": str(mp_dir), "ROWS": str(rows), "CLEAN_EXIT": clean},
+        )
+        assert done.returncode == 0, done.stderr
+        pids.append(int(done.stdout.strip()))
+    assert pids[0] != pids[1]
+
+    # The exposition as a worker serves it: fresh registry + MultiProcessCollector.
+    render = run_python(
+        """
+        import sys
+        from service import observability as obs
+        assert obs.multiprocess_dir() is not None
+        print("reaped", obs.mark_dead_workers(), file=sys.stderr)
+        body, _ = obs.render_metrics(lambda: {"fit_jobs": [({"status": "running"}, 1)]})
+        sys.stdout.write(body.decode())
+        """,
+        {"PROMETHEUS_MULTIPROC_DIR": str(mp_dir)},
+    )
+    assert render.returncode == 0, render.stderr
+    assert f"reaped [{pids[1]}]" in render.stderr  # the unclean one; the clean one did it itself
+    fams = families(render.stdout.encode())
+    http = "welltempered_http_requests"
+    labels = {"route": "/v1/models/{model}/predict", "method": "POST", "status": "2xx"}
+    assert sample(fams, http, http + "_total", **labels) == 8
+    duration = "welltempered_http_request_duration_seconds"
+    assert sample(fams, duration, duration + "_count", **labels) == 8
+    assert sample(fams, duration, duration + "_bucket", le="0.025", **labels) == 8
+    assert sample(fams, "welltempered_predictions", "welltempered_predictions_total",
+                  model="m", version=1) == 8  # fmt: skip
+    flips = "welltempered_prediction_argmax_flips"
+    assert sample(fams, flips, flips + "_total", model="m", version=1) == 2
+    entropy = "welltempered_prediction_entropy_nats"
+    assert sample(fams, entropy, entropy + "_bucket", model="m", le="0.1") == 0
+    assert sample(fams, entropy, entropy + "_bucket", model="m", le="0.2") == 8
+    assert sample(fams, entropy, entropy + "_sum", model="m") == pytest.approx(8 * 0.15)
+    fit = "welltempered_fit_duration_seconds"
+    assert sample(fams, fit, fit + "_count", method="temperature") == 2
+    # Both workers have exited: their in-progress requests are gone.
+    progress = "welltempered_http_requests_in_progress"
+    assert sample(fams, progress, progress) == 0
+    assert sample(fams, "welltempered_fit_jobs", "welltempered_fit_jobs", status="running") == 1
+    assert "welltempered_database_up 1.0" in render.stdout
+    assert "process_cpu_seconds_total" not in render.stdout  # per-process collectors are off
+
+    # The same files read from this (single-process) test process.
+    fams_here = families(obs.render_metrics(multiprocess_path=str(mp_dir))[0])
+    assert sample(fams_here, http, http + "_total", **labels) == 8
+
+
+def test_setting_the_directory_after_importing_prometheus_client_is_refused(tmp_path):
+    done = run_python(
+        """
+        import os
+        import prometheus_client
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.environ["LATE_DIR"]
+        from service import observability
+        """,
+        {"LATE_DIR": str(tmp_path)},
+    )
+    assert done.returncode != 0
+    assert "MultiprocessModeError" in done.stderr and "was set after" in done.stderr
+
+
+def test_docstring_examples():
+    result = doctest.testmod(obs)
+    assert result.attempted > 0 and result.failed == 0
