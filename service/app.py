@@ -11,18 +11,28 @@ from fastapi import FastAPI
 from sqlalchemy.orm import sessionmaker
 from starlette.types import Scope
 
-from service import problems
+from service import auth, observability, openapi, problems
 from service.arrays import ArrayStore
 from service.db import make_engine
 from service.deps import AppState
 from service.fitting import FitRunner, WorkerConfig, recover
 from service.inference import ServingCache, SessionCache
 from service.migrate import ensure_schema
-from service.routers import aliases, calibrators, datasets, health, models, predict
+from service.monitoring import MetricsMiddleware
+from service.routers import (
+    aliases,
+    calibrators,
+    datasets,
+    health,
+    keys,
+    models,
+    monitoring,
+    predict,
+)
 from service.settings import Settings
 from service.uploads import BodyLimitMiddleware
 
-_BIG_BODY = re.compile(r"^/v1/models/[^/]+/(datasets|predict)/?$")
+_BIG_BODY = re.compile(r"^/v1/models/[^/]+/(datasets|predict|feedback)/?$")
 
 
 def _limit_for(settings: Settings):
@@ -40,6 +50,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        observability.mark_dead_workers()  # metric files of workers killed without a shutdown
         engine = make_engine(settings.database_url)
         try:
             ensure_schema(engine, settings.database_url)
@@ -65,6 +76,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 fits.shutdown()
         finally:
             engine.dispose()
+            observability.mark_process_dead()
 
     app = FastAPI(
         title="welltempered",
@@ -73,9 +85,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     problems.install(app)
+    auth.install(app, settings)  # before the routers: every route gets the auth dependency
+    openapi.install(app)  # problem+json errors and Bearer auth in /openapi.json
     app.add_middleware(BodyLimitMiddleware, limit_for=_limit_for(settings))
+    app.add_middleware(MetricsMiddleware)  # outermost: 413s and 401s are counted too
     # predict first: routes are matched in order, and it is the hot path.
-    for module in (predict, models, datasets, calibrators, aliases, health):
+    for module in (predict, models, datasets, calibrators, aliases, keys, monitoring, health):
         app.include_router(module.router)
     return app
 

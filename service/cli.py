@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +41,16 @@ def serve(args: argparse.Namespace) -> int:
     settings = Settings()
     if args.demo:
         settings = demo.demo_settings(settings)
+        if is_loopback(args.host):  # the demo on this machine only: no key needed
+            settings = settings.model_copy(update={"auth": "off"})
+    if settings.auth == "off" and not is_loopback(args.host):
+        print(
+            "welltempered serve: with WELLTEMPERED_AUTH=off anyone who can connect has admin "
+            "rights, so serve binds only to a loopback address (127.0.0.1, ::1, localhost). "
+            f"Got --host {args.host}.",
+            file=sys.stderr,
+        )
+        return 2
     engine = make_engine(settings.database_url)
     try:
         migrate.ensure_schema(engine, settings.database_url)
@@ -56,10 +67,15 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         engine.dispose()
     settings = settings.model_copy(update={"recover_jobs": False})
+    # uvicorn finishes in-flight requests on SIGTERM (at most shutdown_grace_seconds),
+    # then re-raises the signal: this handler turns that into exit status 0.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    grace = settings.shutdown_grace_seconds
     if args.workers > 1:
         # Workers are new processes: hand them the settings through the environment.
         for name, value in settings.model_dump(exclude_none=True).items():
             os.environ[f"WELLTEMPERED_{name.upper()}"] = str(value)
+        _prepare_multiprocess_metrics(settings)
         uvicorn.run(
             "service.app:app_from_env",
             factory=True,
@@ -67,12 +83,39 @@ def serve(args: argparse.Namespace) -> int:
             port=args.port,
             workers=args.workers,
             log_level=args.log_level,
+            timeout_graceful_shutdown=grace,
         )
     else:
         from service.app import create_app
 
-        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(
+            create_app(settings),
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=grace,
+        )
     return 0
+
+
+def _prepare_multiprocess_metrics(settings) -> str:
+    """prometheus_client's multiprocess mode for ``--workers N > 1`` (service/observability.py).
+
+    ``PROMETHEUS_MULTIPROC_DIR`` must be in the environment before any worker imports
+    prometheus_client, and the directory wiped once, before the workers start: both
+    happen here, in the parent. Without the variable, ``<data_dir>/prometheus-multiproc``
+    is used: a fixed place, so a server killed with SIGKILL leaves no stray directory
+    (the next start wipes it).
+    """
+    name = "PROMETHEUS_MULTIPROC_DIR"  # service.observability.MULTIPROC_ENV
+    path = os.environ.get(name) or os.path.abspath(settings.data_dir / "prometheus-multiproc")
+    os.makedirs(path, exist_ok=True)  # importing prometheus_client may write there
+    # This process serves no metrics; it imports observability only to wipe the files.
+    from service import observability
+
+    os.environ[name] = path
+    observability.prepare_multiprocess_dir(path)
+    return path
 
 
 def _no_arguments(p: argparse.ArgumentParser) -> None:
@@ -101,6 +144,30 @@ def fit(args: argparse.Namespace) -> int:
     return offline.run(args)
 
 
+def _keys_arguments(p: argparse.ArgumentParser) -> None:
+    from service import keys
+
+    keys.add_arguments(p)
+
+
+def keys_command(args: argparse.Namespace) -> int:
+    from service import keys
+
+    return keys.run(args)
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost (what ``serve`` accepts with auth off)."""
+    import ipaddress
+
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True)
 class Command:
     name: str
@@ -113,6 +180,7 @@ COMMANDS: list[Command] = [
     Command("serve", "run the HTTP service (uvicorn)", _serve_arguments, serve),
     Command("migrate", "upgrade the database to the latest schema", _no_arguments, migrate_command),
     Command("fit", "fit a calibrator offline from a .npz file", _fit_arguments, fit),
+    Command("keys", "create, list or revoke API keys", _keys_arguments, keys_command),
 ]
 
 

@@ -1,10 +1,11 @@
 """The registry's tables (SQLAlchemy 2.0 typed models) and the engine factory.
 
-Four tables: ``models`` (a classifier to calibrate), ``datasets`` (immutable
+Five tables: ``models`` (a classifier to calibrate), ``datasets`` (immutable
 labelled scores; the arrays are content-addressed files, see
 :mod:`service.storage`), ``calibrator_versions`` (one immutable fit per row,
-numbered per model; the row is also the background job) and ``aliases``
-((model, alias) -> version, moved in one UPDATE).
+numbered per model; the row is also the background job), ``aliases``
+((model, alias) -> version, moved in one UPDATE) and ``feedback_bins``
+(time-bucketed reliability sums of labelled feedback, for live calibration).
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ ARGMAX_POLICIES = ("require", "warn", "off")
 KINDS = ("logits", "probabilities")
 STATUSES = ("queued", "running", "succeeded", "rejected", "failed")
 FINISHED = ("succeeded", "rejected", "failed")
+SCOPES = ("predict", "write", "admin")
+#: The namespace of models created before namespaces existed, and with auth off.
+DEFAULT_NAMESPACE = "default"
 
 
 def utcnow() -> datetime:
@@ -73,10 +77,13 @@ class Model(Base):
     __table_args__ = (
         CheckConstraint(_in("argmax_policy", ARGMAX_POLICIES), name="argmax_policy"),
         CheckConstraint("num_classes >= 2", name="num_classes"),
+        UniqueConstraint("namespace", "name"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
-    name: Mapped[str] = mapped_column(String(128), unique=True)
+    #: The tenant: an API key sees only the models of its namespace (service.auth).
+    namespace: Mapped[str] = mapped_column(String(64), server_default=DEFAULT_NAMESPACE)
+    name: Mapped[str] = mapped_column(String(128))
     num_classes: Mapped[int]
     class_names: Mapped[list[str] | None]
     argmax_policy: Mapped[str] = mapped_column(String(16))
@@ -158,6 +165,52 @@ class Alias(Base):
     alias: Mapped[str] = mapped_column(String(64), primary_key=True)
     version_id: Mapped[int] = mapped_column(ForeignKey("calibrator_versions.id"))
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class FeedbackBin(Base):
+    """Reliability statistics of labelled feedback: one row per (version, time bucket, bin).
+
+    Sums only (no raw rows), so any window is a ``SUM ... GROUP BY bin_index``, and
+    every writer adds with ``INSERT ... ON CONFLICT DO UPDATE SET x = x + excluded.x``
+    (atomic per row on SQLite and PostgreSQL, whichever worker or replica writes).
+    ``bucket_start`` is Unix seconds, a multiple of the bucket width; ``bin_index``
+    the equal-width confidence bin (15 bins, as the hold-out ECE).
+    """
+
+    __tablename__ = "feedback_bins"
+
+    version_id: Mapped[int] = mapped_column(
+        ForeignKey("calibrator_versions.id", ondelete="CASCADE"), primary_key=True
+    )
+    bucket_start: Mapped[int] = mapped_column(BigInteger, primary_key=True, index=True)
+    bin_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    count: Mapped[int] = mapped_column(BigInteger)
+    correct_count: Mapped[int] = mapped_column(BigInteger)
+    confidence_sum: Mapped[float] = mapped_column(Float)
+    nll_sum: Mapped[float] = mapped_column(Float)
+    entropy_sum: Mapped[float] = mapped_column(Float)
+    brier_sum: Mapped[float] = mapped_column(Float)
+
+
+class ApiKey(Base):
+    """An API key: only its sha256 is stored (the key itself is shown once, at creation).
+
+    ``prefix`` is the key's first characters, enough to recognise it in ``keys list``
+    and in logs without being usable. ``scope`` is hierarchical: predict < write < admin.
+    """
+
+    __tablename__ = "api_keys"
+    __table_args__ = (CheckConstraint(_in("scope", SCOPES), name="scope"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    prefix: Mapped[str] = mapped_column(String(16))
+    key_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    namespace: Mapped[str] = mapped_column(String(64))
+    scope: Mapped[str] = mapped_column(String(16))
+    description: Mapped[str | None] = mapped_column(String(256))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime | None]
+    revoked_at: Mapped[datetime | None]
 
 
 def _json_dumps(obj: Any) -> str:

@@ -20,7 +20,7 @@ from sqlalchemy.orm import sessionmaker
 
 from service import store
 from service.arrays import ArrayStore
-from service.db import Alias, CalibratorVersion, Model
+from service.db import DEFAULT_NAMESPACE, Alias, CalibratorVersion, Model
 from service.fitting import WorkerConfig, dispose_engine, run_fit
 from service.ingest import validated
 from service.schemas import FitRequest, ModelCreate
@@ -75,7 +75,9 @@ def install(settings: Settings, engine: Engine) -> int:
     """Create whatever of the demo is missing; returns the version aliased 'production'."""
     sessions = sessionmaker(engine, expire_on_commit=False)
     with sessions() as s:
-        model = s.scalar(select(Model).where(Model.name == MODEL))
+        model = s.scalar(
+            select(Model).where(Model.namespace == DEFAULT_NAMESPACE, Model.name == MODEL)
+        )
         if model is not None:
             aliased = s.scalar(
                 select(CalibratorVersion.version)
@@ -96,6 +98,7 @@ def install(settings: Settings, engine: Engine) -> int:
                     class_names=[str(d) for d in range(10)],
                     argmax_policy="require",
                 ),
+                DEFAULT_NAMESPACE,
             )
         arrays = ArrayStore(settings.data_dir)
         arrays.ensure()

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service import store
 from service.arrays import ArrayStore
+from service.auth import PrincipalDep
 from service.db import Alias, CalibratorVersion, Dataset, Model
 from service.fitting import FitRunner
 from service.inference import ServingCache
@@ -60,9 +61,12 @@ SessionDep = Annotated[Session, Depends(get_session)]
 
 
 def get_model(
-    session: SessionDep, model: Annotated[str, Path(description="The model's name.")]
+    session: SessionDep,
+    principal: PrincipalDep,
+    model: Annotated[str, Path(description="The model's name.")],
 ) -> Model:
-    return store.find_model(session, model)
+    """The caller's namespace's model: another namespace's is a 404 like a missing one."""
+    return store.find_model(session, model, principal.namespace)
 
 
 ModelDep = Annotated[Model, Depends(get_model)]

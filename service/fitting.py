@@ -367,6 +367,9 @@ class FitRunner:
             if isinstance(exc, cf.BrokenExecutor):
                 self._reset()
         else:
+            from service.monitoring import observe_finished_fit  # lazy: not in fit workers
+
+            observe_finished_fit(self.session_factory, version_id)
             return
         try:
             mark_failed(self.session_factory, version_id, error)

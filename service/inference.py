@@ -89,27 +89,29 @@ class ServingCache:
         self.size = size
         self._entries: dict[tuple, tuple[float, Served]] = {}
 
-    async def get(self, model: str, alias: str | None, version: int | None) -> Served:
-        key = (model, alias, version)
+    async def get(
+        self, model: str, alias: str | None, version: int | None, namespace: str
+    ) -> Served:
+        key = (model, alias, version, namespace)
         hit = self._entries.get(key)
         if hit is not None and (version is not None or hit[0] > time.monotonic()):
             return hit[1]
-        served = await anyio.to_thread.run_sync(self._resolve, model, alias, version)
+        served = await anyio.to_thread.run_sync(self._resolve, model, alias, version, namespace)
         if len(self._entries) >= self.size:
             self._entries.clear()
         self._entries[key] = (time.monotonic() + self.ttl, served)
         return served
 
-    def _resolve(self, name: str, alias: str | None, version: int | None) -> Served:
+    def _resolve(self, name: str, alias: str | None, version: int | None, namespace: str) -> Served:
         from service.store import resolve_served
 
         with self.sessions() as session:
-            model, row = resolve_served(session, name, alias, version)
+            model, row = resolve_served(session, name, alias, version, namespace)
             onnx = self.onnx.get(row.id, lambda: row.params)
             return Served(model.name, model.num_classes, row.version, onnx)
 
-    def invalidate(self, model: str) -> None:
-        for key in [k for k in self._entries if k[0] == model]:
+    def invalidate(self, model: str, namespace: str) -> None:
+        for key in [k for k in self._entries if k[0] == model and k[3] == namespace]:
             self._entries.pop(key, None)
 
 

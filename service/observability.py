@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import math
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -481,6 +482,11 @@ def track_in_progress() -> Iterator[None]:
         HTTP_IN_PROGRESS.dec()
 
 
+#: Up to this many values, :func:`_observe_many` calls ``observe`` per value (measured:
+#: 2 us against 17 us for one value, break-even near 16).
+_SMALL_BATCH = 16
+
+
 def _observe_many(child, values: np.ndarray) -> None:
     """``child.observe(v)`` for every finite ``v``, with one increment per bucket.
 
@@ -492,6 +498,11 @@ def _observe_many(child, values: np.ndarray) -> None:
     checks the result equals per-row ``observe``.
     """
     v = np.asarray(values, dtype=np.float64).ravel()
+    if v.size <= _SMALL_BATCH:  # a few rows: per-row observe costs less than the numpy calls
+        for x in v.tolist():
+            if math.isfinite(x):
+                child.observe(x)
+        return
     v = v[np.isfinite(v)]
     if v.size == 0:
         return

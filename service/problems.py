@@ -31,11 +31,14 @@ class Problem(Exception):
     status = 400
     slug = "bad-request"
     title = "Bad request"
+    headers: dict[str, str] | None = None
 
-    def __init__(self, detail: str, **extensions: Any):
+    def __init__(self, detail: str, *, headers: dict[str, str] | None = None, **extensions: Any):
         super().__init__(detail)
         self.detail = detail
         self.extensions = extensions
+        if headers is not None:
+            self.headers = headers
 
 
 class MalformedBody(Problem):
@@ -44,6 +47,23 @@ class MalformedBody(Problem):
 
 class MalformedJSON(MalformedBody):
     slug, title = "malformed-json", "Malformed JSON"
+
+
+class Unauthorized(Problem):
+    """No key, an unknown, revoked or expired key (RFC 6750: WWW-Authenticate: Bearer)."""
+
+    status, slug, title = 401, "unauthorized", "Unauthorized"
+    headers = {"WWW-Authenticate": 'Bearer realm="welltempered"'}  # noqa: RUF012
+
+
+class Forbidden(Problem):
+    """A valid key whose scope does not allow the operation."""
+
+    status, slug, title = 403, "forbidden", "Forbidden"
+
+
+class TooManyRequests(Problem):
+    status, slug, title = 429, "too-many-requests", "Too many requests"
 
 
 class NotFound(Problem):
@@ -100,7 +120,9 @@ def problem_response(
 
 
 async def _problem(request: Request, exc: Problem) -> Response:
-    return problem_response(request, exc.status, exc.slug, exc.title, exc.detail, **exc.extensions)
+    return problem_response(
+        request, exc.status, exc.slug, exc.title, exc.detail, headers=exc.headers, **exc.extensions
+    )
 
 
 async def _calibration_input(request: Request, exc: CalibrationInputError) -> Response:

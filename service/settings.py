@@ -75,6 +75,47 @@ class Settings(BaseSettings):
         True,
         description="On startup, mark fits left queued/running by a dead process as failed.",
     )
+    # -- monitoring (service/monitoring.py, README "Monitoring") --
+    feedback_bucket_seconds: int = Field(
+        60,
+        ge=1,
+        le=86_400,
+        description="Width of the time buckets feedback statistics are summed into: the "
+        "resolution of a monitoring window.",
+    )
+    monitoring_window_seconds: int = Field(
+        3600,
+        ge=1,
+        description="Window of the welltempered_live_* gauges of /metrics (and the default "
+        "window of GET /v1/models/{model}/monitoring).",
+    )
+    # -- security and limits (service/auth.py, README "Security and reliability") --
+    auth: Literal["on", "off"] = Field(
+        "on",
+        description="'on': every /v1 route needs an API key (Authorization: Bearer). 'off': "
+        "no keys, everything in namespace 'default' (serve then binds to loopback only).",
+    )
+    key_cache_seconds: float = Field(
+        5.0,
+        ge=0,
+        description="How long a process trusts a looked-up API key (a revocation takes "
+        "effect within this time; expiry is checked on every request).",
+    )
+    max_predict_rows: int = Field(100_000, ge=1, description="Most rows in one predict.")
+    max_dataset_rows: int = Field(10_000_000, ge=1, description="Most rows in one dataset.")
+    max_classes: int = Field(10_000, ge=2, description="Largest num_classes (K) of a model.")
+    max_queued_fits: int = Field(
+        16,
+        ge=1,
+        description="Fits queued or running (all namespaces) beyond which a new one is "
+        "refused with 429 and Retry-After.",
+    )
+    shutdown_grace_seconds: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGTERM, how long in-flight requests may take to finish "
+        "(uvicorn --timeout-graceful-shutdown).",
+    )
 
     @property
     def is_sqlite(self) -> bool:

@@ -26,8 +26,9 @@ _NAME = re.compile(NAME_PATTERN)
 _ALIAS = re.compile(ALIAS_PATTERN)
 
 
-def create_model(session: Session, body: ModelCreate) -> Model:
+def create_model(session: Session, body: ModelCreate, namespace: str) -> Model:
     model = Model(
+        namespace=namespace,
         name=body.name,
         num_classes=body.num_classes,
         class_names=body.class_names,
@@ -170,9 +171,14 @@ def check_servable(row: CalibratorVersion, model: Model) -> None:
         )
 
 
-def find_model(session: Session, name: str) -> Model:
+def find_model(session: Session, name: str, namespace: str) -> Model:
+    """The model ``name`` of ``namespace``; another namespace's model is exactly as missing."""
     # A name that cannot exist is not looked up (a NUL byte would be a driver error).
-    row = session.scalar(select(Model).where(Model.name == name)) if _NAME.match(name) else None
+    row = (
+        session.scalar(select(Model).where(Model.namespace == namespace, Model.name == name))
+        if _NAME.match(name)
+        else None
+    )
     if row is None:
         raise NotFound(f"No model named {name!r}; GET /v1/models lists them.")
     return row
@@ -190,10 +196,10 @@ def find_version(session: Session, model: Model, version: int) -> CalibratorVers
 
 
 def resolve_served(
-    session: Session, name: str, alias: str | None, version: int | None
+    session: Session, name: str, alias: str | None, version: int | None, namespace: str
 ) -> tuple[Model, CalibratorVersion]:
     """The version predict serves: ``version`` if given, else ``alias`` (default production)."""
-    model = find_model(session, name)
+    model = find_model(session, name, namespace)
     if alias is not None and version is not None:
         raise InvalidInput("Give either ?alias= or ?version=, not both.")
     if version is not None:

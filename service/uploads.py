@@ -85,17 +85,38 @@ class BodyLimitMiddleware:
             await response(scope, receive, send)
             return
         total = 0
+        started = refused = False
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if refused:  # the 413 is out: whatever the app answers after it is dropped
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
 
         async def limited() -> Message:
-            nonlocal total
+            # Answer 413 here and tell the app the client left: raising instead would
+            # reach FastAPI's body parsing, which turns any error into a 400.
+            nonlocal total, refused
+            if refused:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 total += len(message.get("body", b""))
                 if total > limit:
-                    raise _too_large(limit)
+                    if started:
+                        raise _too_large(limit)
+                    exc = _too_large(limit)
+                    response = problem_response(
+                        Request(scope), exc.status, exc.slug, exc.title, exc.detail,
+                        headers={"Connection": "close"},
+                    )  # fmt: skip
+                    refused = True
+                    await response(scope, receive, send)
+                    return {"type": "http.disconnect"}
             return message
 
-        await self.app(scope, limited, send)
+        await self.app(scope, limited, guarded_send)
 
 
 async def read_body(request: Request, limit: int) -> bytes:

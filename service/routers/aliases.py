@@ -33,7 +33,7 @@ def put_alias(
     row = store.find_version(session, model, body.version)
     store.check_servable(row, model)
     saved = store.set_alias(session, model, alias, row)
-    state.serving.invalidate(model.name)
+    state.serving.invalidate(model.name, model.namespace)
     return alias_out(saved, model, row.version)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Response
 
-from service import store
+from service import limits, store
 from service.db import CalibratorVersion, Model
 from service.deps import ModelDep, SessionDep, StateDep, VersionDep, find_dataset
 from service.fitting import check_fit_request, split
@@ -54,6 +54,7 @@ def start_fit(
     dataset = find_dataset(session, model, body.dataset_id)
     split(dataset.n_rows, body.holdout, body.seed)  # 422 now if a part would be empty
     check_fit_request(body.method, body.options)  # 422 now for unknown options
+    limits.check_fit_queue(session, state.settings.max_queued_fits)
     row = store.create_version(session, model, dataset, body)
     state.fits.submit(row.id)
     url = version_url(model, row.version)

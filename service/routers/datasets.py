@@ -10,7 +10,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request, Response
 from sqlalchemy import select
 
-from service import ingest, store
+from service import ingest, limits, store
 from service.db import Dataset, Model
 from service.deps import DatasetDep, ModelDep, SessionDep, StateDep
 from service.problems import UnsupportedMediaType
@@ -121,6 +121,7 @@ def upload_dataset(
         data = ingest.labelled_from_npz(
             upload.npz, model.num_classes, model.name, state.settings.max_body_bytes
         )
+    limits.check_rows(data.scores.shape[0], state.settings.max_dataset_rows, "dataset")
     dataset, created = store.add_dataset(session, model, data, state.arrays)
     response.status_code = 201 if created else 200
     response.headers["Location"] = f"/v1/models/{model.name}/datasets/{dataset.id}"

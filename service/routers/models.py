@@ -5,9 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Response
 from sqlalchemy import select
 
-from service import store
+from service import limits, store
+from service.auth import PrincipalDep
 from service.db import Model
-from service.deps import ModelDep, SessionDep
+from service.deps import ModelDep, SessionDep, StateDep
 from service.schemas import ModelCreate, ModelList, ModelOut
 from service.uploads import require_json
 
@@ -19,17 +20,25 @@ def model_out(model: Model) -> ModelOut:
 
 
 @router.post("", status_code=201, response_model=ModelOut, dependencies=[Depends(require_json)])
-def create_model(body: ModelCreate, session: SessionDep, response: Response) -> ModelOut:
-    model = store.create_model(session, body)
+def create_model(
+    body: ModelCreate,
+    session: SessionDep,
+    principal: PrincipalDep,
+    state: StateDep,
+    response: Response,
+) -> ModelOut:
+    limits.check_classes(body.num_classes, state.settings.max_classes)
+    model = store.create_model(session, body, principal.namespace)
     response.headers["Location"] = f"/v1/models/{model.name}"
     return model_out(model)
 
 
 @router.get("", response_model=ModelList)
-def list_models(session: SessionDep) -> ModelList:
-    return ModelList(
-        models=[model_out(m) for m in session.scalars(select(Model).order_by(Model.name))]
+def list_models(session: SessionDep, principal: PrincipalDep) -> ModelList:
+    rows = session.scalars(
+        select(Model).where(Model.namespace == principal.namespace).order_by(Model.name)
     )
+    return ModelList(models=[model_out(m) for m in rows])
 
 
 @router.get("/{model}", response_model=ModelOut)

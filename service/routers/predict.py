@@ -17,7 +17,9 @@ import anyio.to_thread
 import orjson
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 
-from service import inference, ingest
+from service import inference, ingest, limits
+from service import observability as obs
+from service.auth import PrincipalDep
 from service.deps import AppState, get_app_state
 from service.inference import Served
 from service.problems import UnsupportedMediaType
@@ -32,6 +34,7 @@ VERSION_HEADER = "X-Welltempered-Version"
 
 async def get_served(
     request: Request,
+    principal: PrincipalDep,
     model: Annotated[str, Path(description="The model's name.")],
     alias: Annotated[
         str | None, Query(description="Alias to serve (default 'production').")
@@ -41,7 +44,7 @@ async def get_served(
     ] = None,
 ) -> Served:
     """The version to serve (404 unknown model/alias/version, 409 not servable), cached."""
-    return await get_app_state(request).serving.get(model, alias, version)
+    return await get_app_state(request).serving.get(model, alias, version, principal.namespace)
 
 
 ServedDep = Annotated[Served, Depends(get_served)]
@@ -77,13 +80,21 @@ _PREDICT_DOC = {
 }
 
 
-def respond(served: Served, fmt: str, raw: bytes, kind: str, want_npy: bool) -> Response:
+def respond(
+    served: Served, fmt: str, raw: bytes, kind: str, want_npy: bool, max_rows: int
+) -> Response:
     """Parse, validate, run ONNX Runtime and serialise: pure CPU work."""
     if fmt == "json":
         scores, kind = ingest.scores_from_json(raw, served.num_classes, served.model)
     else:
         scores = ingest.scores_from_npy(raw, kind, served.num_classes, served.model)
+    limits.check_rows(scores.shape[0], max_rows, "predict")
     out = inference.run(served.session, inference.as_onnx_input(scores, kind))
+    # Rows whose calibrated argmax is not the input's (the log of probabilities keeps it).
+    flipped = int((scores.argmax(axis=1) != out["label"]).sum())
+    obs.observe_predictions(
+        served.model, served.version, out["entropy"], out["confidence"], flipped
+    )
     headers = {VERSION_HEADER: str(served.version)}
     if want_npy:
         return Response(ingest.npy_bytes(out["probabilities"]), media_type=NPY, headers=headers)
@@ -126,6 +137,7 @@ async def predict(
     state = get_app_state(request)
     fmt, raw = await read_scores_body(request, state)
     want_npy = NPY in request.headers.get("accept", "")
+    max_rows = state.settings.max_predict_rows
     if len(raw) <= state.settings.inline_predict_bytes:
-        return respond(served, fmt, raw, kind, want_npy)
-    return await anyio.to_thread.run_sync(respond, served, fmt, raw, kind, want_npy)
+        return respond(served, fmt, raw, kind, want_npy, max_rows)
+    return await anyio.to_thread.run_sync(respond, served, fmt, raw, kind, want_npy, max_rows)

@@ -47,7 +47,9 @@ def test_serve_refuses_an_unmigrated_postgres(pg_schema, tmp_path, monkeypatch, 
 
 def test_demo_is_ready_and_idempotent(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    settings = demo.demo_settings(Settings()).model_copy(update={"fit_executor": "thread"})
+    settings = demo.demo_settings(Settings()).model_copy(
+        update={"fit_executor": "thread", "auth": "off"}  # as `serve --demo` on loopback
+    )
     engine = make_engine(settings.database_url)
     try:
         migrate.ensure_schema(engine, settings.database_url)

@@ -28,7 +28,7 @@ def test_serving_path_does_not_import_torch(tmp_path):
         from service.settings import Settings
 
         s = Settings(database_url="sqlite:///{tmp_path / "r.sqlite3"}",
-                     data_dir="{tmp_path / "data"}", fit_executor="thread")
+                     data_dir="{tmp_path / "data"}", fit_executor="thread", auth="off")
         rng = np.random.default_rng(0)
         z = rng.normal(size=(50, 3)) * 3
         y = z.argmax(1)

@@ -53,7 +53,7 @@ def test_start_up_fails_jobs_left_by_a_dead_process(settings):
     engine = make_engine(settings.database_url)
     try:
         with sessionmaker(engine, expire_on_commit=False)() as s:
-            model = store.find_model(s, "m")
+            model = store.find_model(s, "m", "default")
             row = store.create_version(
                 s,
                 model,

@@ -1,0 +1,217 @@
+"""API keys: who is calling (a namespace) and what they may do (a scope).
+
+The model
+---------
+A key is ``wt_`` + 43 url-safe characters from :func:`secrets.token_urlsafe`
+(256 random bits). Only its sha256 is stored (:class:`service.db.ApiKey`); the
+key itself is printed once, when created. A slow password hash (bcrypt,
+argon2) exists to make *guessing* a low-entropy secret expensive; a 256-bit
+random key cannot be guessed whatever the hash costs, and a leaked table of
+sha256 digests gives nothing to invert. So a fast hash is enough, and it keeps
+the hot path (predict) cheap. A key is found by its digest (a unique index);
+the digest is then compared again with :func:`hmac.compare_digest`, so no
+comparison of secret material is timing dependent in Python.
+
+Scopes are hierarchical: ``predict`` (predict, feedback, every read) <
+``write`` (upload, fit, aliases, models) < ``admin`` (manage the keys of its
+namespace). A key may do what its scope and every lower scope allow.
+
+Every route gets one dependency, :func:`authorize` (installed on the app's
+router by :func:`install`, so a route added later is covered too: deny by
+default). It derives the scope a route needs from its method and template
+(:func:`required_scope`), answers 401 (missing, unknown, revoked or expired
+key; with ``WWW-Authenticate: Bearer``) or 403 (scope too low) as
+problem+json, and returns the caller's :class:`Principal`, which the model
+lookups use: another namespace's model is not found, with the same 404 as a
+missing one. Open routes: ``/healthz``, ``/readyz``, ``/metrics`` (probes and
+the scraper carry no keys; they expose no model data beyond the metric
+labels), ``/docs`` and ``/openapi.json`` (the API's shape is public).
+
+With ``WELLTEMPERED_AUTH=off`` every request is an ``admin`` of the namespace
+``default``; ``welltempered serve`` then refuses a non-loopback address.
+Keys never reach a log: nothing here logs the header, and error details name
+at most a key's id and prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Annotated
+
+import anyio.to_thread
+from fastapi import Depends, FastAPI, Request
+from sqlalchemy import select
+
+from service.db import DEFAULT_NAMESPACE, SCOPES, ApiKey
+from service.problems import Forbidden, Unauthorized
+from service.settings import Settings
+
+KEY_PREFIX = "wt_"
+#: Characters of a key shown by ``keys list`` and in errors: "wt_" + 8 random ones.
+SHOWN_CHARS = 11
+RANK = {scope: i for i, scope in enumerate(SCOPES)}
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+#: POST routes that a ``predict`` key may call (everything else that writes needs ``write``).
+PREDICT_POSTS = ("/predict", "/feedback")
+
+
+@dataclass(frozen=True)
+class Principal:
+    """The caller: a namespace and a scope (``key_id`` None when auth is off or open)."""
+
+    namespace: str
+    scope: str
+    key_id: int | None = None
+    prefix: str | None = None
+
+    def allows(self, scope: str) -> bool:
+        return RANK[self.scope] >= RANK[scope]
+
+
+ANONYMOUS = Principal(DEFAULT_NAMESPACE, "predict")
+AUTH_OFF = Principal(DEFAULT_NAMESPACE, "admin")
+
+
+def new_key() -> str:
+    """A fresh key: ``wt_`` + 256 random bits, url-safe base64 (46 characters)."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def key_digest(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def required_scope(method: str, route: str) -> str | None:
+    """The scope a route needs (None: open).
+
+    >>> required_scope("GET", "/v1/models/{model}"), required_scope("POST", "/v1/models")
+    ('predict', 'write')
+    >>> required_scope("POST", "/v1/models/{model}/predict"), required_scope("GET", "/v1/keys")
+    ('predict', 'admin')
+    """
+    if route in OPEN_PATHS:
+        return None
+    if route == "/v1/keys" or route.startswith("/v1/keys/"):
+        return "admin"
+    if method.upper() in READ_METHODS:
+        return "predict"
+    if method.upper() == "POST" and route.endswith(PREDICT_POSTS):
+        return "predict"
+    return "write"
+
+
+def _aware(moment: datetime | None) -> datetime | None:
+    # SQLite gives naive datetimes back; every stored time is UTC.
+    if moment is not None and moment.tzinfo is None:
+        return moment.replace(tzinfo=UTC)
+    return moment
+
+
+@dataclass(frozen=True)
+class _Entry:
+    digest: str
+    principal: Principal
+    expires_at: datetime | None
+
+
+class KeyCache:
+    """digest -> key row snapshot, trusted for ``ttl`` seconds (unknown keys are not cached)."""
+
+    def __init__(self, ttl: float, size: int = 10_000):
+        self.ttl = ttl
+        self.size = size
+        self._entries: dict[str, tuple[float, _Entry]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, digest: str) -> _Entry | None:
+        hit = self._entries.get(digest)
+        if hit is not None and hit[0] > time.monotonic():
+            return hit[1]
+        return None
+
+    def put(self, entry: _Entry) -> None:
+        with self._lock:
+            if len(self._entries) >= self.size:
+                self._entries.clear()
+            self._entries[entry.digest] = (time.monotonic() + self.ttl, entry)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+def _lookup(sessions, digest: str) -> _Entry | None:
+    with sessions() as session:
+        row = session.scalar(
+            select(ApiKey).where(ApiKey.key_sha256 == digest, ApiKey.revoked_at.is_(None))
+        )
+        if row is None or not hmac.compare_digest(row.key_sha256, digest):
+            return None
+        principal = Principal(row.namespace, row.scope, row.id, row.prefix)
+        return _Entry(digest, principal, _aware(row.expires_at))
+
+
+def _bearer(request: Request) -> str:
+    header = request.headers.get("authorization")
+    if not header:
+        raise Unauthorized("This endpoint needs an API key: send Authorization: Bearer <key>.")
+    scheme, _, key = header.partition(" ")
+    key = key.strip()
+    if scheme.lower() != "bearer" or not key:
+        raise Unauthorized("Send the API key as Authorization: Bearer <key>.")
+    return key
+
+
+async def authorize(request: Request) -> Principal:
+    """The one auth dependency of every route: 401/403 or the caller's :class:`Principal`."""
+    route = getattr(request.scope.get("route"), "path", None) or request.url.path
+    need = required_scope(request.method, route)
+    auth: Authenticator = request.app.state.welltempered_auth
+    if not auth.enabled:
+        return AUTH_OFF
+    if need is None:
+        return ANONYMOUS
+    key = _bearer(request)
+    digest = key_digest(key)
+    del key  # from here on, only the digest
+    entry = auth.cache.get(digest)
+    if entry is None:
+        sessions = request.app.state.welltempered.sessions
+        entry = await anyio.to_thread.run_sync(_lookup, sessions, digest)
+        if entry is None:
+            raise Unauthorized("The API key is unknown or revoked.")
+        auth.cache.put(entry)
+    if entry.expires_at is not None and entry.expires_at <= datetime.now(UTC):
+        raise Unauthorized(f"The API key {entry.principal.prefix}... has expired.")
+    principal = entry.principal
+    if not principal.allows(need):
+        raise Forbidden(
+            f"This operation needs the {need!r} scope; the key {principal.prefix}... has "
+            f"{principal.scope!r}."
+        )
+    request.state.principal = principal
+    return principal
+
+
+PrincipalDep = Annotated[Principal, Depends(authorize)]
+
+
+class Authenticator:
+    """Per-app auth state: on/off and the key cache."""
+
+    def __init__(self, settings: Settings):
+        self.enabled = settings.auth == "on"
+        self.cache = KeyCache(settings.key_cache_seconds)
+
+
+def install(app: FastAPI, settings: Settings) -> None:
+    """Put :func:`authorize` on every route of ``app`` (call before including routers)."""
+    app.state.welltempered_auth = Authenticator(settings)
+    app.router.dependencies.append(Depends(authorize))

@@ -1,0 +1,185 @@
+"""API key management: create (the key is shown once), list (never the key), revoke.
+
+Used by ``welltempered keys ...`` (same settings, hence same database, as
+``serve``) and by the admin routes in :mod:`service.routers.keys`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from service.auth import SHOWN_CHARS, key_digest, new_key
+from service.db import SCOPES, ApiKey, utcnow
+from service.schemas import NAME_PATTERN
+
+_DURATION = re.compile(r"^\s*(\d+)\s*([smhdw])\s*$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_NAMESPACE = re.compile(NAME_PATTERN)
+
+
+def parse_duration(text: str) -> timedelta:
+    """``30d``, ``12h``, ``90m``, ``3600s``, ``2w`` -> timedelta.
+
+    >>> parse_duration("30d")
+    datetime.timedelta(days=30)
+    """
+    match = _DURATION.match(text)
+    if match is None or int(match.group(1)) == 0:
+        raise ValueError(
+            f"a duration is a positive number and a unit s, m, h, d or w (e.g. 30d). Got {text!r}."
+        )
+    return timedelta(seconds=int(match.group(1)) * _UNITS[match.group(2)])
+
+
+def check_namespace(namespace: str) -> str:
+    if not _NAMESPACE.match(namespace) or len(namespace) > 64:
+        raise ValueError(
+            "a namespace is 1-64 characters A-Z a-z 0-9 . _ -, starting with a letter or "
+            f"digit. Got {namespace!r}."
+        )
+    return namespace
+
+
+def create_key(
+    session: Session,
+    namespace: str,
+    scope: str,
+    expires_in: timedelta | None = None,
+    description: str | None = None,
+) -> tuple[ApiKey, str]:
+    """A new key row (committed) and the key itself: the only time it exists in clear."""
+    check_namespace(namespace)
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {', '.join(SCOPES)}. Got {scope!r}.")
+    key = new_key()
+    row = ApiKey(
+        prefix=key[:SHOWN_CHARS],
+        key_sha256=key_digest(key),
+        namespace=namespace,
+        scope=scope,
+        description=description,
+        created_at=utcnow(),
+        expires_at=(utcnow() + expires_in) if expires_in is not None else None,
+    )
+    session.add(row)
+    session.commit()
+    return row, key
+
+
+def list_keys(session: Session, namespace: str | None = None) -> list[ApiKey]:
+    query = select(ApiKey).order_by(ApiKey.id)
+    if namespace is not None:
+        query = query.where(ApiKey.namespace == namespace)
+    return list(session.scalars(query))
+
+
+def revoke_key(session: Session, key_id: int, namespace: str | None = None) -> bool:
+    """Mark the key revoked (kept for the record); False if no such live key."""
+    stmt = update(ApiKey).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None))
+    if namespace is not None:
+        stmt = stmt.where(ApiKey.namespace == namespace)
+    res = session.execute(stmt.values(revoked_at=utcnow()))
+    session.commit()
+    return res.rowcount == 1
+
+
+def key_state(row: ApiKey, now: datetime | None = None) -> str:
+    now = now or datetime.now(UTC)
+    expires = row.expires_at
+    if expires is not None and expires.tzinfo is None:
+        expires = expires.replace(tzinfo=UTC)
+    if row.revoked_at is not None:
+        return "revoked"
+    if expires is not None and expires <= now:
+        return "expired"
+    return "active"
+
+
+# -- the CLI: welltempered keys create | list | revoke ----------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    create = sub.add_parser("create", help="create a key; prints it once, on the last line")
+    create.add_argument("--namespace", required=True)
+    create.add_argument("--scope", required=True, choices=SCOPES)
+    create.add_argument("--expires", help="lifetime, e.g. 30d, 12h (default: never)")
+    create.add_argument("--description")
+    ls = sub.add_parser("list", help="list keys (id, prefix, namespace, scope, state)")
+    ls.add_argument("--namespace")
+    revoke = sub.add_parser("revoke", help="revoke a key by id")
+    revoke.add_argument("id", type=int)
+
+
+def run(args: argparse.Namespace) -> int:
+    from sqlalchemy.orm import sessionmaker
+
+    from service import migrate
+    from service.db import make_engine
+    from service.settings import Settings
+
+    settings = Settings()
+    engine = make_engine(settings.database_url)
+    try:
+        try:
+            migrate.ensure_schema(engine, settings.database_url)
+        except migrate.NotMigrated as exc:
+            print(f"welltempered keys: {exc}", file=sys.stderr)
+            return 2
+        with sessionmaker(engine, expire_on_commit=False)() as session:
+            return _ACTIONS[args.keys_command](session, args)
+    finally:
+        engine.dispose()
+
+
+def _when(moment: datetime | None) -> str:
+    if moment is None:
+        return "never"
+    if moment.tzinfo is None:  # SQLite gives naive datetimes back; every stored time is UTC
+        moment = moment.replace(tzinfo=UTC)
+    return moment.isoformat(timespec="seconds")
+
+
+def _create(session: Session, args: argparse.Namespace) -> int:
+    try:
+        expires = parse_duration(args.expires) if args.expires else None
+        row, key = create_key(session, args.namespace, args.scope, expires, args.description)
+    except ValueError as exc:
+        print(f"welltempered keys create: {exc}", file=sys.stderr)
+        return 2
+    until = _when(row.expires_at)
+    print(
+        f"created key id {row.id} ({row.prefix}...): namespace {row.namespace!r}, "
+        f"scope {row.scope!r}, expires {until}"
+    )
+    print("the key is shown once, now (only its sha256 is stored):")
+    print(key)
+    return 0
+
+
+def _list(session: Session, args: argparse.Namespace) -> int:
+    print(f"{'id':>5}  {'prefix':<14} {'namespace':<20} {'scope':<8} {'state':<8} expires")
+    for row in list_keys(session, args.namespace):
+        until = _when(row.expires_at)
+        print(
+            f"{row.id:>5}  {row.prefix + '...':<14} {row.namespace:<20} {row.scope:<8} "
+            f"{key_state(row):<8} {until}"
+        )
+    return 0
+
+
+def _revoke(session: Session, args: argparse.Namespace) -> int:
+    if not revoke_key(session, args.id):
+        print(f"welltempered keys revoke: no active key with id {args.id}.", file=sys.stderr)
+        return 1
+    print(f"key {args.id} revoked (servers stop accepting it within KEY_CACHE_SECONDS)")
+    return 0
+
+
+_ACTIONS = {"create": _create, "list": _list, "revoke": _revoke}

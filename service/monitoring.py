@@ -1,0 +1,433 @@
+"""Live calibration from labelled feedback, the /metrics snapshot, and the HTTP middleware.
+
+Feedback rows are never stored. Each ``POST /feedback`` is calibrated by the version
+that served it, reduced to per-bin sums over the 15 equal-width confidence bins of
+the hold-out ECE (rows, correct rows, confidence, NLL, entropy, Brier: the
+sufficient statistics of :func:`calibrators.metrics.bin_statistics` plus the means
+a report needs), and *added* to one row per (version, time bucket, bin) of
+``feedback_bins`` with ``INSERT ... ON CONFLICT DO UPDATE SET x = x + excluded.x``.
+The increment happens in SQL, so concurrent writers (several workers, several
+replicas) never lose an update, and any window is one ``SUM ... GROUP BY bin``.
+
+The live figures of a window are exactly those of :func:`calibrators.metrics.report`
+on the same calibrated rows for every metric that is a per-bin or per-row sum
+(``n``, ``accuracy``, ``nll``, ``brier``, ``entropy``, ``ece``, ``mce``, ``bins``);
+the others need the rows and are ``None`` (:data:`NOT_FROM_AGGREGATES`).
+
+A window is rounded outward to whole buckets: it covers the buckets that start at
+or after ``floor((now - window) / width) * width``, so up to one bucket width more
+than asked (the width is ``Settings.feedback_bucket_seconds``, 60 s by default).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+from scipy.special import entr
+from sqlalchemy import func, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from calibrators import drift, metrics
+from calibrators._input import PROBABILITY_FLOOR
+from service import observability as obs
+from service import store
+from service.db import STATUSES, Alias, CalibratorVersion, FeedbackBin, Model
+from service.problems import InvalidInput, NotFound, NotReady
+
+log = logging.getLogger("welltempered.monitoring")
+
+N_BINS = metrics.DEFAULT_N_BINS
+EDGES = metrics.bin_edges(N_BINS)
+#: The summed columns of ``feedback_bins``, in the order of :func:`feedback_statistics`.
+SUMS = ("count", "correct_count", "confidence_sum", "nll_sum", "entropy_sum", "brier_sum")
+#: Keys of ``calibrators.metrics.report`` that need the rows, not their sums: ``None``
+#: in a live report.
+NOT_FROM_AGGREGATES = ("nll_median", "nll_p95", "ece_quantile", "classwise_ece")
+DEFAULT_ALIAS = "production"
+
+_WINDOW = re.compile(r"^([1-9][0-9]{0,6})([smhdw])$")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
+MAX_WINDOW_SECONDS = 366 * 86_400
+
+
+# ---------------------------------------------------------------------------
+# windows and buckets
+
+
+def parse_window(text: str) -> int:
+    """``"30m"``, ``"1h"``, ``"7d"`` ... as seconds (units s, m, h, d, w; at most 366 days).
+
+    >>> parse_window("90m"), parse_window("7d")
+    (5400, 604800)
+    """
+    match = _WINDOW.match(text) if isinstance(text, str) else None
+    if match is None:
+        raise InvalidInput(
+            "window must be a positive integer followed by one unit of s, m, h, d, w "
+            f"(e.g. 30m, 1h, 7d). Got {text!r}."
+        )
+    seconds = int(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+    if seconds > MAX_WINDOW_SECONDS:
+        raise InvalidInput(f"window must be at most 366d. Got {text!r}.")
+    return seconds
+
+
+def format_window(seconds: int) -> str:
+    """The shortest exact spelling of a window: 3600 -> "1h".
+
+    >>> format_window(3600), format_window(5400), format_window(61)
+    ('1h', '90m', '61s')
+    """
+    for unit in ("w", "d", "h", "m"):
+        if seconds % _UNIT_SECONDS[unit] == 0:
+            return f"{seconds // _UNIT_SECONDS[unit]}{unit}"
+    return f"{seconds}s"
+
+
+def bucket_start(timestamp: float, width: int) -> int:
+    """Start (Unix seconds) of the bucket of ``width`` seconds holding ``timestamp``."""
+    return math.floor(timestamp / width) * width
+
+
+def window_start(window_seconds: int, width: int, now: float | None = None) -> int:
+    """First bucket start inside a window ending ``now`` (rounded outward)."""
+    now = time.time() if now is None else now
+    return bucket_start(now - window_seconds, width)
+
+
+# ---------------------------------------------------------------------------
+# per-bin statistics of calibrated rows
+
+
+def feedback_statistics(probs: np.ndarray, labels: np.ndarray) -> dict[str, np.ndarray]:
+    """Per-bin sums of calibrated, labelled rows: what one feedback adds to a bucket.
+
+    Parameters
+    ----------
+    probs : ndarray of shape (n_samples, n_classes)
+        Calibrated probabilities (validated: finite, rows summing to 1).
+    labels : ndarray of shape (n_samples,)
+        Integer labels in ``[0, n_classes)``.
+
+    Returns
+    -------
+    dict
+        For each name of :data:`SUMS`, an ndarray of shape (15,): ``count``,
+        ``correct_count`` and ``confidence_sum`` are
+        :func:`calibrators.metrics.bin_statistics` of the top label (confidence = row
+        maximum, correct = first argmax equals the label); ``nll_sum`` adds
+        ``-log max(p_y, 2**-149)``, ``entropy_sum`` ``-sum p log p`` (nats) and
+        ``brier_sum`` ``sum_k (p_k - [y = k])**2`` of the rows in each bin: the same
+        per-row quantities as :func:`calibrators.metrics.report`.
+    """
+    confidence = probs.max(axis=1).astype(np.float64)
+    correct = probs.argmax(axis=1) == labels
+    stats = metrics.bin_statistics(confidence, correct, N_BINS)
+    # The bin of each row, by the rule bin_statistics documents (half-open, last closed).
+    index = np.searchsorted(EDGES[1:-1], confidence, side="right")
+    p = probs.astype(np.float64)
+    true_p = p[np.arange(p.shape[0]), labels]
+    nll = -np.log(np.maximum(true_p, PROBABILITY_FLOOR))
+    entropy = entr(p).sum(axis=1)
+    brier = np.einsum("ij,ij->i", p, p) - 2.0 * true_p + 1.0
+    return {
+        "count": stats["count"].astype(np.int64),
+        "correct_count": stats["correct_count"].astype(np.int64),
+        "confidence_sum": stats["confidence_sum"],
+        "nll_sum": np.bincount(index, weights=nll, minlength=N_BINS),
+        "entropy_sum": np.bincount(index, weights=entropy, minlength=N_BINS),
+        "brier_sum": np.bincount(index, weights=brier, minlength=N_BINS),
+    }
+
+
+def record_feedback(
+    session: Session, version_id: int, stats: Mapping[str, np.ndarray], bucket: int
+) -> None:
+    """Add ``stats`` to the (version, bucket) rows: one atomic UPSERT, in bin order.
+
+    ``SET x = x + excluded.x`` is evaluated by the database under the row's lock
+    (PostgreSQL) or the write lock (SQLite), so concurrent feedback from several
+    processes adds up; the rows are sent in bin order so two writers on PostgreSQL
+    lock them in the same order (no deadlock). Commits.
+    """
+    rows = [
+        {
+            "version_id": version_id,
+            "bucket_start": bucket,
+            "bin_index": int(b),
+            "count": int(stats["count"][b]),
+            "correct_count": int(stats["correct_count"][b]),
+            "confidence_sum": float(stats["confidence_sum"][b]),
+            "nll_sum": float(stats["nll_sum"][b]),
+            "entropy_sum": float(stats["entropy_sum"][b]),
+            "brier_sum": float(stats["brier_sum"][b]),
+        }
+        for b in np.flatnonzero(stats["count"])
+    ]
+    if not rows:
+        return
+    dialect = session.get_bind().dialect.name
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    stmt = insert(FeedbackBin).values(rows)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=[FeedbackBin.version_id, FeedbackBin.bucket_start, FeedbackBin.bin_index],
+        set_={name: getattr(FeedbackBin, name) + getattr(stmt.excluded, name) for name in SUMS},
+    )
+    session.execute(stmt)
+    session.commit()
+
+
+def empty_statistics() -> dict[str, np.ndarray]:
+    return {
+        name: np.zeros(N_BINS, dtype=np.int64 if name.endswith("count") else np.float64)
+        for name in SUMS
+    }
+
+
+def window_statistics(
+    session: Session, since: int, version_ids: Iterable[int] | None = None
+) -> dict[int, dict[str, np.ndarray]]:
+    """Per-bin sums over the buckets starting at or after ``since``, per version id."""
+    query = (
+        select(
+            FeedbackBin.version_id,
+            FeedbackBin.bin_index,
+            *(func.sum(getattr(FeedbackBin, name)) for name in SUMS),
+        )
+        .where(FeedbackBin.bucket_start >= since)
+        .group_by(FeedbackBin.version_id, FeedbackBin.bin_index)
+    )
+    if version_ids is not None:
+        query = query.where(FeedbackBin.version_id.in_(list(version_ids)))
+    out: dict[int, dict[str, np.ndarray]] = {}
+    for version_id, bin_index, *sums in session.execute(query):
+        stats = out.setdefault(version_id, empty_statistics())
+        for name, value in zip(SUMS, sums, strict=True):
+            stats[name][bin_index] = value
+    return out
+
+
+# ---------------------------------------------------------------------------
+# reports
+
+
+def live_report(stats: Mapping[str, np.ndarray], n_classes: int) -> dict[str, Any]:
+    """The keys of :func:`calibrators.metrics.report`, from per-bin sums.
+
+    Keys in :data:`NOT_FROM_AGGREGATES` are ``None`` (listed under
+    ``not_from_aggregates``); with no rows every metric is ``None`` and ``n`` is 0.
+    """
+    count = np.asarray(stats["count"], dtype=np.int64)
+    n = int(count.sum())
+    out: dict[str, Any] = {"n": n, "n_classes": int(n_classes)}
+    if n == 0:
+        out.update(
+            dict.fromkeys(("accuracy", "nll", "brier", "entropy", "ece", "mce"), None),
+            bins={
+                "edges": EDGES.tolist(),
+                "count": [0] * N_BINS,
+                "mean_confidence": [None] * N_BINS,
+                "accuracy": [None] * N_BINS,
+            },
+        )
+    else:
+        calibration = metrics.ece_from_bin_statistics(
+            count, stats["confidence_sum"], np.asarray(stats["correct_count"], np.int64), EDGES
+        )
+        out.update(
+            accuracy=float(np.sum(stats["correct_count"]) / n),
+            nll=float(np.sum(stats["nll_sum"]) / n),
+            brier=float(np.sum(stats["brier_sum"]) / n),
+            entropy=float(np.sum(stats["entropy_sum"]) / n),
+            ece=calibration["ece"],
+            mce=calibration["mce"],
+            bins=calibration["bins"],
+        )
+    out.update(dict.fromkeys(NOT_FROM_AGGREGATES), n_bins=N_BINS)
+    out["not_from_aggregates"] = list(NOT_FROM_AGGREGATES)
+    return out
+
+
+def check_fitted(row: CalibratorVersion, model: Model) -> None:
+    """409 unless the version was fitted (it has hold-out metrics to compare with)."""
+    if row.status not in ("succeeded", "rejected") or not row.metrics_after:
+        raise NotReady(
+            f"Version {row.version} of {model.name!r} is {row.status}: only a fitted version "
+            "has hold-out figures to monitor against.",
+            version_status=row.status,
+        )
+
+
+def holdout_report(row: CalibratorVersion) -> dict[str, Any]:
+    """The calibrated hold-out metrics measured at fit time, with the argmax agreement."""
+    return {**row.metrics_after, "argmax_agreement": (row.argmax or {}).get("agreement")}
+
+
+def drift_verdict(holdout_bins: Mapping, stats: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """:func:`calibrators.drift.detect_drift` of the live sums against the hold-out bins."""
+    live = {
+        "count": stats["count"],
+        "confidence_sum": stats["confidence_sum"],
+        "correct_count": stats["correct_count"],
+    }
+    return drift.detect_drift(holdout_bins, live)
+
+
+def monitored_version(session: Session, model: Model, version: int | None) -> CalibratorVersion:
+    """``version`` of ``model``, or the one its ``production`` alias points at (404 if none)."""
+    if version is not None:
+        return store.find_version(session, model, version)
+    row = session.scalar(
+        select(CalibratorVersion)
+        .join(Alias, Alias.version_id == CalibratorVersion.id)
+        .where(Alias.model_id == model.id, Alias.alias == DEFAULT_ALIAS)
+    )
+    if row is None:
+        raise NotFound(
+            f"Model {model.name!r} has no alias {DEFAULT_ALIAS!r}: PUT /v1/models/{model.name}"
+            f"/aliases/{DEFAULT_ALIAS} with a version first, or pass version."
+        )
+    return row
+
+
+# ---------------------------------------------------------------------------
+# /metrics: the database gauges
+
+
+def snapshot(sessions: sessionmaker, window_seconds: int, bucket_seconds: int) -> obs.Snapshot:
+    """The database gauges of :class:`service.observability.DatabaseQualityCollector`.
+
+    Fit jobs by status (every status, 0 included), hold-out figures of every aliased
+    version, and the live figures and drift bound of every version with feedback in
+    the window. Three queries, whatever the number of models.
+    """
+    with sessions() as session:
+        jobs = dict(
+            session.execute(
+                select(CalibratorVersion.status, func.count()).group_by(CalibratorVersion.status)
+            ).all()
+        )
+        aliased = session.execute(
+            select(
+                Model.name,
+                CalibratorVersion.version,
+                Alias.alias,
+                CalibratorVersion.metrics_after,
+                CalibratorVersion.argmax,
+            )
+            .join(CalibratorVersion, CalibratorVersion.id == Alias.version_id)
+            .join(Model, Model.id == Alias.model_id)
+            .order_by(Model.name, Alias.alias)
+        ).all()
+        live = window_statistics(session, window_start(window_seconds, bucket_seconds))
+        versions = (
+            session.execute(
+                select(
+                    CalibratorVersion.id,
+                    Model.name,
+                    Model.num_classes,
+                    CalibratorVersion.version,
+                    CalibratorVersion.metrics_after,
+                )
+                .join(Model, Model.id == CalibratorVersion.model_id)
+                .where(CalibratorVersion.id.in_(list(live)))
+            ).all()
+            if live
+            else []
+        )
+    snap: dict[str, list] = {key: [] for key in obs.DB_GAUGES}
+    snap["fit_jobs"] = [({"status": s}, jobs.get(s, 0)) for s in STATUSES]
+    snap["live_window_seconds"] = [({}, window_seconds)]
+    for name, version, alias, after, argmax in aliased:
+        labels = {"model": name, "version": version, "alias": alias}
+        after = after or {}
+        snap["holdout_ece"].append((labels, after.get("ece")))
+        snap["holdout_nll"].append((labels, after.get("nll")))
+        snap["holdout_accuracy"].append((labels, after.get("accuracy")))
+        snap["holdout_argmax_agreement"].append((labels, (argmax or {}).get("agreement")))
+    for version_id, name, n_classes, version, after in versions:
+        stats = live[version_id]
+        report = live_report(stats, n_classes)
+        labels = {"model": name, "version": version}
+        for key in ("ece", "nll", "accuracy", "entropy"):
+            snap[f"live_{key}"].append((labels, report[key]))
+        snap["live_labelled_rows"].append((labels, report["n"]))
+        if after and after.get("bins"):
+            snap["live_ece_bound"].append((labels, drift_verdict(after["bins"], stats)["bound"]))
+    return snap
+
+
+def observe_finished_fit(session_factory: sessionmaker, version_id: int) -> None:
+    """:func:`service.observability.observe_fit` of a job that ended, from its row.
+
+    Called in the serve process when the pool's future completes (the fit itself may
+    have run in another process, whose metrics nobody scrapes).
+    """
+    try:
+        with session_factory() as session:
+            row = session.execute(
+                select(CalibratorVersion.method, CalibratorVersion.fit_seconds).where(
+                    CalibratorVersion.id == version_id
+                )
+            ).one_or_none()
+    except Exception:
+        log.exception("metrics: could not read fit %s to observe its duration", version_id)
+        return
+    if row is not None and row.fit_seconds is not None:
+        obs.observe_fit(row.method, row.fit_seconds)
+
+
+# ---------------------------------------------------------------------------
+# HTTP metrics: a pure ASGI middleware
+
+
+class MetricsMiddleware:
+    """Counts every HTTP request by route template, method and status class, with latency.
+
+    Pure ASGI (no ``BaseHTTPMiddleware``: no extra task, no body buffering). The
+    route template is read from ``scope["route"]``, which the router sets while
+    routing (the same dict travels down the stack), when the response starts; the
+    latency is the time to that moment. A request whose handler raised (a 500 sent
+    by Starlette's outermost error middleware) is counted as 500.
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        observed = False
+
+        async def send_observed(message: Message) -> None:
+            nonlocal observed
+            if message["type"] == "http.response.start" and not observed:
+                observed = True
+                obs.observe_request(
+                    obs.route_template(scope),
+                    scope["method"],
+                    message["status"],
+                    time.perf_counter() - start,
+                )
+            await send(message)
+
+        with obs.track_in_progress():
+            try:
+                await self.app(scope, receive, send_observed)
+            except BaseException:
+                if not observed:
+                    observed = True
+                    obs.observe_request(
+                        obs.route_template(scope), scope["method"], 500, time.perf_counter() - start
+                    )
+                raise

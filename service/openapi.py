@@ -1,0 +1,95 @@
+"""The OpenAPI document says what the API really answers: problem+json errors, Bearer auth.
+
+FastAPI documents each route's success and a 422 ``HTTPValidationError``; the
+service answers every error as RFC 9457 ``application/problem+json``
+(:mod:`service.problems`) and needs a key on every ``/v1`` route
+(:mod:`service.auth`). :func:`install` post-processes the generated document
+once: a ``Problem`` schema, the error statuses each operation can return, and
+the ``bearer`` security scheme on every non-open operation. The fuzz test
+(tests/service/test_fuzz.py) checks the responses against this document.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from service.auth import OPEN_PATHS, required_scope
+from service.problems import PROBLEM_JSON
+
+PROBLEM_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "RFC 9457 problem details, plus extension members (errors, argmax, ...).",
+    "properties": {
+        "type": {"type": "string"},
+        "title": {"type": "string"},
+        "status": {"type": "integer"},
+        "detail": {"type": "string"},
+        "instance": {"type": "string"},
+    },
+    "required": ["type", "title", "status", "detail", "instance"],
+    "additionalProperties": True,
+}
+
+#: Errors any /v1 operation may answer, and why.
+ERRORS = {
+    "400": "Malformed body (JSON, .npz, .npy, multipart).",
+    "401": "Missing, unknown, revoked or expired API key.",
+    "403": "The key's scope does not allow this operation.",
+    "404": "Unknown model, dataset, version, alias or key (or another namespace's).",
+    "409": "Conflict: duplicate name, version not fitted or rejected.",
+    "413": "Body, rows per request or dataset rows over the limit.",
+    "415": "Unsupported Content-Type.",
+    "422": "Invalid input: schema, shapes, NaN/Inf, K, labels.",
+    "429": "Too many fits queued (Retry-After).",
+}
+_OPEN_ERRORS = {"503": "Not ready: database unreachable or schema not at head."}
+
+
+def _problem(description: str) -> dict[str, Any]:
+    ref = {"$ref": "#/components/schemas/Problem"}
+    return {"description": description, "content": {PROBLEM_JSON: {"schema": ref}}}
+
+
+def document(app: FastAPI) -> dict[str, Any]:
+    schema = get_openapi(
+        title=app.title,
+        version=app.version,
+        summary=app.summary,
+        description=app.description,
+        routes=app.routes,
+    )
+    components = schema.setdefault("components", {})
+    components.setdefault("schemas", {})["Problem"] = PROBLEM_SCHEMA
+    components.setdefault("securitySchemes", {})["bearer"] = {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "An API key: `welltempered keys create` (scopes predict < write < admin).",
+    }
+    for path, item in schema.get("paths", {}).items():
+        for method, op in item.items():
+            if not isinstance(op, dict) or "responses" not in op:
+                continue
+            responses = op["responses"]
+            errors = _OPEN_ERRORS if path in OPEN_PATHS else ERRORS
+            for code, why in errors.items():
+                if code in responses and code not in ("422", "503"):
+                    responses[code].setdefault("content", _problem(why)["content"])
+                else:
+                    responses[code] = _problem(why)
+            scope = required_scope(method.upper(), path)
+            if scope is not None:
+                op["security"] = [{"bearer": []}]
+                op["description"] = (op.get("description", "") + f"\n\nScope: `{scope}`.").strip()
+    return schema
+
+
+def install(app: FastAPI) -> None:
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = document(app)
+        return app.openapi_schema
+
+    app.openapi = openapi

@@ -1,0 +1,90 @@
+"""/v1/keys: an ``admin`` key manages the keys of its own namespace (scope: service.auth)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Path, Request, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from service import keys
+from service.auth import PrincipalDep
+from service.db import ApiKey
+from service.deps import SessionDep
+from service.problems import NotFound
+from service.schemas import MAX_ID, _Out
+from service.uploads import require_json
+
+router = APIRouter(prefix="/v1/keys", tags=["keys"])
+
+
+class KeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    scope: Literal["predict", "write", "admin"]
+    expires_in_seconds: int | None = Field(
+        None, ge=1, le=10 * 365 * 86400, description="Lifetime; none: never expires."
+    )
+    description: str | None = Field(None, max_length=256)
+
+
+class KeyOut(_Out):
+    id: int
+    prefix: str = Field(description="The key's first characters: enough to recognise it.")
+    namespace: str
+    scope: str
+    state: Literal["active", "expired", "revoked"]
+    description: str | None
+    created_at: datetime
+    expires_at: datetime | None
+
+
+class KeyCreated(KeyOut):
+    key: str = Field(description="The key itself: shown in this response only.")
+
+
+class KeyList(BaseModel):
+    keys: list[KeyOut]
+
+
+def key_out(row: ApiKey) -> dict:
+    return {
+        "id": row.id,
+        "prefix": row.prefix,
+        "namespace": row.namespace,
+        "scope": row.scope,
+        "state": keys.key_state(row),
+        "description": row.description,
+        "created_at": row.created_at,
+        "expires_at": row.expires_at,
+    }
+
+
+@router.post("", status_code=201, response_model=KeyCreated, dependencies=[Depends(require_json)])
+def create_key(body: KeyCreate, principal: PrincipalDep, session: SessionDep) -> KeyCreated:
+    """A new key in the caller's namespace; the response is the only place it appears."""
+    expires = timedelta(seconds=body.expires_in_seconds) if body.expires_in_seconds else None
+    row, key = keys.create_key(session, principal.namespace, body.scope, expires, body.description)
+    return KeyCreated(**key_out(row), key=key)
+
+
+@router.get("", response_model=KeyList)
+def list_keys(principal: PrincipalDep, session: SessionDep) -> KeyList:
+    return KeyList(
+        keys=[KeyOut(**key_out(r)) for r in keys.list_keys(session, principal.namespace)]
+    )
+
+
+@router.delete("/{key_id}", status_code=204, response_class=Response)
+def revoke_key(
+    key_id: Annotated[int, Path(ge=1, le=MAX_ID)],
+    principal: PrincipalDep,
+    session: SessionDep,
+    request: Request,
+) -> Response:
+    """Revoke: at once in this process, within KEY_CACHE_SECONDS in the others."""
+    if not keys.revoke_key(session, key_id, principal.namespace):
+        raise NotFound(f"No active key with id {key_id} in this namespace.")
+    request.app.state.welltempered_auth.cache.clear()
+    return Response(status_code=204)

@@ -1,0 +1,106 @@
+"""Real `welltempered serve` processes for the crash, shutdown and load tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``welltempered serve`` in its own process group (so kill -9 takes its fit workers too)."""
+
+    def __init__(self, database_url: str, data_dir: Path, *args: str, **env: str):
+        self.database_url = database_url
+        self.data_dir = data_dir
+        self.args = args
+        self.env = env
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.log = data_dir.parent / f"serve-{self.port}.log"
+
+    def start(self, timeout: float = 90) -> Server:
+        exe = Path(sys.executable).with_name("welltempered")
+        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "service.cli"]
+        env = {
+            **os.environ,
+            "WELLTEMPERED_DATABASE_URL": self.database_url,
+            "WELLTEMPERED_DATA_DIR": str(self.data_dir),
+            "WELLTEMPERED_AUTH": "off",
+            "WELLTEMPERED_FIT_THREADS": "1",
+            **{f"WELLTEMPERED_{k.upper()}": str(v) for k, v in self.env.items()},
+        }
+        out = open(self.log, "ab")
+        self.proc = subprocess.Popen(
+            [*cmd, "serve", "--port", str(self.port), "--log-level", "warning", *self.args],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        out.close()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(f"{self.base}/readyz", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            if self.proc.poll() is not None:
+                raise AssertionError(f"serve exited {self.proc.returncode}:\n{self.output()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"serve did not become ready:\n{self.output()}")
+            time.sleep(0.2)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-5000:] if self.log.exists() else ""
+
+    def client(self, **kwargs) -> httpx.Client:
+        # No keep-alive: a connection the server closes as idle (uvicorn's 5 s) while a
+        # request is being sent would be a client-side flake, not a server failure.
+        limits = httpx.Limits(max_keepalive_connections=0)
+        return httpx.Client(
+            base_url=self.base, timeout=kwargs.pop("timeout", 60), limits=limits, **kwargs
+        )
+
+    def kill9(self) -> None:
+        """SIGKILL to the whole process group: the server and its fit workers."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.kill9()
+            raise
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)

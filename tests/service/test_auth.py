@@ -1,0 +1,188 @@
+"""API keys with auth ON: 401/403, scopes, namespaces, expiry, revocation, logs, CLI."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+from sqlalchemy.orm import sessionmaker
+
+from service import cli, keys
+from service.app import create_app
+from service.auth import key_digest, required_scope
+from service.db import ApiKey, make_engine
+from tests.service.conftest import assert_problem, fit, logits_data, make_settings
+
+
+@pytest.fixture
+def sessions(database_url):
+    engine = make_engine(database_url)
+    yield sessionmaker(engine, expire_on_commit=False)
+    engine.dispose()
+
+
+@pytest.fixture
+def make_key(sessions):
+    def make(namespace: str = "team-a", scope: str = "write", expires=None) -> str:
+        with sessions() as s:
+            return keys.create_key(s, namespace, scope, expires)[1]
+
+    return make
+
+
+@pytest.fixture
+def app_client(database_url, tmp_path):
+    settings = make_settings(database_url, tmp_path, auth="on", key_cache_seconds=0.0)
+    with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+        yield c
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_scope_rules_cover_every_route(tmp_path):
+    app = create_app(make_settings("sqlite://", tmp_path))
+    for route in app.routes:
+        for method in getattr(route, "methods", None) or ():
+            need = required_scope(method, route.path)
+            if route.path in ("/healthz", "/readyz", "/metrics"):
+                assert need is None
+            elif route.path.startswith("/v1/"):
+                assert need in ("predict", "write", "admin"), (method, route.path)
+
+
+def test_missing_invalid_and_malformed_keys_are_401(app_client):
+    for headers in ({}, bearer("wt_" + "x" * 43), {"Authorization": "Basic abc"}, bearer("")):
+        r = app_client.get("/v1/models", headers=headers)
+        assert_problem(r, 401)
+        assert r.headers["www-authenticate"].startswith("Bearer")
+
+
+def test_open_routes_need_no_key(app_client):
+    for path in ("/healthz", "/readyz", "/openapi.json", "/docs"):
+        assert app_client.get(path).status_code == 200, path
+
+
+def test_scopes_are_hierarchical(app_client, make_key):
+    predict, write, admin = (make_key("team-a", s) for s in ("predict", "write", "admin"))
+    body = {"name": "m", "num_classes": 3}
+    body_403 = assert_problem(
+        app_client.post("/v1/models", json=body, headers=bearer(predict)), 403
+    )
+    assert predict not in str(body_403) and "write" in body_403["detail"]
+    assert app_client.post("/v1/models", json=body, headers=bearer(write)).status_code == 201
+    assert app_client.get("/v1/models/m", headers=bearer(predict)).status_code == 200
+    assert_problem(app_client.get("/v1/keys", headers=bearer(write)), 403, "admin")
+    assert app_client.get("/v1/keys", headers=bearer(admin)).status_code == 200
+    r = app_client.post("/v1/models", json={**body, "name": "m2"}, headers=bearer(admin))
+    assert r.status_code == 201
+
+
+def test_namespaces_are_isolated_and_foreign_models_look_missing(app_client, make_key):
+    a, b, c = make_key("team-a"), make_key("team-b"), make_key("team-c")
+    z, y = logits_data(200, 3)
+    assert app_client.post("/v1/models", json={"name": "m", "num_classes": 3}, headers=bearer(a))
+    app_client.headers.update(bearer(a))
+    r = app_client.post("/v1/models/m/datasets", json={"logits": z.tolist(), "labels": y.tolist()})
+    v = fit(app_client, "m", r.json()["id"])
+    assert app_client.put("/v1/models/m/aliases/production", json={"version": v["version"]})
+    app_client.headers.pop("Authorization")
+    paths = [
+        ("GET", "/v1/models/m", None),
+        ("GET", "/v1/models/m/datasets/1", None),
+        ("GET", "/v1/models/m/calibrators/1", None),
+        ("GET", "/v1/models/m/aliases/production", None),
+        ("POST", "/v1/models/m/predict", {"logits": z[:2].tolist()}),
+        ("PUT", "/v1/models/m/aliases/production", {"version": 1}),
+    ]
+    for method, path, json in paths:
+        foreign = app_client.request(method, path, json=json, headers=bearer(b))
+        missing = app_client.request(method, path, json=json, headers=bearer(c))
+        assert foreign.status_code == 404, (path, foreign.text)
+        assert foreign.content == missing.content, path  # the same bytes: nothing leaks
+        assert app_client.request(method, path, json=json, headers=bearer(a)).status_code < 300
+    assert app_client.get("/v1/models", headers=bearer(b)).json() == {"models": []}
+    # the same name in another namespace is another model
+    r = app_client.post("/v1/models", json={"name": "m", "num_classes": 5}, headers=bearer(b))
+    assert r.status_code == 201
+    assert app_client.get("/v1/models/m", headers=bearer(a)).json()["num_classes"] == 3
+
+
+def test_expired_and_revoked_keys_are_401(app_client, make_key, sessions):
+    expired = make_key("team-a", "admin", expires=timedelta(seconds=-1))
+    assert_problem(app_client.get("/v1/models", headers=bearer(expired)), 401, "expired")
+    live = make_key("team-a", "admin", expires=timedelta(days=1))
+    assert app_client.get("/v1/models", headers=bearer(live)).status_code == 200
+    with sessions() as s:
+        row = s.scalar(select(ApiKey).where(ApiKey.key_sha256 == key_digest(live)))
+        assert keys.revoke_key(s, row.id)
+    assert_problem(app_client.get("/v1/models", headers=bearer(live)), 401, "revoked")
+
+
+def test_admin_manages_keys_of_its_namespace_over_http(app_client, make_key, sessions):
+    admin = make_key("team-a", "admin")
+    make_key("team-b", "admin")
+    r = app_client.post("/v1/keys", json={"scope": "predict"}, headers=bearer(admin))
+    assert r.status_code == 201, r.text
+    new = r.json()
+    assert new["namespace"] == "team-a" and new["key"].startswith(new["prefix"])
+    listed = app_client.get("/v1/keys", headers=bearer(admin)).json()["keys"]
+    assert {k["namespace"] for k in listed} == {"team-a"} and len(listed) == 2
+    assert all("key" not in k for k in listed)
+    assert app_client.get("/v1/models", headers=bearer(new["key"])).status_code == 200
+    assert app_client.delete(f"/v1/keys/{new['id']}", headers=bearer(admin)).status_code == 204
+    assert_problem(app_client.get("/v1/models", headers=bearer(new["key"])), 401)
+    with sessions() as s:  # only the digest is stored
+        stored = {(r.key_sha256, r.prefix) for r in keys.list_keys(s)}
+    assert all(new["key"] not in "".join(pair) for pair in stored)
+
+
+def test_keys_never_reach_the_logs(app_client, make_key, caplog):
+    good, bad = make_key("team-a", "predict"), "wt_not-a-real-key-but-secret-looking-0123456789"
+    with caplog.at_level(logging.DEBUG):
+        app_client.get("/v1/models", headers=bearer(good))
+        app_client.post("/v1/models", json={"name": "x", "num_classes": 2}, headers=bearer(good))
+        r = app_client.get("/v1/models", headers=bearer(bad))
+        app_client.get("/v1/models/none", headers=bearer(good))
+    assert caplog.records, "nothing was logged: the capture is not working"
+    assert good not in caplog.text and bad not in caplog.text
+    assert bad not in r.text
+
+
+def test_cli_keys_create_list_revoke(database_url, monkeypatch, capsys, app_client):
+    monkeypatch.setenv("WELLTEMPERED_DATABASE_URL", database_url)
+    assert (
+        cli.main(["keys", "create", "--namespace", "ns1", "--scope", "write", "--expires", "30d"])
+        == 0
+    )
+    out = capsys.readouterr().out.strip().splitlines()
+    key = out[-1]
+    assert key.startswith("wt_") and len(key) == 46 and key not in "\n".join(out[:-1])
+    assert app_client.get("/v1/models", headers=bearer(key)).status_code == 200
+    assert cli.main(["keys", "list"]) == 0
+    listing = capsys.readouterr().out
+    assert key not in listing and key[:11] in listing and "ns1" in listing
+    key_id = int(listing.splitlines()[1].split()[0])
+    assert cli.main(["keys", "revoke", str(key_id)]) == 0
+    assert cli.main(["keys", "revoke", str(key_id)]) == 1
+    capsys.readouterr()
+    assert_problem(app_client.get("/v1/models", headers=bearer(key)), 401)
+    assert (
+        cli.main(["keys", "create", "--namespace", "ns1", "--scope", "write", "--expires", "soon"])
+        == 2
+    )
+    assert cli.main(["keys", "create", "--namespace", "bad/ns", "--scope", "write"]) == 2
+
+
+def test_serve_with_auth_off_refuses_a_public_address(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("WELLTEMPERED_AUTH", "off")
+    monkeypatch.setenv("WELLTEMPERED_DATABASE_URL", f"sqlite:///{tmp_path / 'x.sqlite3'}")
+    for host in ("0.0.0.0", "192.168.1.10", "::"):
+        assert cli.main(["serve", "--host", host, "--port", "1"]) == 2
+        assert "loopback" in capsys.readouterr().err
+    assert not (tmp_path / "x.sqlite3").exists()  # refused before touching anything
+    assert cli.is_loopback("127.0.0.1") and cli.is_loopback("::1") and cli.is_loopback("localhost")
