@@ -46,7 +46,9 @@ def build_app():
     async def bare_json(request: Request) -> Response:
         x = np.asarray(orjson.loads(await request.body())["logits"], dtype=np.float32)
         payload = {
-            "probabilities": x,
+            # Probability-sized numbers (|x| / 1000): the answer then has the service's
+            # size in bytes; the logits themselves print ~17% shorter than probabilities.
+            "probabilities": np.abs(x) * np.float32(1e-3),
             "labels": x.argmax(axis=1),
             "confidence": x.max(axis=1),
             "entropy": x.min(axis=1),

@@ -103,8 +103,12 @@ def scores_from_json(body: bytes, num_classes: int, model: str) -> tuple[np.ndar
 _NPZ_ERRORS = (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error, KeyError)
 
 
-def _read_npy(fp, what: str, max_bytes: int) -> np.ndarray:
-    """One .npy stream, its header checked before any allocation (no pickles, no bombs)."""
+def _read_npy(fp, what: str, max_bytes: int, body: bytes | None = None) -> np.ndarray:
+    """One .npy stream, its header checked before any allocation (no pickles, no bombs).
+
+    With ``body`` (the whole stream, ``fp`` reading it), the array is a read-only view
+    of it rather than a copy.
+    """
     try:
         version = np.lib.format.read_magic(fp)
         if version == (1, 0):
@@ -122,10 +126,16 @@ def _read_npy(fp, what: str, max_bytes: int) -> np.ndarray:
         )
     count = math.prod(shape)
     try:
-        data = fp.read(nbytes)
-        if len(data) != nbytes:
-            raise EOFError(f"expected {nbytes} bytes of data, got {len(data)}")
-        arr = np.frombuffer(data, dtype=dtype, count=count)
+        if body is not None:
+            offset = fp.tell()
+            if len(body) - offset < nbytes:
+                raise EOFError(f"expected {nbytes} bytes of data, got {len(body) - offset}")
+            arr = np.frombuffer(body, dtype=dtype, count=count, offset=offset)
+        else:
+            data = fp.read(nbytes)
+            if len(data) != nbytes:
+                raise EOFError(f"expected {nbytes} bytes of data, got {len(data)}")
+            arr = np.frombuffer(data, dtype=dtype, count=count)
     except _NPZ_ERRORS as exc:
         raise MalformedBody(f"{what} is truncated or corrupt: {exc}.") from None
     order = "F" if fortran else "C"
@@ -167,7 +177,7 @@ def labelled_from_npz(path: Path, num_classes: int, model: str, max_bytes: int) 
 
 def scores_from_npy(body: bytes, kind: str, num_classes: int, model: str) -> np.ndarray:
     """A ``.npy`` body (predict): one (N, K) array of ``kind``."""
-    arr = _read_npy(io.BytesIO(body), "The .npy body", len(body))
+    arr = _read_npy(io.BytesIO(body), "The .npy body", len(body), body)
     return validated_scores(arr, kind, num_classes, model)
 
 
@@ -175,3 +185,19 @@ def npy_bytes(arr: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.save(buf, arr, allow_pickle=False)
     return buf.getvalue()
+
+
+def npy_view(arr: np.ndarray) -> memoryview:
+    """``arr`` as a .npy file (the bytes of :func:`npy_bytes`) with one copy of the data:
+    the header is written into a buffer preallocated for header + data."""
+    arr = np.ascontiguousarray(arr)
+    head = io.BytesIO()
+    try:
+        np.lib.format.write_array_header_1_0(head, np.lib.format.header_data_from_array_1_0(arr))
+    except ValueError:  # a header too long for format 1.0 (huge shapes): np.save picks 2.0
+        return memoryview(npy_bytes(arr))
+    header = head.getvalue()
+    out = bytearray(len(header) + arr.nbytes)
+    out[: len(header)] = header
+    np.frombuffer(out, dtype=arr.dtype, offset=len(header)).reshape(arr.shape)[...] = arr
+    return memoryview(out)

@@ -15,11 +15,11 @@ from typing import Annotated, Literal
 
 import anyio.to_thread
 import orjson
-from fastapi import APIRouter, Depends, Path, Query, Request, Response
+from fastapi import APIRouter, Path, Query, Request, Response
 
 from service import inference, ingest, limits
 from service import observability as obs
-from service.auth import PrincipalDep
+from service.auth import AUTH_OFF, Principal
 from service.deps import AppState, get_app_state
 from service.inference import Served
 from service.problems import UnsupportedMediaType
@@ -32,22 +32,9 @@ NPY = "application/x-npy"
 VERSION_HEADER = "X-Welltempered-Version"
 
 
-async def get_served(
-    request: Request,
-    principal: PrincipalDep,
-    model: Annotated[str, Path(description="The model's name.")],
-    alias: Annotated[
-        str | None, Query(description="Alias to serve (default 'production').")
-    ] = None,
-    version: Annotated[
-        int | None, Query(ge=1, le=MAX_ID, description="A version number instead of an alias.")
-    ] = None,
-) -> Served:
-    """The version to serve (404 unknown model/alias/version, 409 not servable), cached."""
-    return await get_app_state(request).serving.get(model, alias, version, principal.namespace)
-
-
-ServedDep = Annotated[Served, Depends(get_served)]
+def principal(request: Request) -> Principal:
+    """The caller, as :func:`service.auth.authorize` left it (it stores it unless auth is off)."""
+    return getattr(request.state, "principal", None) or AUTH_OFF
 
 
 async def read_scores_body(request: Request, state: AppState) -> tuple[str, bytes]:
@@ -97,7 +84,7 @@ def respond(
     )
     headers = {VERSION_HEADER: str(served.version)}
     if want_npy:
-        return Response(ingest.npy_bytes(out["probabilities"]), media_type=NPY, headers=headers)
+        return Response(ingest.npy_view(out["probabilities"]), media_type=NPY, headers=headers)
     payload = {
         "probabilities": out["probabilities"],
         "labels": out["label"],
@@ -127,14 +114,24 @@ def respond(
 )
 async def predict(
     request: Request,
-    served: ServedDep,
+    model: Annotated[str, Path(description="The model's name.")],
+    alias: Annotated[
+        str | None, Query(description="Alias to serve (default 'production').")
+    ] = None,
+    version: Annotated[
+        int | None, Query(ge=1, le=MAX_ID, description="A version number instead of an alias.")
+    ] = None,
     kind: Annotated[
         Literal["logits", "probabilities"], Query(description="What a .npy body holds.")
     ] = "logits",
 ) -> Response:
-    # The hot path: the body is read here rather than by a dependency (each
-    # dependency costs FastAPI a parameter-solving pass; measured in bench/serve.py).
+    # The hot path: the served version (404 unknown model/alias/version, 409 not
+    # servable; cached) and the body are resolved here rather than by dependencies:
+    # each dependency, even a cached one, costs FastAPI a parameter-solving pass
+    # (measured in-process; see README "Speed"). The principal is the one that
+    # ``authorize`` (a dependency of every route, run before this) stored.
     state = get_app_state(request)
+    served = await state.serving.get(model, alias, version, principal(request).namespace)
     fmt, raw = await read_scores_body(request, state)
     want_npy = NPY in request.headers.get("accept", "")
     max_rows = state.settings.max_predict_rows
