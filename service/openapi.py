@@ -34,6 +34,17 @@ PROBLEM_SCHEMA: dict[str, Any] = {
 }
 
 #: Errors any /v1 operation may answer, and why.
+#: JSON schema of a score matrix (rows of numbers), shared by the request
+#: bodies of datasets, predict and feedback.
+SCORE_MATRIX: dict[str, Any] = {
+    "type": "array",
+    "items": {"type": "array", "items": {"type": "number"}},
+}
+#: ``{"logits" | "probabilities": [[...]]}`` properties of those bodies.
+SCORE_PROPERTIES: dict[str, Any] = {"logits": SCORE_MATRIX, "probabilities": SCORE_MATRIX}
+LABELS: dict[str, Any] = {"type": "array", "items": {"type": "integer"}}
+
+
 ERRORS = {
     "400": "Malformed body (JSON, .npz, .npy, multipart).",
     "401": "Missing, unknown, revoked or expired API key.",

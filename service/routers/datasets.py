@@ -13,6 +13,7 @@ from sqlalchemy import select
 from service import ingest, limits, store
 from service.db import Dataset, Model
 from service.deps import DatasetDep, ModelDep, SessionDep, StateDep
+from service.openapi import LABELS, SCORE_PROPERTIES
 from service.problems import UnsupportedMediaType
 from service.schemas import DatasetList, DatasetOut
 from service.uploads import media_type, read_body, spool_body, spool_multipart_file
@@ -62,15 +63,8 @@ _UPLOAD_DOC = {
                 "schema": {
                     "type": "object",
                     "properties": {
-                        "logits": {
-                            "type": "array",
-                            "items": {"type": "array", "items": {"type": "number"}},
-                        },
-                        "probabilities": {
-                            "type": "array",
-                            "items": {"type": "array", "items": {"type": "number"}},
-                        },
-                        "labels": {"type": "array", "items": {"type": "integer"}},
+                        **SCORE_PROPERTIES,
+                        "labels": LABELS,
                     },
                     "required": ["labels"],
                 }

@@ -16,6 +16,7 @@ from service import inference, ingest, monitoring, store
 from service import observability as obs
 from service.db import CalibratorVersion
 from service.deps import ModelDep, SessionDep, StateDep, VersionDep
+from service.openapi import LABELS, SCORE_PROPERTIES
 from service.problems import InvalidInput
 from service.schemas import MAX_ID
 from service.svg import CONTENT_TYPE as SVG
@@ -106,15 +107,8 @@ _FEEDBACK_DOC = {
                 "schema": {
                     "type": "object",
                     "properties": {
-                        "logits": {
-                            "type": "array",
-                            "items": {"type": "array", "items": {"type": "number"}},
-                        },
-                        "probabilities": {
-                            "type": "array",
-                            "items": {"type": "array", "items": {"type": "number"}},
-                        },
-                        "labels": {"type": "array", "items": {"type": "integer"}},
+                        **SCORE_PROPERTIES,
+                        "labels": LABELS,
                         "version": {"type": "integer", "minimum": 1},
                     },
                     "required": ["labels"],

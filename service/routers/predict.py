@@ -22,6 +22,7 @@ from service import observability as obs
 from service.auth import AUTH_OFF, Principal
 from service.deps import AppState, get_app_state
 from service.inference import Served
+from service.openapi import SCORE_PROPERTIES
 from service.problems import UnsupportedMediaType
 from service.schemas import MAX_ID
 from service.uploads import media_type, read_body
@@ -50,7 +51,6 @@ async def read_scores_body(request: Request, state: AppState) -> tuple[str, byte
     )
 
 
-_MATRIX = {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}
 _PREDICT_DOC = {
     "requestBody": {
         "required": True,
@@ -58,7 +58,7 @@ _PREDICT_DOC = {
             "application/json": {
                 "schema": {
                     "type": "object",
-                    "properties": {"logits": _MATRIX, "probabilities": _MATRIX},
+                    "properties": SCORE_PROPERTIES,
                 }
             },
             NPY: {"schema": {"type": "string", "format": "binary"}},
