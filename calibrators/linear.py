@@ -101,10 +101,32 @@ class _Problem:
         return loss, np.concatenate([gw, gb])
 
     def solve(self, theta0: np.ndarray, *, max_iter: int, tol: float):
+        """L-BFGS-B from ``theta0`` in penalty-scaled variables.
+
+        L-BFGS runs on ``phi = theta / d`` with ``d = 1 / sqrt(1 + c)``, ``c``
+        the curvature the ODIR penalty adds to each parameter (``2 lam /
+        (K (K - 1))`` off the diagonal, ``2 mu / K`` on the bias, 0 on the
+        diagonal): an exact change of variables (same optimum) that removes
+        the ill-conditioning of the strongly penalised fits (measured at
+        50,000 x 100: matrix search 194 s -> 37 s, final refit 471 -> 46
+        iterations, lower final loss; bench/odir.py).
+        """
+        k = self.k
+        if self.structure == "full":
+            cw = np.where(self.offdiag, 2.0 * self.lam / (k * (k - 1)), 0.0).ravel()
+        else:
+            cw = np.zeros(k)
+        d = 1.0 / np.sqrt(1.0 + np.concatenate([cw, np.full(k, 2.0 * self.mu / k)]))
+
+        def scaled(phi):
+            loss, grad = self(phi * d)
+            return loss, grad * d
+
         res = minimize(
-            self, theta0, jac=True, method="L-BFGS-B",
+            scaled, theta0 / d, jac=True, method="L-BFGS-B",
             options={"maxiter": max_iter, "ftol": tol, "gtol": tol, "maxcor": 20},
         )
+        res.x, res.jac = res.x * d, res.jac / d
         return res
 
     def nll(self, theta: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
