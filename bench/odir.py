@@ -36,7 +36,6 @@ import time
 import tracemalloc
 
 import numpy as np
-from scipy.optimize import minimize
 from threadpoolctl import threadpool_limits
 
 import calibrators
@@ -133,37 +132,6 @@ class StageLog:
         return False
 
 
-def scaled_solve(prob, theta0, *, max_iter, tol):
-    """A suggested change, for measurement only: ``_Problem.solve`` in scaled variables.
-
-    L-BFGS runs on ``phi = theta / d`` with ``d = 1 / sqrt(1 + c)``, where ``c``
-    is the curvature the ODIR penalty adds to each parameter (``2 lam / (K (K-1))``
-    on off-diagonal weights, ``2 mu / K`` on the bias, 0 on the diagonal). An
-    exact change of variables: same problem, same optimum, but the strong
-    penalties at the start of the grid no longer make it ill-conditioned.
-    """
-    k = prob.k
-    if prob.structure == "full":
-        cw = np.where(prob.offdiag, 2.0 * prob.lam / (k * (k - 1)), 0.0).ravel()
-    else:
-        cw = np.zeros(k)
-    d = 1.0 / np.sqrt(1.0 + np.concatenate([cw, np.full(k, 2.0 * prob.mu / k)]))
-
-    def fun(phi):
-        loss, grad = prob(phi * d)
-        return loss, grad * d
-
-    res = minimize(
-        fun,
-        theta0 / d,
-        jac=True,
-        method="L-BFGS-B",
-        options={"maxiter": max_iter, "ftol": tol, "gtol": tol, "maxcor": 20},
-    )
-    res.x, res.jac = res.x * d, res.jac / d
-    return res
-
-
 def fit_one(method, z, y, *, trace_memory: bool):
     cal = calibrators.create(method)
     if trace_memory:
@@ -200,11 +168,6 @@ def main(argv=None) -> None:
     ap.add_argument("--n", type=int, default=50_000, help="rows of the fit split (and test)")
     ap.add_argument("--k", type=int, default=100)
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument(
-        "--scaled",
-        action="store_true",
-        help="then refit vector/matrix/dirichlet with scaled_solve patched in (an experiment)",
-    )
     ap.add_argument(
         "--no-tracemalloc",
         action="store_true",
@@ -313,32 +276,6 @@ def main(argv=None) -> None:
             f"{info['iterations']} iterations, {info['message']!r}"
         )
 
-    if args.scaled:
-        print()
-        print("experiment: the same fits with scaled_solve (L-BFGS in penalty-scaled variables)")
-        orig = _linear._Problem.solve
-        _linear._Problem.solve = scaled_solve
-        try:
-            for method in methods:
-                if method == "temperature":
-                    continue
-                t0 = time.perf_counter()
-                cal = calibrators.create(method).fit(z, y)
-                seconds = time.perf_counter() - t0
-                info, rep = cal.fit_info_, report(cal.predict_proba(zt), yt)
-                before = breakdowns[method][2]
-                print(
-                    f"  {method:10s} {seconds:7.2f} s (was {breakdowns[method][0]:.2f} s), "
-                    f"{info['evaluations']} evaluations (was {before['evaluations']}), "
-                    f"lambda {_fmt(info['reg_lambda'])} mu {_fmt(info['reg_mu'])} "
-                    f"(was {_fmt(before['reg_lambda'])}, {_fmt(before['reg_mu'])}), final loss "
-                    f"{info['loss']:.10f} (was {before['loss']:.10f}), final refit "
-                    f"{info['iterations']} iterations (was {before['iterations']}), "
-                    f"test NLL {rep['nll']:.4f}",
-                    flush=True,
-                )
-        finally:
-            _linear._Problem.solve = orig
     print(f"machine at the end: {machine()}")
 
 
