@@ -85,12 +85,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     problems.install(app)
-    auth.install(app, settings)  # before the routers: every route gets the auth dependency
+    # predict first, on the app itself (matched first: the hot path), authorising
+    # inline; then the auth dependency, which every route added later gets.
+    predict.install(app)
+    auth.install(app, settings)
     openapi.install(app)  # problem+json errors and Bearer auth in /openapi.json
     app.add_middleware(BodyLimitMiddleware, limit_for=_limit_for(settings))
     app.add_middleware(MetricsMiddleware)  # outermost: 413s and 401s are counted too
-    # predict first: routes are matched in order, and it is the hot path.
-    for module in (predict, models, datasets, calibrators, aliases, keys, monitoring, health):
+    for module in (models, datasets, calibrators, aliases, keys, monitoring, health):
         app.include_router(module.router)
     return app
 

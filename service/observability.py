@@ -71,6 +71,7 @@ where it runs: the serve process calls :func:`observe_fit` when the job ends
 
 from __future__ import annotations
 
+import functools
 import glob
 import logging
 import math
@@ -467,9 +468,28 @@ def observe_request(route: str, method: str, status_code: int, seconds: float) -
     seconds : float
         Wall time from receiving the request to sending the response start.
     """
-    labels = (route, _method_label(method), status_class(status_code))
-    HTTP_REQUESTS.labels(*labels).inc()
-    HTTP_DURATION.labels(*labels).observe(max(0.0, float(seconds)))
+    requests, duration = _request_children(route, _method_label(method), status_class(status_code))
+    requests.inc()
+    duration.observe(max(0.0, float(seconds)))
+
+
+# ``metric.labels(...)`` validates and hashes the labels on every call (~2 us each,
+# six per predict request); the children of a label set never change (nothing here
+# removes series), so they are looked up once. The label sets are closed (route
+# templates, models x versions), which bounds these caches like the series themselves.
+@functools.lru_cache(maxsize=4096)
+def _request_children(route: str, method: str, status: str) -> tuple:
+    return HTTP_REQUESTS.labels(route, method, status), HTTP_DURATION.labels(route, method, status)
+
+
+@functools.lru_cache(maxsize=4096)
+def _prediction_children(model: str, version: str) -> tuple:
+    return (
+        PREDICTIONS.labels(model, version),
+        ARGMAX_FLIPS.labels(model, version),
+        PREDICTION_ENTROPY.labels(model),
+        PREDICTION_CONFIDENCE.labels(model),
+    )
 
 
 @contextmanager
@@ -540,11 +560,11 @@ def observe_predictions(
         )
     if isinstance(flipped, bool) or not 0 <= int(flipped) <= entropy.size:
         raise ValueError(f"flipped must be an int in [0, {entropy.size}]. Got {flipped!r}.")
-    version = str(version)
-    PREDICTIONS.labels(model, version).inc(entropy.size)
-    ARGMAX_FLIPS.labels(model, version).inc(int(flipped))  # creates the series at 0 too
-    _observe_many(PREDICTION_ENTROPY.labels(model), entropy)
-    _observe_many(PREDICTION_CONFIDENCE.labels(model), confidence)
+    rows, flips, entropies, confidences = _prediction_children(model, str(version))
+    rows.inc(entropy.size)
+    flips.inc(int(flipped))  # creates the series at 0 too
+    _observe_many(entropies, entropy)
+    _observe_many(confidences, confidence)
 
 
 def observe_feedback(model: str, version: int | str, rows: int) -> None:

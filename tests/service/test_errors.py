@@ -216,6 +216,28 @@ def test_predict_errors(served):
     assert_problem(c.post(f"{url}?version=9", json={"logits": x}), 404, "version 9")
     assert_problem(c.post(f"{url}?version=0", json={"logits": x}), 422)
     assert_problem(c.post("/v1/models/zz/predict", json={"logits": x}), 404, "zz")
+    # The query is validated by the handler itself (not FastAPI's parameter solving):
+    # the same 422 problem, naming the parameter.
+    for query, field in (("version=abc", "version"), ("version=0", "version"), ("kind=x", "kind")):
+        body = assert_problem(c.post(f"{url}?{query}", json={"logits": x}), 422, field)
+        assert body["errors"][0]["loc"] == ["query", field], body
+
+
+def test_predict_parameters_are_documented(client):
+    """/predict declares its path and query parameters in the OpenAPI document."""
+    op = client.get("/openapi.json").json()["paths"]["/v1/models/{model}/predict"]["post"]
+    params = {(p["in"], p["name"]): p for p in op["parameters"]}
+    assert set(params) == {
+        ("path", "model"),
+        ("query", "alias"),
+        ("query", "version"),
+        ("query", "kind"),
+    }
+    assert params["path", "model"]["required"]
+    version = params["query", "version"]["schema"]["anyOf"][0]
+    assert (version["type"], version["minimum"]) == ("integer", 1)
+    assert params["query", "kind"]["schema"]["enum"] == ["logits", "probabilities"]
+    assert op["security"] == [{"bearer": []}]
 
 
 def test_body_limits(database_url, tmp_path):
