@@ -65,8 +65,13 @@ class SessionCache:
 
 @dataclass(frozen=True)
 class Served:
-    """What predict needs about the version it serves; immutable, so cacheable."""
+    """What predict needs about the version it serves; immutable, so cacheable.
 
+    ``namespace`` is the model's (``models.namespace``), carried so the metrics of the
+    rows it serves are labelled by tenant as well as by model name.
+    """
+
+    namespace: str
     model: str
     num_classes: int
     version: int
@@ -108,7 +113,13 @@ class ServingCache:
         with self.sessions() as session:
             model, row = resolve_served(session, name, alias, version, namespace)
             onnx = self.onnx.get(row.id, lambda: row.params)
-            return Served(model.name, model.num_classes, row.version, onnx)
+            return Served(
+                namespace=model.namespace,
+                model=model.name,
+                num_classes=model.num_classes,
+                version=row.version,
+                session=onnx,
+            )
 
     def invalidate(self, model: str, namespace: str) -> None:
         for key in [k for k in self._entries if k[0] == model and k[3] == namespace]:

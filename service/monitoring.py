@@ -307,7 +307,9 @@ def snapshot(sessions: sessionmaker, window_seconds: int, bucket_seconds: int) -
 
     Fit jobs by status (every status, 0 included), hold-out figures of every aliased
     version, and the live figures and drift bound of every version with feedback in
-    the window. Three queries, whatever the number of models.
+    the window. Three queries, whatever the number of models. Every model-level sample
+    is labelled by the model's namespace as well as its name (names are unique per
+    namespace only).
     """
     with sessions() as session:
         jobs = dict(
@@ -317,6 +319,7 @@ def snapshot(sessions: sessionmaker, window_seconds: int, bucket_seconds: int) -
         )
         aliased = session.execute(
             select(
+                Model.namespace,
                 Model.name,
                 CalibratorVersion.version,
                 Alias.alias,
@@ -325,13 +328,14 @@ def snapshot(sessions: sessionmaker, window_seconds: int, bucket_seconds: int) -
             )
             .join(CalibratorVersion, CalibratorVersion.id == Alias.version_id)
             .join(Model, Model.id == Alias.model_id)
-            .order_by(Model.name, Alias.alias)
+            .order_by(Model.namespace, Model.name, Alias.alias)
         ).all()
         live = window_statistics(session, window_start(window_seconds, bucket_seconds))
         versions = (
             session.execute(
                 select(
                     CalibratorVersion.id,
+                    Model.namespace,
                     Model.name,
                     Model.num_classes,
                     CalibratorVersion.version,
@@ -346,17 +350,17 @@ def snapshot(sessions: sessionmaker, window_seconds: int, bucket_seconds: int) -
     snap: dict[str, list] = {key: [] for key in obs.DB_GAUGES}
     snap["fit_jobs"] = [({"status": s}, jobs.get(s, 0)) for s in STATUSES]
     snap["live_window_seconds"] = [({}, window_seconds)]
-    for name, version, alias, after, argmax in aliased:
-        labels = {"model": name, "version": version, "alias": alias}
+    for namespace, name, version, alias, after, argmax in aliased:
+        labels = {"namespace": namespace, "model": name, "version": version, "alias": alias}
         after = after or {}
         snap["holdout_ece"].append((labels, after.get("ece")))
         snap["holdout_nll"].append((labels, after.get("nll")))
         snap["holdout_accuracy"].append((labels, after.get("accuracy")))
         snap["holdout_argmax_agreement"].append((labels, (argmax or {}).get("agreement")))
-    for version_id, name, n_classes, version, after in versions:
+    for version_id, namespace, name, n_classes, version, after in versions:
         stats = live[version_id]
         report = live_report(stats, n_classes)
-        labels = {"model": name, "version": version}
+        labels = {"namespace": namespace, "model": name, "version": version}
         for key in ("ece", "nll", "accuracy", "entropy"):
             snap[f"live_{key}"].append((labels, report[key]))
         snap["live_labelled_rows"].append((labels, report["n"]))

@@ -4,7 +4,9 @@ The vocabulary
 --------------
 Names start with ``welltempered_``, use base units (``_seconds``, ``_nats``;
 ``_ratio`` for a quantity in [0, 1]) and counters end in ``_total``. Label
-names come from a closed set, :data:`LABELS`: ``model``, ``version``,
+names come from a closed set, :data:`LABELS`: ``namespace`` (the tenant owning
+the model; two namespaces may each have a model of the same name, so every series
+labelled by ``model`` is labelled by ``namespace`` first), ``model``, ``version``,
 ``alias``, ``method`` (HTTP method on HTTP metrics, calibration method on fit
 metrics), ``route`` (the route *template*, never the raw path) and ``status``
 (the status *class* "2xx" on HTTP metrics, the job status on
@@ -124,7 +126,7 @@ __all__ = [
 
 PREFIX = "welltempered_"
 #: The closed set of label names.
-LABELS = frozenset({"model", "version", "alias", "method", "route", "status"})
+LABELS = frozenset({"namespace", "model", "version", "alias", "method", "route", "status"})
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 #: ``route`` of a request no route matched (404s of unknown paths): one series, not one
 #: per path a scanner tries.
@@ -204,31 +206,31 @@ HTTP_IN_PROGRESS = Gauge(
 )
 PREDICTIONS = Counter(
     "welltempered_predictions_total",
-    "Rows served by /predict (calibrated probability vectors), by model and version.",
-    ("model", "version"),
+    "Rows served by /predict (calibrated probability vectors), by namespace, model and version.",
+    ("namespace", "model", "version"),
 )
 PREDICTION_ENTROPY = Histogram(
     "welltempered_prediction_entropy_nats",
     "Shannon entropy of each served calibrated row, in nats (0 = one-hot, log K = uniform).",
-    ("model",),
+    ("namespace", "model"),
     buckets=ENTROPY_BUCKETS_NATS,
 )
 PREDICTION_CONFIDENCE = Histogram(
     "welltempered_prediction_confidence_ratio",
     "Confidence (maximum probability) of each served calibrated row.",
-    ("model",),
+    ("namespace", "model"),
     buckets=CONFIDENCE_BUCKETS,
 )
 ARGMAX_FLIPS = Counter(
     "welltempered_prediction_argmax_flips_total",
     "Served rows whose calibrated argmax differs from the uncalibrated argmax (possible "
     "only under argmax_policy 'warn' or 'off').",
-    ("model", "version"),
+    ("namespace", "model", "version"),
 )
 FEEDBACK_ROWS = Counter(
     "welltempered_feedback_rows_total",
-    "Labelled rows received by /feedback, by model and the version that served them.",
-    ("model", "version"),
+    "Labelled rows received by /feedback, by namespace, model and the version that served them.",
+    ("namespace", "model", "version"),
 )
 FIT_DURATION = Histogram(
     "welltempered_fit_duration_seconds",
@@ -251,8 +253,8 @@ class GaugeSpec:
     labels: tuple[str, ...]
 
 
-_HOLDOUT = ("model", "version", "alias")
-_LIVE = ("model", "version")
+_HOLDOUT = ("namespace", "model", "version", "alias")
+_LIVE = ("namespace", "model", "version")
 
 #: The database gauges, keyed by the name used in a snapshot (see :data:`Snapshot`).
 DB_GAUGES: dict[str, GaugeSpec] = {
@@ -345,8 +347,9 @@ class DatabaseQualityCollector:
         Reads the database (plain rows, no prometheus objects), e.g.::
 
             {"fit_jobs": [({"status": "running"}, 1), ({"status": "failed"}, 2)],
-             "holdout_ece": [({"model": "m", "version": 3, "alias": "production"}, 0.012)],
-             "live_ece": [({"model": "m", "version": 3}, 0.019)],
+             "holdout_ece": [({"namespace": "team-a", "model": "m", "version": 3,
+                              "alias": "production"}, 0.012)],
+             "live_ece": [({"namespace": "team-a", "model": "m", "version": 3}, 0.019)],
              "live_window_seconds": [({}, 3600)]}
 
         If it raises, the exception is logged, ``welltempered_database_up`` is 0
@@ -476,19 +479,20 @@ def observe_request(route: str, method: str, status_code: int, seconds: float) -
 # ``metric.labels(...)`` validates and hashes the labels on every call (~2 us each,
 # six per predict request); the children of a label set never change (nothing here
 # removes series), so they are looked up once. The label sets are closed (route
-# templates, models x versions), which bounds these caches like the series themselves.
+# templates, namespaces x models x versions), which bounds these caches like the series
+# themselves.
 @functools.lru_cache(maxsize=4096)
 def _request_children(route: str, method: str, status: str) -> tuple:
     return HTTP_REQUESTS.labels(route, method, status), HTTP_DURATION.labels(route, method, status)
 
 
 @functools.lru_cache(maxsize=4096)
-def _prediction_children(model: str, version: str) -> tuple:
+def _prediction_children(namespace: str, model: str, version: str) -> tuple:
     return (
-        PREDICTIONS.labels(model, version),
-        ARGMAX_FLIPS.labels(model, version),
-        PREDICTION_ENTROPY.labels(model),
-        PREDICTION_CONFIDENCE.labels(model),
+        PREDICTIONS.labels(namespace, model, version),
+        ARGMAX_FLIPS.labels(namespace, model, version),
+        PREDICTION_ENTROPY.labels(namespace, model),
+        PREDICTION_CONFIDENCE.labels(namespace, model),
     )
 
 
@@ -534,14 +538,16 @@ def _observe_many(child, values: np.ndarray) -> None:
 
 
 def observe_predictions(
-    model: str, version: int | str, entropy, confidence, flipped: int = 0
+    namespace: str, model: str, version: int | str, entropy, confidence, flipped: int = 0
 ) -> None:
     """Count the rows of one /predict answer and their entropy and confidence.
 
     Parameters
     ----------
+    namespace : str
+        The namespace owning the model (``models.namespace``).
     model : str
-        Model name.
+        Model name, unique within its namespace only.
     version : int or str
         The calibrator version that served the rows.
     entropy : array-like of shape (n_rows,)
@@ -560,16 +566,28 @@ def observe_predictions(
         )
     if isinstance(flipped, bool) or not 0 <= int(flipped) <= entropy.size:
         raise ValueError(f"flipped must be an int in [0, {entropy.size}]. Got {flipped!r}.")
-    rows, flips, entropies, confidences = _prediction_children(model, str(version))
+    rows, flips, entropies, confidences = _prediction_children(namespace, model, str(version))
     rows.inc(entropy.size)
     flips.inc(int(flipped))  # creates the series at 0 too
     _observe_many(entropies, entropy)
     _observe_many(confidences, confidence)
 
 
-def observe_feedback(model: str, version: int | str, rows: int) -> None:
-    """Count labelled rows received by /feedback for the version that served them."""
-    FEEDBACK_ROWS.labels(model, str(version)).inc(int(rows))
+def observe_feedback(namespace: str, model: str, version: int | str, rows: int) -> None:
+    """Count labelled rows received by /feedback for the version that served them.
+
+    Parameters
+    ----------
+    namespace : str
+        The namespace owning the model (``models.namespace``).
+    model : str
+        Model name, unique within its namespace only.
+    version : int or str
+        The calibrator version that calibrated the rows.
+    rows : int
+        Labelled rows received.
+    """
+    FEEDBACK_ROWS.labels(namespace, model, str(version)).inc(int(rows))
 
 
 def observe_fit(method: str, seconds: float) -> None:

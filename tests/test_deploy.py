@@ -75,11 +75,13 @@ def alert_exprs() -> list[str]:
     return [rule["expr"] for group in load_yaml(ALERTS_YML)["groups"] for rule in group["rules"]]
 
 
+#: The dashboard's template variables, each "All" (``.*``) when sent to Prometheus.
+TEMPLATE_VARIABLES = re.compile(r"\$(?:namespace|model)\b")
+
+
 def for_prometheus(expr: str) -> str:
     """A dashboard expression as Prometheus receives it from Grafana."""
-    return (
-        expr.replace("$__rate_interval", "1m").replace('"$model"', '".*"').replace("$model", ".*")
-    )
+    return TEMPLATE_VARIABLES.sub(".*", expr.replace("$__rate_interval", "1m"))
 
 
 # ---------------------------------------------------------------------------
@@ -90,10 +92,11 @@ def for_prometheus(expr: str) -> str:
 def exposition() -> str:
     """Families of /metrics after every metric was touched once (and a full snapshot)."""
     obs.observe_request("/v1/models/{model}/predict", "POST", 200, 0.01)
-    obs.observe_predictions("deploy-test", 1, np.array([0.5]), np.array([0.8]), flipped=0)
-    obs.observe_feedback("deploy-test", 1, 1)
+    obs.observe_predictions("ns", "deploy-test", 1, np.array([0.5]), np.array([0.8]), flipped=0)
+    obs.observe_feedback("ns", "deploy-test", 1, 1)
     obs.observe_fit("temperature", 0.1)
-    live, hold = {"model": "m", "version": 1}, {"model": "m", "version": 1, "alias": "production"}
+    live = {"namespace": "ns", "model": "m", "version": 1}
+    hold = {**live, "alias": "production"}
     snapshot = {
         key: [({}, 1.0)]
         if not spec.labels
@@ -153,6 +156,38 @@ def test_label_names_in_expressions_exist(dashboard):
         for group in re.findall(r"\b(?:by|on|without|ignoring)\s*\(([^)]*)\)", expr):
             for label in filter(None, (x.strip() for x in group.split(","))):
                 assert label in obs.LABELS | EXTRA_LABELS, (expr, label)
+
+
+def test_model_is_always_qualified_by_its_namespace(dashboard):
+    """Model names are unique per namespace only: every selector, grouping and legend that
+    names the model names the namespace too, and every series with a model label has a
+    namespace label (first)."""
+    for name, (_, labels) in obs.METRICS.items():
+        if "model" in labels:
+            assert labels[0] == "namespace", (name, labels)
+    for expr in dashboard_exprs(dashboard) + alert_exprs():
+        for matchers in re.findall(r"welltempered_[a-z0-9_]+\{([^}]*)\}", expr):
+            if re.search(r"\bmodel\s*=", matchers):
+                assert re.search(r"\bnamespace\s*=~\s*\"\$namespace\"", matchers), expr
+        for group in re.findall(r"\b(?:by|on)\s*\(([^)]*)\)", expr):
+            labels = {x.strip() for x in group.split(",")}
+            assert "model" not in labels or "namespace" in labels, (expr, group)
+    for panel in dashboard_panels(dashboard):
+        for target in panel.get("targets", []):
+            legend = target.get("legendFormat", "")
+            assert "{{model}}" not in legend or "{{namespace}}" in legend, legend
+    variables = [v["name"] for v in dashboard["templating"]["list"]]
+    assert variables.index("namespace") < variables.index("model")
+    (model_var,) = [v for v in dashboard["templating"]["list"] if v["name"] == "model"]
+    assert '{namespace=~"$namespace"}' in model_var["query"]["query"]
+
+
+def test_alert_annotations_name_the_namespace():
+    for group in load_yaml(ALERTS_YML)["groups"]:
+        for rule in group["rules"]:
+            for text in rule["annotations"].values():
+                if "$labels.model" in text:
+                    assert "$labels.namespace" in text, (rule["alert"], text)
 
 
 def test_database_gauges_are_aggregated_with_max_or_min(dashboard):

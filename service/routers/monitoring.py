@@ -138,7 +138,7 @@ def post_feedback(
     bucket = monitoring.bucket_start(time.time(), state.settings.feedback_bucket_seconds)
     monitoring.record_feedback(session, row.id, stats, bucket)
     n = int(labelled.labels.shape[0])
-    obs.observe_feedback(model.name, row.version, n)
+    obs.observe_feedback(model.namespace, model.name, row.version, n)
     return {
         "model": model.name,
         "version": row.version,

@@ -135,7 +135,7 @@ def respond(
     # Rows whose calibrated argmax is not the input's (the log of probabilities keeps it).
     flipped = int((scores.argmax(axis=1) != out["label"]).sum())
     obs.observe_predictions(
-        served.model, served.version, out["entropy"], out["confidence"], flipped
+        served.namespace, served.model, served.version, out["entropy"], out["confidence"], flipped
     )
     headers = {VERSION_HEADER: str(served.version)}
     if want_npy:

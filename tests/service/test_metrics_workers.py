@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text
 
 from service import migrate
+from service.db import DEFAULT_NAMESPACE
 from tests.conftest import skip_or_fail
 from tests.service.conftest import BACKENDS, logits_data, pg_schema_url
 from tests.test_deploy import ALERTS_YML, DASHBOARD, alert_exprs, dashboard_exprs, for_prometheus
@@ -187,9 +188,12 @@ def test_two_workers_metrics_add_up(server):
             r = c.get(f"{server['base']}/metrics")
             assert r.status_code == 200
             seen.append(samples(r.text))
+    # auth is off: every model is in the default namespace
+    model = (("model", "m"), ("namespace", DEFAULT_NAMESPACE))
+    key = (*model, ("version", "1"))
     for fams in seen:
         predictions = fams["welltempered_predictions_total"]
-        assert predictions == {(("model", "m"), ("version", "1")): server["rows"]}
+        assert predictions == {key: server["rows"]}
         http = fams["welltempered_http_requests_total"]
         assert (
             http[(("method", "POST"), ("route", PREDICT_ROUTE), ("status", "2xx"))]
@@ -203,13 +207,9 @@ def test_two_workers_metrics_add_up(server):
             http[(("method", "POST"), ("route", FEEDBACK_ROUTE), ("status", "2xx"))]
             == (server["feedbacks"])
         )
-        key = (("model", "m"), ("version", "1"))
         assert fams["welltempered_feedback_rows_total"][key] == server["feedback_rows"]
         assert fams["welltempered_live_labelled_rows"][key] == server["feedback_rows"]
-        assert (
-            fams["welltempered_prediction_entropy_nats_count"][(("model", "m"),)]
-            == (server["rows"])
-        )
+        assert fams["welltempered_prediction_entropy_nats_count"][model] == (server["rows"])
         assert fams["welltempered_fit_duration_seconds_count"][(("method", "temperature"),)] == 1
         assert fams["welltempered_fit_jobs"][(("status", "succeeded"),)] == 1
         assert fams["welltempered_database_up"][()] == 1

@@ -13,13 +13,24 @@ import xml.etree.ElementTree as ET
 
 import numpy as np
 import pytest
+from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy.orm import sessionmaker
 
 from calibrators import metrics
-from service import monitoring
-from tests.service.conftest import assert_problem, create_model, fit, logits_data, upload
+from service import keys, monitoring
+from service.app import create_app
+from service.db import DEFAULT_NAMESPACE, make_engine
+from tests.service.conftest import (
+    assert_problem,
+    create_model,
+    fit,
+    logits_data,
+    make_settings,
+    upload,
+)
 from tests.service.test_errors import bodies
 
 SVG_NS = "{http://www.w3.org/2000/svg}"
@@ -286,18 +297,19 @@ def test_metrics_observe_predict_feedback_and_fits(client):
         return after.get(name, {}).get(key, 0.0) - before.get(name, {}).get(key, 0.0)
 
     v = str(version["version"])
-    assert delta("welltempered_predictions_total", model="obs", version=v) == 300
-    assert delta("welltempered_prediction_argmax_flips_total", model="obs", version=v) == flips
-    assert delta("welltempered_prediction_entropy_nats_count", model="obs") == 300
-    assert delta("welltempered_prediction_confidence_ratio_count", model="obs") == 300
-    assert delta("welltempered_feedback_rows_total", model="obs", version=v) == 250
+    model = {"namespace": DEFAULT_NAMESPACE, "model": "obs"}  # auth off: the default namespace
+    assert delta("welltempered_predictions_total", **model, version=v) == 300
+    assert delta("welltempered_prediction_argmax_flips_total", **model, version=v) == flips
+    assert delta("welltempered_prediction_entropy_nats_count", **model) == 300
+    assert delta("welltempered_prediction_confidence_ratio_count", **model) == 300
+    assert delta("welltempered_feedback_rows_total", **model, version=v) == 250
     assert delta("welltempered_fit_duration_seconds_count", method="matrix") == 1
     route = "/v1/models/{model}/predict"
     assert delta("welltempered_http_requests_total", route=route, method="POST", status="2xx") == 1
     route = "/v1/models/{model}/monitoring"
     assert delta("welltempered_http_requests_total", route=route, method="GET", status="4xx") == 1
     gauges = after
-    live = {"model": "obs", "version": v}
+    live = {**model, "version": v}
     assert gauges["welltempered_live_labelled_rows"][tuple(sorted(live.items()))] == 250
     hold = tuple(sorted({**live, "alias": "production"}.items()))
     assert gauges["welltempered_holdout_ece_ratio"][hold] == version["metrics"]["after"]["ece"]
@@ -311,6 +323,81 @@ def test_metrics_observe_predict_feedback_and_fits(client):
     client.get("/no/such/path/123")
     text = client.get("/metrics").text
     assert 'route="unmatched"' in text and "/no/such/path" not in text
+
+
+@pytest.fixture
+def tenants(database_url, tmp_path):
+    """An app with auth on and a client per namespace (team-a, team-b), each with a write key."""
+    settings = make_settings(database_url, tmp_path, auth="on", key_cache_seconds=0.0)
+    with TestClient(create_app(settings), raise_server_exceptions=False) as app_client:
+        engine = make_engine(database_url)
+        with sessionmaker(engine)() as session:
+            made = {ns: keys.create_key(session, ns, "write")[1] for ns in ("team-a", "team-b")}
+        engine.dispose()
+        clients = {
+            ns: TestClient(
+                app_client.app,
+                raise_server_exceptions=False,
+                headers={"Authorization": f"Bearer {key}"},
+            )
+            for ns, key in made.items()
+        }
+        yield clients
+        for client in clients.values():
+            client.close()
+
+
+def test_metrics_keep_two_namespaces_with_the_same_model_name_apart(tenants):
+    """Two tenants each have a model "m" (version 1): the counters of the process and the
+    database gauges are one series per namespace, with that namespace's figures."""
+    anyone = tenants["team-a"]  # /metrics is open; any client reads the same
+    # rows predicted, rows fed back: different per namespace, so mixing would show
+    sent = {"team-a": (40, 30), "team-b": (90, 120)}
+    before = families(anyone.get("/metrics").text)
+    versions = {}
+    for seed, (ns, (n_predict, n_feedback)) in enumerate(sent.items()):
+        client = tenants[ns]
+        logits, labels = logits_data(300, k=4, seed=20 + seed)
+        create_model(client, "m")
+        versions[ns] = promote(client, "m", upload(client, "m", logits, labels)["id"])
+        r = client.post("/v1/models/m/predict", json={"logits": logits[:n_predict].tolist()})
+        assert r.status_code == 200, r.text
+        feed(client, "m", "logits", logits[:n_feedback], labels[:n_feedback])
+    after = families(anyone.get("/metrics").text)
+
+    def changed(name: str) -> dict[tuple, float]:
+        """The series of model "m" that this test moved, and by how much."""
+        out = {}
+        for key, value in after.get(name, {}).items():
+            moved = value - before.get(name, {}).get(key, 0.0)
+            if dict(key).get("model") == "m" and moved:
+                out[key] = moved
+        return out
+
+    def key(ns: str, **more) -> tuple:
+        return tuple(sorted({"namespace": ns, "model": "m", **more}.items()))
+
+    v = {ns: str(versions[ns]["version"]) for ns in sent}
+    assert changed("welltempered_predictions_total") == {
+        key(ns, version=v[ns]): n_predict for ns, (n_predict, _) in sent.items()
+    }
+    for name in (
+        "welltempered_prediction_entropy_nats_count",
+        "welltempered_prediction_confidence_ratio_count",
+    ):
+        assert changed(name) == {key(ns): n_predict for ns, (n_predict, _) in sent.items()}
+    assert changed("welltempered_feedback_rows_total") == {
+        key(ns, version=v[ns]): n_feedback for ns, (_, n_feedback) in sent.items()
+    }
+    # the database gauges: this test's database holds exactly these two models
+    assert after["welltempered_live_labelled_rows"] == {
+        key(ns, version=v[ns]): n_feedback for ns, (_, n_feedback) in sent.items()
+    }
+    assert after["welltempered_holdout_ece_ratio"] == {
+        key(ns, version=v[ns], alias="production"): versions[ns]["metrics"]["after"]["ece"]
+        for ns in sent
+    }
+    assert set(after["welltempered_live_ece_ratio"]) == {key(ns, version=v[ns]) for ns in sent}
 
 
 # ---------------------------------------------------------------------------

@@ -20,19 +20,22 @@ from service import observability as obs
 
 ROOT = Path(__file__).resolve().parents[2]
 
+LIVE = {"namespace": "team-a", "model": "m", "version": 2}
+HOLD = {**LIVE, "alias": "production"}
 #: A snapshot with one sample for every database gauge.
 FAKE_SNAPSHOT = {
     "fit_jobs": [({"status": "queued"}, 1), ({"status": "succeeded"}, 4)],
-    "holdout_ece": [({"model": "m", "version": 2, "alias": "production"}, 0.0123)],
-    "holdout_nll": [({"model": "m", "version": 2, "alias": "production"}, 0.91)],
-    "holdout_accuracy": [({"model": "m", "version": 2, "alias": "production"}, 0.75)],
-    "holdout_argmax_agreement": [({"model": "m", "version": 2, "alias": "production"}, 1.0)],
-    "live_ece": [({"model": "m", "version": 2}, 0.02), ({"model": "m", "version": 1}, None)],
-    "live_ece_bound": [({"model": "m", "version": 2}, 0.035)],
-    "live_nll": [({"model": "m", "version": 2}, 0.95)],
-    "live_accuracy": [({"model": "m", "version": 2}, 0.74)],
-    "live_entropy": [({"model": "m", "version": 2}, 0.8)],
-    "live_labelled_rows": [({"model": "m", "version": 2}, 5000)],
+    "holdout_ece": [(HOLD, 0.0123)],
+    "holdout_nll": [(HOLD, 0.91)],
+    "holdout_accuracy": [(HOLD, 0.75)],
+    "holdout_argmax_agreement": [(HOLD, 1.0)],
+    "live_ece": [(LIVE, 0.02), ({**LIVE, "version": 1}, None)],
+    "live_ece_bound": [(LIVE, 0.035)],
+    "live_nll": [(LIVE, 0.95)],
+    "live_accuracy": [(LIVE, 0.74)],
+    "live_entropy": [(LIVE, 0.8)],
+    # the same model name in another namespace is another series
+    "live_labelled_rows": [(LIVE, 5000), ({**LIVE, "namespace": "team-b"}, 70)],
     "live_window_seconds": [({}, 3600)],
 }
 
@@ -48,10 +51,12 @@ def sample(fams: dict, family: str, name: str, **labels) -> float:
     raise KeyError((family, name, labels))
 
 
-def touch_everything(model: str = "touch") -> None:
+def touch_everything(model: str = "touch", namespace: str = "touch-ns") -> None:
     obs.observe_request("/v1/models/{model}/predict", "POST", 200, 0.02)
-    obs.observe_predictions(model, 1, np.array([0.1, 1.0]), np.array([0.9, 0.6]), flipped=1)
-    obs.observe_feedback(model, 1, 2)
+    obs.observe_predictions(
+        namespace, model, 1, np.array([0.1, 1.0]), np.array([0.9, 0.6]), flipped=1
+    )
+    obs.observe_feedback(namespace, model, 1, 2)
     obs.observe_fit("temperature", 0.5)
     with obs.track_in_progress():
         pass
@@ -82,7 +87,7 @@ def test_exposition_has_every_metric_with_help_and_type():
     assert "_created" not in text  # same series as in multiprocess mode
     fams = families(body)
     assert sample(fams, "welltempered_holdout_ece_ratio", "welltempered_holdout_ece_ratio",
-                  model="m", version=2, alias="production") == 0.0123  # fmt: skip
+                  **HOLD) == 0.0123  # fmt: skip
     assert sample(fams, "welltempered_fit_jobs", "welltempered_fit_jobs", status="succeeded") == 4
     assert sample(fams, "welltempered_database_up", "welltempered_database_up") == 1
     # a None value (an empty window) is no sample at all
@@ -96,27 +101,50 @@ def test_without_snapshot_there_are_no_database_gauges():
 
 
 def test_observe_helpers_count_what_they_say():
-    model = "helpers"
-    obs.observe_predictions(model, 3, np.array([0.0, 0.3, np.nan]), np.array([1.0, 0.8, 0.5]), 2)
-    obs.observe_predictions(model, 3, np.zeros(0), np.zeros(0))
+    ns, model = "helpers-ns", "helpers"
+    entropy_a, confidence_a = np.array([0.0, 0.3, np.nan]), np.array([1.0, 0.8, 0.5])
+    obs.observe_predictions(ns, model, 3, entropy_a, confidence_a, 2)
+    obs.observe_predictions(ns, model, 3, np.zeros(0), np.zeros(0))
     obs.observe_request("/healthz", "get", 503, 0.001)
     obs.observe_request("/healthz", "BREW", 418, 0.001)
     fams = families(obs.render_metrics()[0])
     rows = sample(fams, "welltempered_predictions", "welltempered_predictions_total",
-                  model=model, version=3)  # fmt: skip
-    assert rows == 3
+                  namespace=ns, model=model, version=3)  # fmt: skip
+    assert rows == entropy_a.size
     flips = "welltempered_prediction_argmax_flips"
-    assert sample(fams, flips, flips + "_total", model=model, version=3) == 2
+    assert sample(fams, flips, flips + "_total", namespace=ns, model=model, version=3) == 2
     entropy = "welltempered_prediction_entropy_nats"
-    assert sample(fams, entropy, entropy + "_count", model=model) == 2  # NaN not observed
-    assert sample(fams, entropy, entropy + "_bucket", model=model, le="0.01") == 1
+    finite = int(np.isfinite(entropy_a).sum())  # NaN not observed
+    assert sample(fams, entropy, entropy + "_count", namespace=ns, model=model) == finite
+    assert sample(fams, entropy, entropy + "_bucket", namespace=ns, model=model, le="0.01") == 1
     http = "welltempered_http_requests"
     assert sample(fams, http, http + "_total", route="/healthz", method="GET", status="5xx") >= 1
     assert sample(fams, http, http + "_total", route="/healthz", method="OTHER", status="4xx") >= 1
     with pytest.raises(ValueError, match="one entry per row"):
-        obs.observe_predictions(model, 3, np.zeros(2), np.zeros(3))
+        obs.observe_predictions(ns, model, 3, np.zeros(2), np.zeros(3))
     with pytest.raises(ValueError, match="flipped"):
-        obs.observe_predictions(model, 3, np.zeros(2), np.zeros(2), flipped=3)
+        obs.observe_predictions(ns, model, 3, np.zeros(2), np.zeros(2), flipped=3)
+
+
+def test_the_same_model_name_in_two_namespaces_is_two_series():
+    model, sizes = "shared-name", {"ns-one": 3, "ns-two": 20}  # 20 > _SMALL_BATCH: numpy path
+    for ns, n in sizes.items():
+        obs.observe_predictions(ns, model, 1, np.full(n, 0.5), np.full(n, 0.7), flipped=n // 2)
+        obs.observe_feedback(ns, model, 1, 2 * n)
+    fams = families(obs.render_metrics()[0])
+    rows, flips = "welltempered_predictions", "welltempered_prediction_argmax_flips"
+    entropy, feedback = "welltempered_prediction_entropy_nats", "welltempered_feedback_rows"
+    got = {
+        s.labels["namespace"]: s.value
+        for s in fams[rows].samples
+        if s.name == rows + "_total" and s.labels["model"] == model
+    }
+    assert got == sizes
+    for ns, n in sizes.items():
+        assert sample(fams, flips, flips + "_total", namespace=ns, model=model) == n // 2
+        assert sample(fams, entropy, entropy + "_count", namespace=ns, model=model) == n
+        assert sample(fams, entropy, entropy + "_sum", namespace=ns, model=model) == 0.5 * n
+        assert sample(fams, feedback, feedback + "_total", namespace=ns, model=model) == 2 * n
 
 
 def test_batch_histogram_equals_one_observe_per_row():
@@ -164,7 +192,10 @@ def test_database_collector_yields_gauges_from_a_fake_snapshot():
     assert {spec.name for spec in obs.DB_GAUGES.values()} <= set(collected)
     assert all(m.type == "gauge" for m in collected.values())
     live = collected["welltempered_live_labelled_rows"].samples
-    assert [(s.labels, s.value) for s in live] == [({"model": "m", "version": "2"}, 5000.0)]
+    assert [(s.labels, s.value) for s in live] == [
+        ({"namespace": "team-a", "model": "m", "version": "2"}, 5000.0),
+        ({"namespace": "team-b", "model": "m", "version": "2"}, 70.0),
+    ]
 
 
 def test_registering_the_collector_does_not_query_the_database():
@@ -190,9 +221,10 @@ def test_a_failing_database_leaves_the_process_metrics(caplog):
     ("snapshot", "message"),
     [
         ({"live_eec": []}, "snapshot keys must be among"),
-        ({"live_ece": [({"model": "m"}, 0.1)]}, "labels must be"),
-        ({"live_ece": [({"model": "m", "version": 1, "pod": "x"}, 0.1)]}, "labels must be"),
-        ({"live_ece": [({"model": "m", "version": 1}, "0.1")]}, "must be numbers"),
+        ({"live_ece": [({"namespace": "a", "model": "m"}, 0.1)]}, "labels must be"),
+        ({"live_ece": [({"model": "m", "version": 1}, 0.1)]}, "labels must be"),
+        ({"live_ece": [({**LIVE, "pod": "x"}, 0.1)]}, "labels must be"),
+        ({"live_ece": [(LIVE, "0.1")]}, "must be numbers"),
     ],
 )
 def test_a_snapshot_breaking_the_contract_raises(snapshot, message):
@@ -224,13 +256,19 @@ WORKER = """
     k = int(os.environ["ROWS"])
     for _ in range(k):
         obs.observe_request("/v1/models/{model}/predict", "POST", 200, 0.02)
-    obs.observe_predictions("m", 1, np.full(k, 0.15), np.full(k, 0.85), flipped=1)
+    obs.observe_predictions("team-a", "m", 1, np.full(k, 0.15), np.full(k, 0.85), flipped=1)
+    b = int(os.environ["ROWS_B"])  # the same model name in another namespace
+    obs.observe_predictions("team-b", "m", 1, np.full(b, 0.15), np.full(b, 0.85))
     obs.observe_fit("temperature", 0.3)
     obs.HTTP_IN_PROGRESS.inc()  # a request still running when the worker dies
     if os.environ.get("CLEAN_EXIT") == "1":
         obs.mark_process_dead()
     print(os.getpid())
 """
+
+
+#: Rows each worker serves for team-b's model "m" (team-a's "m" gets ROWS).
+ROWS_B = 2
 
 
 def test_two_worker_processes_add_up(tmp_path):
@@ -244,7 +282,12 @@ def test_two_worker_processes_add_up(tmp_path):
     for rows, clean in ((3, "1"), (5, "0")):
         done = run_python(
             WORKER,
-            {"PROMETHEUS_MULTIPROC_DIR": str(mp_dir), "ROWS": str(rows), "CLEAN_EXIT": clean},
+            {
+                "PROMETHEUS_MULTIPROC_DIR": str(mp_dir),
+                "ROWS": str(rows),
+                "ROWS_B": str(ROWS_B),
+                "CLEAN_EXIT": clean,
+            },
         )
         assert done.returncode == 0, done.stderr
         pids.append(int(done.stdout.strip()))
@@ -271,14 +314,18 @@ def test_two_worker_processes_add_up(tmp_path):
     duration = "welltempered_http_request_duration_seconds"
     assert sample(fams, duration, duration + "_count", **labels) == 8
     assert sample(fams, duration, duration + "_bucket", le="0.025", **labels) == 8
-    assert sample(fams, "welltempered_predictions", "welltempered_predictions_total",
-                  model="m", version=1) == 8  # fmt: skip
+    a, b = {"namespace": "team-a", "model": "m"}, {"namespace": "team-b", "model": "m"}
+    predictions = "welltempered_predictions"
+    assert sample(fams, predictions, predictions + "_total", version=1, **a) == 8
+    assert sample(fams, predictions, predictions + "_total", version=1, **b) == 2 * ROWS_B
     flips = "welltempered_prediction_argmax_flips"
-    assert sample(fams, flips, flips + "_total", model="m", version=1) == 2
+    assert sample(fams, flips, flips + "_total", version=1, **a) == 2
+    assert sample(fams, flips, flips + "_total", version=1, **b) == 0
     entropy = "welltempered_prediction_entropy_nats"
-    assert sample(fams, entropy, entropy + "_bucket", model="m", le="0.1") == 0
-    assert sample(fams, entropy, entropy + "_bucket", model="m", le="0.2") == 8
-    assert sample(fams, entropy, entropy + "_sum", model="m") == pytest.approx(8 * 0.15)
+    assert sample(fams, entropy, entropy + "_bucket", le="0.1", **a) == 0
+    assert sample(fams, entropy, entropy + "_bucket", le="0.2", **a) == 8
+    assert sample(fams, entropy, entropy + "_sum", **a) == pytest.approx(8 * 0.15)
+    assert sample(fams, entropy, entropy + "_count", **b) == 2 * ROWS_B
     fit = "welltempered_fit_duration_seconds"
     assert sample(fams, fit, fit + "_count", method="temperature") == 2
     # Both workers have exited: their in-progress requests are gone.
