@@ -1,0 +1,133 @@
+"""The ODIR objective and its solvers (calibrators/linear.py), checked from first principles.
+
+The objective's gradient against finite differences, the canonical projection
+against its definition (NLL unchanged, penalty not increased, a projection,
+its transpose), the curvature blocks against the exact per-class Hessian, and
+both solvers against a plain L-BFGS on the untransformed objective.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.optimize import minimize
+from scipy.special import log_softmax
+
+from calibrators import linear
+
+
+def problem(structure: str, feature: str, lam: float, mu: float, n=400, k=5, seed=0):
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, k, n)
+    z = rng.normal(size=(n, k)) * 3.0
+    z[np.arange(n), y] += 2.5
+    x = log_softmax(z, axis=1) if feature == "log_softmax" else z
+    return linear._Problem(x, y, structure, lam, mu)
+
+
+def random_theta(prob, seed=1):
+    rng = np.random.default_rng(seed)
+    return prob.initial() + 0.3 * rng.normal(size=prob.initial().size)
+
+
+def data_nll(prob, theta):
+    return prob.nll(theta, prob.x, prob.y)
+
+
+@pytest.mark.parametrize("structure", ["full", "diagonal"])
+@pytest.mark.parametrize("feature", ["logits", "log_softmax"])
+def test_gradient_matches_central_differences(structure, feature):
+    prob = problem(structure, feature, lam=3.0, mu=2.0)
+    theta = random_theta(prob)
+    _, grad = prob(theta)
+    eps = 1e-6
+    numeric = np.array(
+        [
+            (prob(theta + eps * e)[0] - prob(theta - eps * e)[0]) / (2 * eps)
+            for e in np.eye(theta.size)
+        ]
+    )
+    np.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-8)
+
+
+def test_canonical_keeps_the_nll_lowers_the_penalty_and_is_a_projection():
+    prob = problem("full", "log_softmax", lam=50.0, mu=7.0)
+    rng = np.random.default_rng(2)
+    for _ in range(5):
+        theta = random_theta(prob, int(rng.integers(1 << 30)))
+        canon = prob.canonical(theta)
+        assert data_nll(prob, canon) == pytest.approx(data_nll(prob, theta), rel=1e-12)
+        penalty = prob(theta)[0] - data_nll(prob, theta)
+        canon_penalty = prob(canon)[0] - data_nll(prob, canon)
+        assert canon_penalty <= penalty + 1e-12
+        np.testing.assert_allclose(prob.canonical(canon), canon, atol=1e-12)
+        # The canonical point is where the penalty is least along the invisible
+        # directions: its gradient there has no component along them.
+        k = prob.k
+        gw, gb = prob(canon)[1][: k * k].reshape(k, k), prob(canon)[1][k * k :]
+        np.testing.assert_allclose(gw.sum(axis=0), 0.0, atol=1e-12)
+        assert abs(gb.sum()) < 1e-12
+        # canonical_gradient is the transpose of the (linear) projection.
+        g, d = rng.normal(size=theta.size), rng.normal(size=theta.size)
+        zero = np.zeros(theta.size)
+        projected = prob.canonical(d) - prob.canonical(zero)
+        assert g @ projected == pytest.approx(prob.canonical_gradient(g) @ d, rel=1e-12)
+
+
+@pytest.mark.parametrize("feature", ["logits", "log_softmax"])
+def test_curvature_blocks_are_the_exact_per_class_hessian(feature, monkeypatch):
+    """With no damping and every row used, block i is the Hessian of the loss in
+    (W[i], b[i]) with the other classes held fixed (finite differences of the
+    analytic gradient)."""
+    monkeypatch.setattr(linear, "DAMPING", 0.0)
+    prob = problem("full", feature, lam=20.0, mu=4.0, n=300, k=4)
+    theta = random_theta(prob)
+    blocks = prob.curvature_blocks(theta)
+    k, eps = prob.k, 1e-5
+    for i in range(k):
+        index = [i * k + j for j in range(k)] + [k * k + i]
+        exact = np.empty((k + 1, k + 1))
+        for col, t in enumerate(index):
+            e = np.zeros(theta.size)
+            e[t] = eps
+            diff = (prob(theta + e)[1] - prob(theta - e)[1]) / (2 * eps)
+            exact[:, col] = diff[index]
+        np.testing.assert_allclose(blocks[i], exact, rtol=1e-5, atol=1e-7)
+
+
+def reference_minimum(prob):
+    """Plain L-BFGS on the untransformed objective, run to the end."""
+    res = minimize(
+        prob,
+        prob.initial(),
+        jac=True,
+        method="L-BFGS-B",
+        options={"maxiter": 20000, "ftol": 1e-15, "gtol": 1e-11, "maxcor": 30},
+    )
+    return res.x, res.fun
+
+
+@pytest.mark.parametrize("feature", ["logits", "log_softmax"])
+@pytest.mark.parametrize(("lam", "mu"), [(1e4, 1e4), (30.0, 5.0), (0.05, 0.05)])
+def test_block_and_scaled_solvers_reach_the_plain_optimum(feature, lam, mu):
+    prob = problem("full", feature, lam, mu)
+    theta_ref, loss_ref = reference_minimum(prob)
+    for solve in (prob._solve_blocks, prob._solve_scaled):
+        res = solve(prob.initial(), max_iter=5000, tol=1e-13)
+        loss = prob(res.x)[0]
+        assert loss <= loss_ref + 1e-11 * max(1.0, abs(loss_ref)), solve.__name__
+        assert abs(loss - loss_ref) < 1e-9, solve.__name__
+        np.testing.assert_allclose(res.x, theta_ref, atol=2e-4, err_msg=solve.__name__)
+        # The reported gradient is the objective's, in the original parameters.
+        assert np.max(np.abs(res.jac)) < 1e-4
+
+
+def test_solve_uses_the_blocks_up_to_max_block_classes(monkeypatch):
+    prob = problem("full", "log_softmax", 10.0, 10.0, k=5)
+    calls = []
+    monkeypatch.setattr(prob, "_solve_blocks", lambda *a, **kw: calls.append("blocks"))
+    monkeypatch.setattr(prob, "_solve_scaled", lambda *a, **kw: calls.append("scaled"))
+    prob.solve(prob.initial(), max_iter=10, tol=1e-6)
+    monkeypatch.setattr(linear, "MAX_BLOCK_CLASSES", 4)
+    prob.solve(prob.initial(), max_iter=10, tol=1e-6)
+    assert calls == ["blocks", "scaled"]
