@@ -9,15 +9,15 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-WORKDIR /app
-COPY pyproject.toml README.md alembic.ini ./
+WORKDIR /src
+COPY pyproject.toml README.md ./
 COPY calibrators ./calibrators
 COPY service ./service
 COPY migrations ./migrations
-# Editable, so the code stays in /app: service.migrate finds alembic.ini and migrations/
-# in the directory above the service package, which a plain `pip install .` into
-# site-packages would not ship.
-RUN pip install -e .
+# A regular install into the venv: the Alembic migrations are package data
+# (migrations/, installed as service.migrations), so `welltempered migrate` needs neither alembic.ini nor this
+# source tree, which stays behind in this stage.
+RUN pip install .
 
 FROM python:3.11-slim
 ENV PATH=/opt/venv/bin:$PATH \
@@ -29,9 +29,9 @@ RUN useradd --system --uid 10001 --user-group --no-create-home welltempered \
     && mkdir -p /data /tmp/welltempered-prometheus \
     && chown welltempered:welltempered /data /tmp/welltempered-prometheus
 COPY --from=build /opt/venv /opt/venv
-COPY --from=build /app /app
 COPY deploy/api/entrypoint.sh /usr/local/bin/welltempered-entrypoint
-WORKDIR /app
+# Writable by the service user: relative paths (the default SQLite file, `--demo`) land here.
+WORKDIR /data
 USER welltempered
 VOLUME ["/data"]
 EXPOSE 8000

@@ -11,7 +11,9 @@ from service.db import Base, make_engine
 from service.settings import Settings
 
 config = context.config
-if config.config_file_name is not None and config.attributes.get("configure_logging", True):
+# Only the `alembic` command reads alembic.ini; service.migrate builds its Config in code
+# and leaves logging to the caller (`welltempered migrate` sets it up).
+if config.config_file_name is not None:
     fileConfig(config.config_file_name, disable_existing_loggers=False)
 
 target_metadata = Base.metadata

@@ -126,8 +126,11 @@ def migrate_command(args: argparse.Namespace) -> int:
     from service import migrate
     from service.settings import Settings
 
+    # Alembic's progress ("Running upgrade a -> b") on stderr; SQLAlchemy stays quiet.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s [%(name)s] %(message)s")
+    logging.getLogger("alembic").setLevel(logging.INFO)
     settings = Settings()
-    migrate.upgrade(settings.database_url, verbose=True)
+    migrate.upgrade(settings.database_url)
     print(f"database at revision {migrate.head_revision(settings.database_url)} (head)")
     return 0
 

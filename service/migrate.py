@@ -1,7 +1,15 @@
-"""Alembic, driven from code: ``welltempered migrate``, the startup check, /readyz."""
+"""Alembic, driven from code: ``welltempered migrate``, the startup check, /readyz.
+
+The migration scripts (``migrations/`` in the repository) are installed as the
+package ``service.migrations`` (pyproject.toml maps the directory), found through
+:mod:`importlib.resources`: any install works (a wheel, ``pip install .``, editable),
+from any working directory, with no ``alembic.ini``. That file, at the repository
+root, is only for developers' ``alembic`` command (``revision --autogenerate``).
+"""
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 
 from alembic import command
@@ -10,25 +18,32 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 class NotMigrated(RuntimeError):
     """The database is not at the latest revision and will not be migrated implicitly."""
 
 
+def script_location() -> Path:
+    """The installed migration environment: ``env.py``, ``script.py.mako``, ``versions/``."""
+    location = resources.files(f"{__package__}.migrations")
+    if not isinstance(location, Path):  # e.g. imported from a zip: Alembic needs files
+        raise RuntimeError(
+            f"Alembic needs the migration scripts as files on disk. Got {location!r}."
+        )
+    return location
+
+
 def alembic_config(database_url: str) -> Config:
-    cfg = Config(str(ROOT / "alembic.ini"))
-    cfg.set_main_option("script_location", str(ROOT / "migrations"))
+    cfg = Config()
+    # Ini options are %-interpolated: a '%' in the path must be doubled.
+    cfg.set_main_option("script_location", str(script_location()).replace("%", "%%"))
     # Passed as an attribute, not an ini option: URLs may contain '%' (interpolation).
     cfg.attributes["database_url"] = database_url
     return cfg
 
 
-def upgrade(database_url: str, revision: str = "head", *, verbose: bool = False) -> None:
-    cfg = alembic_config(database_url)
-    cfg.attributes["configure_logging"] = verbose  # the service keeps its own logging
-    command.upgrade(cfg, revision)
+def upgrade(database_url: str, revision: str = "head") -> None:
+    command.upgrade(alembic_config(database_url), revision)
 
 
 def head_revision(database_url: str) -> str | None:

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service import observability as obs
 from tests.conftest import skip_or_fail
+from tests.test_packaging import SOURCES as WHEEL_SOURCES
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -357,10 +358,19 @@ def test_dockerfile():
     for line in instructions:
         if line.startswith("COPY ") and "--from=" not in line:
             copied.extend(line.split()[1:-1])
-    assert {"pyproject.toml", "calibrators", "service", "alembic.ini", "migrations"} <= set(copied)
+    # What tests/test_packaging.py builds its wheel from.
+    assert set(WHEEL_SOURCES) <= set(copied)
     for source in copied:
         assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
         assert not is_ignored(source, patterns), f"COPY {source}: excluded by .dockerignore"
+    installs = [line.split() for line in instructions if "pip install" in line]
+    assert installs, "no pip install in the Dockerfile"
+    for words in installs:
+        assert "-e" not in words and "--editable" not in words, " ".join(words)
+    assert ["RUN", "pip", "install", "."] in installs
+    # The runtime stage takes the venv only, not the source tree of the build stage.
+    from_build = [line.split()[1:] for line in instructions if line.startswith("COPY --from=")]
+    assert from_build == [["--from=build", "/opt/venv", "/opt/venv"]]
     (entry,) = [json.loads(line[11:]) for line in instructions if line.startswith("ENTRYPOINT ")]
     script = ROOT / "deploy" / "api" / "entrypoint.sh"
     assert f"COPY deploy/api/entrypoint.sh /usr/local/bin/{entry[0]}" in instructions

@@ -1,0 +1,1 @@
+"""The Alembic environment of the registry, installed as ``service.migrations``."""

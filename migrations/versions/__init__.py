@@ -1,0 +1,1 @@
+"""Revisions, one file each, dated (see ``file_template`` in alembic.ini)."""
