@@ -102,6 +102,18 @@ class Settings(BaseSettings):
         "effect within this time; expiry is checked on every request).",
     )
     max_predict_rows: int = Field(100_000, ge=1, description="Most rows in one predict.")
+    max_feedback_rows: int = Field(
+        100_000, ge=1, description="Most labelled rows in one feedback request."
+    )
+    rate_limit_per_second: float = Field(
+        0.0,
+        ge=0,
+        description="Sustained requests per second allowed to one API key in one process "
+        "(0: no limit). Requests over it get 429 with Retry-After.",
+    )
+    rate_limit_burst: int = Field(
+        200, ge=1, description="Requests one API key may make at once above the sustained rate."
+    )
     max_dataset_rows: int = Field(10_000_000, ge=1, description="Most rows in one dataset.")
     max_classes: int = Field(10_000, ge=2, description="Largest num_classes (K) of a model.")
     max_queued_fits: int = Field(
