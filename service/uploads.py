@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import anyio.to_thread
@@ -27,6 +28,17 @@ from service.problems import (
 )
 
 _FLUSH_BYTES = 1 << 20
+
+#: Media types of a binary .npz body (datasets, feedback).
+NPZ_TYPES = ("application/octet-stream", "application/x-npz", "application/zip")
+
+
+@dataclass
+class Upload:
+    """A labelled-scores body: JSON read into memory, or a .npz spooled to a file."""
+
+    json: bytes | None = None
+    npz: Path | None = None
 
 
 def media_type(request: Request) -> str:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -16,17 +14,16 @@ from service.deps import DatasetDep, ModelDep, SessionDep, StateDep
 from service.openapi import LABELS, SCORE_PROPERTIES
 from service.problems import UnsupportedMediaType
 from service.schemas import DatasetList, DatasetOut
-from service.uploads import media_type, read_body, spool_body, spool_multipart_file
+from service.uploads import (
+    NPZ_TYPES,
+    Upload,
+    media_type,
+    read_body,
+    spool_body,
+    spool_multipart_file,
+)
 
 router = APIRouter(prefix="/v1/models/{model}/datasets", tags=["datasets"])
-
-NPZ_TYPES = ("application/octet-stream", "application/x-npz", "application/zip")
-
-
-@dataclass
-class Upload:
-    json: bytes | None = None
-    npz: Path | None = None
 
 
 async def receive_upload(

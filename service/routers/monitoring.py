@@ -7,21 +7,22 @@ and :mod:`calibrators`; the metric vocabulary in :mod:`service.observability`.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import numpy as np
 from fastapi import APIRouter, Depends, Query, Request, Response
 
-from service import inference, ingest, monitoring, store
+from service import inference, ingest, limits, monitoring, store
 from service import observability as obs
-from service.db import CalibratorVersion
+from service.db import CalibratorVersion, Model
 from service.deps import ModelDep, SessionDep, StateDep, VersionDep
 from service.openapi import LABELS, SCORE_PROPERTIES
-from service.problems import InvalidInput
+from service.problems import InvalidInput, UnsupportedMediaType
 from service.schemas import MAX_ID
 from service.svg import CONTENT_TYPE as SVG
 from service.svg import reliability_svg
-from service.uploads import read_body, require_json
+from service.uploads import NPZ_TYPES, Upload, media_type, read_body, spool_body
 
 router = APIRouter(tags=["monitoring"])
 
@@ -77,9 +78,40 @@ def metrics(state: StateDep) -> Response:
 # feedback
 
 
-async def feedback_body(request: Request, state: StateDep) -> bytes:
-    require_json(request)
-    return await read_body(request, state.settings.max_json_bytes)
+FeedbackVersionQuery = Annotated[
+    int | None,
+    Query(
+        ge=1,
+        le=MAX_ID,
+        description="The version that served the rows (default: the 'production' alias). "
+        "A JSON body may give it as its 'version' field instead.",
+    ),
+]
+
+
+async def feedback_body(
+    request: Request, state: StateDep, model: ModelDep
+) -> AsyncIterator[Upload]:
+    """JSON read into memory, or a .npz spooled to a temp file (removed after the
+    response), like a dataset upload; 415 for anything else. After the model is found."""
+    kind = media_type(request)
+    if kind == "application/json" or kind.endswith("+json"):
+        yield Upload(json=await read_body(request, state.settings.max_json_bytes))
+        return
+    if kind not in NPZ_TYPES:
+        raise UnsupportedMediaType(
+            f"Send feedback as application/json or as a .npz body ({', '.join(NPZ_TYPES)}). "
+            f"Got {kind or 'no Content-Type'!r}."
+        )
+    path = state.arrays.temp_path(".npz")
+    try:
+        await spool_body(request, path)
+        yield Upload(npz=path)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+FeedbackBodyDep = Annotated[Upload, Depends(feedback_body)]
 
 
 def parse_feedback(body: bytes) -> tuple[dict, str, int | None]:
@@ -99,9 +131,32 @@ def parse_feedback(body: bytes) -> tuple[dict, str, int | None]:
     return obj, key, version
 
 
+def feedback_rows(
+    body: Upload, model: Model, max_bytes: int, version: int | None
+) -> tuple[ingest.Labelled, int | None]:
+    """The validated rows, and the version that served them: the query's ``version``, or a
+    JSON body's own (422 if the two disagree)."""
+    if body.npz is not None:
+        return ingest.labelled_from_npz(body.npz, model.num_classes, model.name, max_bytes), version
+    obj, key, in_body = parse_feedback(body.json)
+    if in_body is not None and version is not None and in_body != version:
+        raise InvalidInput(
+            f"version {in_body} in the body and version {version} in the query disagree: "
+            "give it once."
+        )
+    labelled = ingest.validated(obj[key], obj["labels"], key, model.num_classes, model.name)
+    return labelled, in_body if in_body is not None else version
+
+
+_NPZ_MEMBERS = (
+    ".npz with one score array (logits | probabilities | predictions) and one label array "
+    "(labels | ground_truth), the names a dataset upload accepts."
+)
 _FEEDBACK_DOC = {
     "requestBody": {
         "required": True,
+        "description": "Labelled rows as JSON or as a .npz (binary). Most rows per request: "
+        "WELLTEMPERED_MAX_FEEDBACK_ROWS (413 over it).",
         "content": {
             "application/json": {
                 "schema": {
@@ -109,11 +164,17 @@ _FEEDBACK_DOC = {
                     "properties": {
                         **SCORE_PROPERTIES,
                         "labels": LABELS,
-                        "version": {"type": "integer", "minimum": 1},
+                        "version": {"type": "integer", "minimum": 1, "maximum": MAX_ID},
                     },
                     "required": ["labels"],
                 }
-            }
+            },
+            **{
+                kind: {
+                    "schema": {"type": "string", "format": "binary", "description": _NPZ_MEMBERS}
+                }
+                for kind in NPZ_TYPES
+            },
         },
     }
 }
@@ -124,20 +185,25 @@ def post_feedback(
     model: ModelDep,
     session: SessionDep,
     state: StateDep,
-    body: Annotated[bytes, Depends(feedback_body)],
+    body: FeedbackBodyDep,
+    version: FeedbackVersionQuery = None,
 ) -> dict[str, Any]:
     """Labels for rows served earlier: calibrated by the version that served them (default:
-    the 'production' alias), folded into the time-bucketed reliability statistics."""
-    obj, key, version = parse_feedback(body)
+    the 'production' alias), folded into the time-bucketed reliability statistics.
+
+    The body is JSON or a .npz (the arrays a dataset upload accepts); at most
+    ``max_feedback_rows`` rows, else 413 and nothing is recorded."""
+    settings = state.settings
+    labelled, version = feedback_rows(body, model, settings.max_body_bytes, version)
+    n = int(labelled.labels.shape[0])
+    limits.check_rows(n, settings.max_feedback_rows, "feedback")
     row = monitoring.monitored_version(session, model, version)
     store.check_servable(row, model)
-    labelled = ingest.validated(obj[key], obj["labels"], key, model.num_classes, model.name)
     onnx = state.serving.onnx.get(row.id, lambda: row.params)
     out = inference.run(onnx, inference.as_onnx_input(labelled.scores, labelled.kind))
     stats = monitoring.feedback_statistics(out["probabilities"], labelled.labels)
-    bucket = monitoring.bucket_start(time.time(), state.settings.feedback_bucket_seconds)
+    bucket = monitoring.bucket_start(time.time(), settings.feedback_bucket_seconds)
     monitoring.record_feedback(session, row.id, stats, bucket)
-    n = int(labelled.labels.shape[0])
     obs.observe_feedback(model.namespace, model.name, row.version, n)
     return {
         "model": model.name,
@@ -145,7 +211,7 @@ def post_feedback(
         "rows": n,
         "correct": int(np.sum(stats["correct_count"])),
         "bucket_start": bucket,
-        "bucket_seconds": state.settings.feedback_bucket_seconds,
+        "bucket_seconds": settings.feedback_bucket_seconds,
     }
 
 

@@ -262,6 +262,10 @@ def test_body_limits(database_url, tmp_path):
         assert r.status_code == 201, r.text
         fit(c, "m", r.json()["id"])
         assert_problem(c.post("/v1/models/m/predict?version=1", json=rows), 413)
+        feedback = "/v1/models/m/feedback?version=1"
+        assert_problem(c.post(feedback, content=big, headers=octet), 413, "4096")
+        assert_problem(c.post(feedback, json=rows), 413, "1024")
+        assert c.get("/v1/models/m/monitoring?version=1").json()["live"]["n"] == 0
         assert_problem(
             c.post(
                 "/v1/models",
@@ -326,6 +330,8 @@ targets = st.sampled_from(
         ("POST", "/v1/models/m/predict"),
         ("POST", "/v1/models/m/predict?kind=probabilities"),
         ("POST", "/v1/models/m/predict?version=1"),
+        ("POST", "/v1/models/m/feedback"),
+        ("POST", "/v1/models/m/feedback?version=1"),
     ]
 )
 
