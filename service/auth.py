@@ -27,8 +27,15 @@ missing one. Open routes: ``/healthz``, ``/readyz``, ``/metrics`` (probes and
 the scraper carry no keys; they expose no model data beyond the metric
 labels), ``/docs`` and ``/openapi.json`` (the API's shape is public).
 
+Once a key is known and not expired, and before its scope is checked, the
+request is counted against the key's rate limit (429 with ``Retry-After``; a
+token bucket per key and per process, :class:`service.limits.RateLimiter`,
+when ``WELLTEMPERED_RATE_LIMIT_PER_SECOND`` > 0). Unknown keys are a 401
+first, and the open routes are never limited.
+
 With ``WELLTEMPERED_AUTH=off`` every request is an ``admin`` of the namespace
-``default``; ``welltempered serve`` then refuses a non-loopback address.
+``default``, with no rate limit (there is no key to count against);
+``welltempered serve`` then refuses a non-loopback address.
 Keys never reach a log: nothing here logs the header, and error details name
 at most a key's id and prefix.
 """
@@ -49,6 +56,7 @@ from fastapi import Depends, FastAPI, Request
 from sqlalchemy import select
 
 from service.db import DEFAULT_NAMESPACE, SCOPES, ApiKey
+from service.limits import RateLimiter
 from service.problems import Forbidden, Unauthorized
 from service.settings import Settings
 
@@ -170,7 +178,7 @@ def _bearer(request: Request) -> str:
 
 
 async def authorize(request: Request) -> Principal:
-    """The one auth dependency of every route: 401/403 or the caller's :class:`Principal`."""
+    """The one auth dependency of every route: 401/429/403 or the caller's :class:`Principal`."""
     route = getattr(request.scope.get("route"), "path", None) or request.url.path
     need = required_scope(request.method, route)
     auth: Authenticator = request.app.state.welltempered_auth
@@ -191,6 +199,8 @@ async def authorize(request: Request) -> Principal:
     if entry.expires_at is not None and entry.expires_at <= datetime.now(UTC):
         raise Unauthorized(f"The API key {entry.principal.prefix}... has expired.")
     principal = entry.principal
+    if auth.limiter is not None:  # all the limit costs when it is off
+        auth.limiter.check(principal)
     if not principal.allows(need):
         raise Forbidden(
             f"This operation needs the {need!r} scope; the key {principal.prefix}... has "
@@ -204,11 +214,14 @@ PrincipalDep = Annotated[Principal, Depends(authorize)]
 
 
 class Authenticator:
-    """Per-app auth state: on/off and the key cache."""
+    """Per-app auth state: on/off, the key cache and the rate limiter (None: no limit)."""
 
     def __init__(self, settings: Settings):
         self.enabled = settings.auth == "on"
         self.cache = KeyCache(settings.key_cache_seconds)
+        self.limiter: RateLimiter | None = None
+        if self.enabled and settings.rate_limit_per_second > 0:
+            self.limiter = RateLimiter(settings.rate_limit_per_second, settings.rate_limit_burst)
 
 
 def install(app: FastAPI, settings: Settings) -> None:

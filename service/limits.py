@@ -1,20 +1,70 @@
 """Limits and back-pressure, beyond the body sizes of :mod:`service.uploads`.
 
-Rows per predict and per dataset (413), classes per model (422), and fits
-waiting or running (429 with ``Retry-After``). The fit count is read from the
-database, so it is the same for every worker process and replica.
+Rows per predict and per dataset (413), classes per model (422), fits waiting
+or running (429 with ``Retry-After``) and requests per API key (429 with
+``Retry-After``). The fit count is read from the database, so it is the same
+for every worker process and replica.
+
+Requests per API key
+--------------------
+A token bucket per key (:class:`RateLimiter`): it holds at most
+``WELLTEMPERED_RATE_LIMIT_BURST`` tokens, gains
+``WELLTEMPERED_RATE_LIMIT_PER_SECOND`` tokens a second (by elapsed monotonic
+time) and a request takes one; with none left the answer is 429 with
+``Retry-After``, the whole seconds until one token is back (at least 1). A
+refused request takes nothing. A key is sustained at the rate and may send a
+burst of that many requests at once after being idle. The default rate, 0,
+turns the limit off.
+
+:func:`service.auth.authorize` applies it once the key is known and not
+expired: an unknown key is still a 401, every request of a known key counts
+(a 403 too), and the open routes (``/healthz``, ``/readyz``, ``/metrics``),
+which need no key, are never limited. With ``WELLTEMPERED_AUTH=off`` there is
+no key to count against, so there is no limit either (``serve`` then listens
+on loopback only).
+
+The limit is *per process*: the buckets live in the memory of each worker, so
+with ``serve --workers N`` (or N replicas) a key gets up to N times the rate
+and N times the burst. Sharing the buckets needs a store every worker reaches
+on every request, which this service does not have: the database is off the
+predict path when warm, and a database round trip would cost more than the
+request. Redis (an atomic refill-and-take script per key) would be the next
+step; meanwhile, set the rate per worker (the wanted total divided by N).
+
+A bucket is keyed by the key's id (never the key), lives in an
+:class:`~collections.OrderedDict` ordered by last use and costs O(1) per
+request. A bucket unused for ``burst / rate`` seconds is full again, and a full
+bucket behaves exactly like a missing one (a new key starts full), so each
+request drops up to two full buckets from the least recently used end: memory
+is bounded by the keys used in about the last ``burst / rate`` seconds (and
+only keys found in the database get a bucket). No lock:
+:meth:`RateLimiter.take` runs on the event loop (``authorize`` is async) and
+never yields.
 """
 
 from __future__ import annotations
 
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING
+
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from service import observability as obs
 from service.db import CalibratorVersion
 from service.problems import ContentTooLarge, InvalidInput, TooManyRequests
 
+if TYPE_CHECKING:
+    from service.auth import Principal
+
 #: Seconds a client is told to wait when the fit queue is full.
 FIT_RETRY_AFTER_SECONDS = 30
+#: Idle buckets dropped by one :meth:`RateLimiter.take` at most (O(1) per request;
+#: each request adds at most one bucket, so two keep the idle ones from piling up).
+_DROPS_PER_TAKE = 2
 
 
 def check_rows(rows: int, limit: int, what: str) -> None:
@@ -45,4 +95,89 @@ def check_fit_queue(session: Session, limit: int) -> None:
             f"{busy} fits are queued or running, the limit (WELLTEMPERED_MAX_QUEUED_FITS) is "
             f"{limit}: try again later.",
             headers={"Retry-After": str(FIT_RETRY_AFTER_SECONDS)},
+        )
+
+
+class RateLimiter:
+    """Token buckets per API key, in this process: ``rate`` a second, ``burst`` at once.
+
+    Parameters
+    ----------
+    rate : float
+        Tokens gained per second (the sustained requests per second), > 0.
+    burst : int
+        Capacity of a bucket (requests at once after an idle time), >= 1.
+    clock : callable () -> float, default :func:`time.monotonic`
+        Seconds from any fixed origin, never decreasing. An attribute: tests
+        replace it.
+
+    Examples
+    --------
+    >>> now = [0.0]
+    >>> limiter = RateLimiter(rate=2.0, burst=2, clock=lambda: now[0])
+    >>> [limiter.take("k") for _ in range(3)]
+    [0.0, 0.0, 0.5]
+    >>> now[0] = 0.5
+    >>> limiter.take("k"), limiter.take("k")
+    (0.0, 0.5)
+    """
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic):
+        if not (math.isfinite(rate) and rate > 0):
+            raise ValueError(
+                f"rate must be a finite number of requests per second > 0. Got {rate!r}."
+            )
+        if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
+            raise ValueError(f"burst must be an int >= 1. Got {burst!r}.")
+        self.rate = float(rate)
+        self.burst = burst
+        self.clock = clock
+        self._capacity = float(burst)
+        # key -> [tokens, time of the last take], least recently used first
+        self._buckets: OrderedDict[Hashable, list[float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        """Buckets held now."""
+        return len(self._buckets)
+
+    def take(self, key: Hashable) -> float:
+        """Take a token of ``key``'s bucket: 0.0, or (refused) the seconds until one is back."""
+        now = self.clock()
+        buckets = self._buckets
+        rate, capacity = self.rate, self._capacity
+        for _ in range(_DROPS_PER_TAKE):
+            if not buckets:
+                break
+            oldest = next(iter(buckets.values()))
+            if oldest[0] + (now - oldest[1]) * rate < capacity:
+                break  # the least recently used is not full yet: the others wait
+            buckets.popitem(last=False)
+        bucket = buckets.get(key)
+        if bucket is None:
+            tokens = capacity
+            bucket = buckets[key] = [tokens, now]
+        else:
+            tokens = min(capacity, bucket[0] + (now - bucket[1]) * rate)
+            bucket[1] = now
+            buckets.move_to_end(key)
+        if tokens >= 1.0:
+            bucket[0] = tokens - 1.0
+            return 0.0
+        bucket[0] = tokens
+        return (1.0 - tokens) / rate
+
+    def check(self, principal: Principal) -> None:
+        """Count one request of ``principal``'s key; 429 with ``Retry-After`` when over."""
+        wait = self.take(principal.key_id)
+        if not wait:
+            return
+        obs.observe_rate_limited(principal.namespace)
+        retry = max(1, math.ceil(wait))
+        raise TooManyRequests(
+            f"The API key {principal.prefix}... is over its rate limit of {self.rate:g}/s "
+            f"with bursts of {self.burst} (WELLTEMPERED_RATE_LIMIT_PER_SECOND, "
+            f"WELLTEMPERED_RATE_LIMIT_BURST; per worker process): retry in {retry} s.",
+            headers={"Retry-After": str(retry)},
+            rate_limit_per_second=self.rate,
+            rate_limit_burst=self.burst,
         )

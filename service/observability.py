@@ -10,17 +10,19 @@ labelled by ``model`` is labelled by ``namespace`` first), ``model``, ``version`
 ``alias``, ``method`` (HTTP method on HTTP metrics, calibration method on fit
 metrics), ``route`` (the route *template*, never the raw path) and ``status``
 (the status *class* "2xx" on HTTP metrics, the job status on
-``welltempered_fit_jobs``). Request ids, dataset ids and class indices live
-in the database and the logs, never in labels. :data:`METRICS` lists every
-name with its type and labels.
+``welltempered_fit_jobs``). Request ids, dataset ids, class indices, API keys
+and key ids live in the database and the logs, never in labels (the rate
+limit's refusals are counted by the key's ``namespace``). :data:`METRICS`
+lists every name with its type and labels.
 
 Two kinds of figures
 --------------------
 *Events of this process* (requests, served rows, entropy and confidence of
-served rows, argmax flips, feedback rows, fit durations) are
-:class:`~prometheus_client.Counter` / :class:`~prometheus_client.Histogram`
-objects incremented by the helpers :func:`observe_request`,
-:func:`observe_predictions`, :func:`observe_feedback` and :func:`observe_fit`.
+served rows, argmax flips, feedback rows, fit durations, requests refused by
+the rate limit) are :class:`~prometheus_client.Counter` /
+:class:`~prometheus_client.Histogram` objects incremented by the helpers
+:func:`observe_request`, :func:`observe_predictions`, :func:`observe_feedback`,
+:func:`observe_fit` and :func:`observe_rate_limited`.
 
 *Shared state* (fit jobs by status, hold-out quality of each aliased
 version, live quality over the feedback window) is read from the database *at
@@ -116,6 +118,7 @@ __all__ = [
     "observe_feedback",
     "observe_fit",
     "observe_predictions",
+    "observe_rate_limited",
     "observe_request",
     "prepare_multiprocess_dir",
     "render_metrics",
@@ -237,6 +240,12 @@ FIT_DURATION = Histogram(
     "Wall time of finished calibrator fits, by requested method.",
     ("method",),
     buckets=FIT_BUCKETS_SECONDS,
+)
+RATE_LIMITED = Counter(
+    "welltempered_rate_limited_requests_total",
+    "Requests refused with 429 because their API key was over its rate limit in this "
+    "process (WELLTEMPERED_RATE_LIMIT_PER_SECOND), by the key's namespace.",
+    ("namespace",),
 )
 
 
@@ -414,7 +423,7 @@ def _catalogue() -> dict[str, tuple[str, tuple[str, ...]]]:
     out = {}
     for metric in (
         HTTP_REQUESTS, HTTP_DURATION, HTTP_IN_PROGRESS, PREDICTIONS, PREDICTION_ENTROPY,
-        PREDICTION_CONFIDENCE, ARGMAX_FLIPS, FEEDBACK_ROWS, FIT_DURATION,
+        PREDICTION_CONFIDENCE, ARGMAX_FLIPS, FEEDBACK_ROWS, FIT_DURATION, RATE_LIMITED,
     ):  # fmt: skip
         name = metric._name + ("_total" if metric._type == "counter" else "")
         out[name] = (metric._type, tuple(metric._labelnames))
@@ -593,6 +602,11 @@ def observe_feedback(namespace: str, model: str, version: int | str, rows: int) 
 def observe_fit(method: str, seconds: float) -> None:
     """Record one finished fit's wall time (call it in the serve process, see above)."""
     FIT_DURATION.labels(method).observe(max(0.0, float(seconds)))
+
+
+def observe_rate_limited(namespace: str) -> None:
+    """Count one request refused by the rate limit, under its key's namespace (not the key)."""
+    RATE_LIMITED.labels(namespace).inc()
 
 
 # ---------------------------------------------------------------------------

@@ -54,7 +54,7 @@ ERRORS = {
     "413": "Body, rows per request or dataset rows over the limit.",
     "415": "Unsupported Content-Type.",
     "422": "Invalid input: schema, shapes, NaN/Inf, K, labels.",
-    "429": "Too many fits queued (Retry-After).",
+    "429": "Too many fits queued, or the API key is over its rate limit (Retry-After).",
 }
 _OPEN_ERRORS = {"503": "Not ready: database unreachable or schema not at head."}
 

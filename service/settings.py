@@ -112,7 +112,7 @@ class Settings(BaseSettings):
         "(0: no limit). Requests over it get 429 with Retry-After.",
     )
     rate_limit_burst: int = Field(
-        200, ge=1, description="Requests one API key may make at once above the sustained rate."
+        200, ge=1, description="Requests one API key may make at once (the bucket's capacity)."
     )
     max_dataset_rows: int = Field(10_000_000, ge=1, description="Most rows in one dataset.")
     max_classes: int = Field(10_000, ge=2, description="Largest num_classes (K) of a model.")

@@ -96,6 +96,7 @@ def exposition() -> str:
     obs.observe_predictions("ns", "deploy-test", 1, np.array([0.5]), np.array([0.8]), flipped=0)
     obs.observe_feedback("ns", "deploy-test", 1, 1)
     obs.observe_fit("temperature", 0.1)
+    obs.observe_rate_limited("ns")
     live = {"namespace": "ns", "model": "m", "version": 1}
     hold = {**live, "alias": "production"}
     snapshot = {

@@ -15,6 +15,7 @@ from service.app import create_app
 from service.auth import key_digest, required_scope
 from service.db import ApiKey, make_engine
 from tests.service.conftest import assert_problem, fit, logits_data, make_settings
+from tests.service.test_limits import Clock, rate_limited_total
 
 
 @pytest.fixture
@@ -37,6 +38,17 @@ def make_key(sessions):
 def app_client(database_url, tmp_path):
     settings = make_settings(database_url, tmp_path, auth="on", key_cache_seconds=0.0)
     with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+        yield c
+
+
+@pytest.fixture
+def limited_client(database_url, tmp_path):
+    """Auth on, 1 request per second per key, bursts of 3, on a clock the test moves."""
+    settings = make_settings(
+        database_url, tmp_path, auth="on", rate_limit_per_second=1.0, rate_limit_burst=3
+    )
+    with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+        c.app.state.welltempered_auth.limiter.clock = Clock()
         yield c
 
 
@@ -186,3 +198,38 @@ def test_serve_with_auth_off_refuses_a_public_address(monkeypatch, capsys, tmp_p
         assert "loopback" in capsys.readouterr().err
     assert not (tmp_path / "x.sqlite3").exists()  # refused before touching anything
     assert cli.is_loopback("127.0.0.1") and cli.is_loopback("::1") and cli.is_loopback("localhost")
+
+
+def test_rate_limit_per_key(limited_client, make_key):
+    c, clock = limited_client, limited_client.app.state.welltempered_auth.limiter.clock
+    a, b = make_key("rl-team-a", "write"), make_key("rl-team-b", "predict")
+    predict_key = make_key("rl-team-a", "predict")
+    before = rate_limited_total("rl-team-a", c.get("/metrics").text)
+    for _ in range(10):  # open routes: never limited, even with a key
+        assert c.get("/healthz", headers=bearer(a)).status_code == 200
+    assert [c.get("/v1/models", headers=bearer(a)).status_code for _ in range(3)] == [200] * 3
+    r = c.get("/v1/models", headers=bearer(a))
+    body = assert_problem(
+        r, 429, "rate limit of 1/s", "bursts of 3", "WELLTEMPERED_RATE_LIMIT_PER_SECOND"
+    )
+    assert r.headers["retry-after"] == "1"
+    assert a not in r.text and body["rate_limit_burst"] == 3
+    assert c.get("/v1/models", headers=bearer(b)).status_code == 200  # another key: unaffected
+    for _ in range(5):  # an unknown key is a 401, whatever the rate
+        assert_problem(c.get("/v1/models", headers=bearer("wt_" + "x" * 43)), 401)
+    assert c.get("/healthz").status_code == 200 and c.get("/readyz").status_code == 200
+    clock.now += 1.0  # one token back
+    assert c.get("/v1/models", headers=bearer(a)).status_code == 200
+    assert_problem(c.get("/v1/models", headers=bearer(a)), 429)
+    # predict authorises itself, and is limited too (404: authorised, no such model)
+    url, scores = "/v1/models/nothing/predict", {"logits": [[0.0, 1.0]]}
+    for _ in range(3):
+        assert_problem(c.post(url, json=scores, headers=bearer(predict_key)), 404)
+    r = c.post(url, json=scores, headers=bearer(predict_key))
+    assert_problem(r, 429, "WELLTEMPERED_RATE_LIMIT_BURST")
+    assert r.headers["retry-after"] == "1"
+    # counted by the key's namespace (two refusals of `a`, one of predict_key), not by key
+    exposition = c.get("/metrics").text
+    assert rate_limited_total("rl-team-a", exposition) == before + 3
+    assert rate_limited_total("rl-team-b", exposition) == 0
+    assert a[:11] not in exposition and predict_key[:11] not in exposition
