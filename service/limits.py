@@ -53,7 +53,6 @@ from typing import TYPE_CHECKING
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service import observability as obs
 from service.db import CalibratorVersion
 from service.problems import ContentTooLarge, InvalidInput, TooManyRequests
 
@@ -171,6 +170,11 @@ class RateLimiter:
         wait = self.take(principal.key_id)
         if not wait:
             return
+        # Imported here: this module is imported by the CLI (keys -> auth -> limits)
+        # before `serve` prepares PROMETHEUS_MULTIPROC_DIR, and importing
+        # observability creates the metrics (see that module).
+        from service import observability as obs
+
         obs.observe_rate_limited(principal.namespace)
         retry = max(1, math.ceil(wait))
         raise TooManyRequests(
