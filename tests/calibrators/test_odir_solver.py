@@ -112,7 +112,7 @@ def reference_minimum(prob):
 def test_block_and_scaled_solvers_reach_the_plain_optimum(feature, lam, mu):
     prob = problem("full", feature, lam, mu)
     theta_ref, loss_ref = reference_minimum(prob)
-    for solve in (prob._solve_blocks, prob._solve_scaled):
+    for solve in (prob._solve_blocks, prob._solve_rank_one, prob._solve_scaled):
         res = solve(prob.initial(), max_iter=5000, tol=1e-13)
         loss = prob(res.x)[0]
         assert loss <= loss_ref + 1e-11 * max(1.0, abs(loss_ref)), solve.__name__
@@ -124,10 +124,33 @@ def test_block_and_scaled_solvers_reach_the_plain_optimum(feature, lam, mu):
 
 def test_solve_uses_the_blocks_up_to_max_block_classes(monkeypatch):
     prob = problem("full", "log_softmax", 10.0, 10.0, k=5)
+    vector = problem("diagonal", "logits", 10.0, 10.0, k=5)
     calls = []
-    monkeypatch.setattr(prob, "_solve_blocks", lambda *a, **kw: calls.append("blocks"))
-    monkeypatch.setattr(prob, "_solve_scaled", lambda *a, **kw: calls.append("scaled"))
+    for p in (prob, vector):
+        for name in ("_solve_blocks", "_solve_rank_one", "_solve_scaled"):
+            monkeypatch.setattr(p, name, lambda *a, name=name, **kw: calls.append(name))
     prob.solve(prob.initial(), max_iter=10, tol=1e-6)
+    vector.solve(vector.initial(), max_iter=10, tol=1e-6)
     monkeypatch.setattr(linear, "MAX_BLOCK_CLASSES", 4)
     prob.solve(prob.initial(), max_iter=10, tol=1e-6)
-    assert calls == ["blocks", "scaled"]
+    assert calls == ["_solve_blocks", "_solve_scaled", "_solve_rank_one"]
+
+
+def test_whitening_factors_are_consistent_and_whiten():
+    """A (apply), A^T (transpose), A^-1 (inverse) and A^-T (inverse_transpose) agree
+    with the explicit matrices; the rank-1 whitening maps D + s s^T / w to I, the
+    block whitening maps the block to I."""
+    rng = np.random.default_rng(3)
+    k = 6
+    diag = rng.uniform(0.1, 5.0, (k, k + 1))
+    mean = rng.normal(size=(k, k + 1)) * 3.0
+    weight = rng.uniform(0.05, 0.3, k)
+    blocks = np.stack([np.diag(diag[i]) + np.outer(mean[i], mean[i]) / weight[i] for i in range(k)])
+    v = rng.normal(size=(k, k + 1))
+    for a in (linear._RankOne(diag, mean, weight), linear._Blocks(blocks)):
+        for i in range(k):
+            A = np.stack([a.apply(np.eye(k + 1)[None, j].repeat(k, 0))[i] for j in range(k + 1)], 1)
+            np.testing.assert_allclose(A.T @ blocks[i] @ A, np.eye(k + 1), atol=1e-9)
+            np.testing.assert_allclose(a.transpose(v)[i], A.T @ v[i], atol=1e-12)
+            np.testing.assert_allclose(a.inverse(a.apply(v)), v, atol=1e-9)
+            np.testing.assert_allclose(a.inverse_transpose(a.transpose(v)), v, atol=1e-9)
