@@ -9,7 +9,8 @@ fly with python-multipart and only the ``file`` field's bytes reach the disk.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,6 +130,36 @@ class BodyLimitMiddleware:
             return message
 
         await self.app(scope, limited, guarded_send)
+
+
+@asynccontextmanager
+async def labelled_body(
+    request: Request,
+    *,
+    json_limit: int,
+    temp_path: Callable[[str], Path],
+    multipart: bool,
+    expected: str,
+) -> AsyncIterator[Upload]:
+    """A labelled-scores body by its media type: JSON read into memory (up to
+    ``json_limit``), a .npz body (or, with ``multipart``, the multipart field ``file``)
+    spooled to a temp file that is removed on exit; 415 naming ``expected`` otherwise."""
+    kind = media_type(request)
+    if kind == "application/json" or kind.endswith("+json"):
+        yield Upload(json=await read_body(request, json_limit))
+        return
+    from_form = multipart and kind == "multipart/form-data"
+    if kind not in NPZ_TYPES and not from_form:
+        raise UnsupportedMediaType(f"{expected} Got {kind or 'no Content-Type'!r}.")
+    path = temp_path(".npz")
+    try:
+        if from_form:
+            await spool_multipart_file(request, path)
+        else:
+            await spool_body(request, path)
+        yield Upload(npz=path)
+    finally:
+        path.unlink(missing_ok=True)
 
 
 async def read_body(request: Request, limit: int) -> bytes:

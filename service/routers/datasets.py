@@ -12,16 +12,8 @@ from service import ingest, limits, store
 from service.db import Dataset, Model
 from service.deps import DatasetDep, ModelDep, SessionDep, StateDep
 from service.openapi import LABELS, SCORE_PROPERTIES
-from service.problems import UnsupportedMediaType
 from service.schemas import DatasetList, DatasetOut
-from service.uploads import (
-    NPZ_TYPES,
-    Upload,
-    media_type,
-    read_body,
-    spool_body,
-    spool_multipart_file,
-)
+from service.uploads import NPZ_TYPES, Upload, labelled_body
 
 router = APIRouter(prefix="/v1/models/{model}/datasets", tags=["datasets"])
 
@@ -30,24 +22,15 @@ async def receive_upload(
     request: Request, state: StateDep, model: ModelDep
 ) -> AsyncIterator[Upload]:
     """The body, read or spooled to disk by its media type (after the model is found)."""
-    kind = media_type(request)
-    if kind == "application/json" or kind.endswith("+json"):
-        yield Upload(json=await read_body(request, state.settings.max_json_bytes))
-        return
-    if kind not in (*NPZ_TYPES, "multipart/form-data"):
-        raise UnsupportedMediaType(
-            f"Upload a dataset as application/json, a .npz body ({', '.join(NPZ_TYPES)}) or "
-            f"multipart/form-data with a file field 'file'. Got {kind or 'no Content-Type'!r}."
-        )
-    path = state.arrays.temp_path(".npz")
-    try:
-        if kind == "multipart/form-data":
-            await spool_multipart_file(request, path)
-        else:
-            await spool_body(request, path)
-        yield Upload(npz=path)
-    finally:
-        path.unlink(missing_ok=True)
+    async with labelled_body(
+        request,
+        json_limit=state.settings.max_json_bytes,
+        temp_path=state.arrays.temp_path,
+        multipart=True,
+        expected=f"Upload a dataset as application/json, a .npz body ({', '.join(NPZ_TYPES)}) "
+        "or multipart/form-data with a file field 'file'.",
+    ) as upload:
+        yield upload
 
 
 UploadDep = Annotated[Upload, Depends(receive_upload)]

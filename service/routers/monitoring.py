@@ -18,11 +18,11 @@ from service import observability as obs
 from service.db import CalibratorVersion, Model
 from service.deps import ModelDep, SessionDep, StateDep, VersionDep
 from service.openapi import LABELS, SCORE_PROPERTIES
-from service.problems import InvalidInput, UnsupportedMediaType
+from service.problems import InvalidInput
 from service.schemas import MAX_ID
 from service.svg import CONTENT_TYPE as SVG
 from service.svg import reliability_svg
-from service.uploads import NPZ_TYPES, Upload, media_type, read_body, spool_body
+from service.uploads import NPZ_TYPES, Upload, labelled_body
 
 router = APIRouter(tags=["monitoring"])
 
@@ -94,21 +94,14 @@ async def feedback_body(
 ) -> AsyncIterator[Upload]:
     """JSON read into memory, or a .npz spooled to a temp file (removed after the
     response), like a dataset upload; 415 for anything else. After the model is found."""
-    kind = media_type(request)
-    if kind == "application/json" or kind.endswith("+json"):
-        yield Upload(json=await read_body(request, state.settings.max_json_bytes))
-        return
-    if kind not in NPZ_TYPES:
-        raise UnsupportedMediaType(
-            f"Send feedback as application/json or as a .npz body ({', '.join(NPZ_TYPES)}). "
-            f"Got {kind or 'no Content-Type'!r}."
-        )
-    path = state.arrays.temp_path(".npz")
-    try:
-        await spool_body(request, path)
-        yield Upload(npz=path)
-    finally:
-        path.unlink(missing_ok=True)
+    async with labelled_body(
+        request,
+        json_limit=state.settings.max_json_bytes,
+        temp_path=state.arrays.temp_path,
+        multipart=False,
+        expected=f"Send feedback as application/json or as a .npz body ({', '.join(NPZ_TYPES)}).",
+    ) as upload:
+        yield upload
 
 
 FeedbackBodyDep = Annotated[Upload, Depends(feedback_body)]
