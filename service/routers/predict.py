@@ -181,7 +181,9 @@ def install(app: FastAPI) -> None:
 
     Not through ``include_router``: FastAPI dispatches an included router's routes
     through a second matching pass, and a dependency costs a parameter-solving
-    pass (measured in-process: ~25 us and ~20 us of a ~160 us 1 x 1,000 request).
+    pass. Measured in-process on a JSON 1 x 1,000 request (ASGI app called
+    directly): declared path/query parameters ~35 us, the included router ~10 us,
+    the auth dependency ~5 us; the request went from ~215 to ~150 us.
     """
     app.add_api_route(
         PATH,
