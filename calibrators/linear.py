@@ -10,7 +10,9 @@ penalty of Kull et al. (2019)::
 (off-diagonal entries and bias are pulled to 0; the diagonal is free). The
 gradient is analytic, ``dloss/dW = (P - Y)^T phi(z) / N + penalty'``, and the
 problem is solved by scipy's L-BFGS-B from the identity (``W = I, b = 0``, so
-an untrained model is plain softmax).
+an untrained model is plain softmax), in variables whitened per class by the
+curvature of the loss (``_Problem.solve``): the log-probability features of
+Dirichlet scaling make the plain problem badly conditioned.
 
 When ``reg_lambda`` / ``reg_mu`` are not given they are chosen by k-fold
 cross-validation over a log-spaced grid: within each fold the grid is walked
