@@ -13,6 +13,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -51,9 +52,9 @@ def pg_schema_url(schema: str) -> str:
     return url.render_as_string(hide_password=False)
 
 
-@pytest.fixture
-def pg_schema(pg_admin) -> Iterator[str]:
-    """A fresh, empty schema; its URL puts it first on the search_path."""
+@contextmanager
+def new_schema(pg_admin) -> Iterator[str]:
+    """A fresh, empty schema, dropped on exit; its URL puts it first on the search_path."""
     schema = f"wt_{uuid.uuid4().hex[:12]}"
     with pg_admin.connect() as conn:
         conn.execute(text(f'CREATE SCHEMA "{schema}"'))
@@ -64,14 +65,30 @@ def pg_schema(pg_admin) -> Iterator[str]:
             conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
 
 
+@contextmanager
+def migrated_database(request, backend: str, directory: Path) -> Iterator[str]:
+    """The URL of a migrated, empty database of ``backend`` (a BACKENDS value), for
+    fixtures of any scope: a file in ``directory``, or a new PostgreSQL schema."""
+    if backend == "sqlite":
+        yield f"sqlite:///{directory / 'registry.sqlite3'}"
+        return
+    with new_schema(request.getfixturevalue("pg_admin")) as url:
+        migrate.upgrade(url)
+        yield url
+
+
+@pytest.fixture
+def pg_schema(pg_admin) -> Iterator[str]:
+    """A fresh, empty schema; its URL puts it first on the search_path."""
+    with new_schema(pg_admin) as url:
+        yield url
+
+
 @pytest.fixture(params=BACKENDS)
-def database_url(request, tmp_path: Path) -> str:
+def database_url(request, tmp_path: Path) -> Iterator[str]:
     """A migrated, empty database of each backend."""
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'registry.sqlite3'}"
-    url = request.getfixturevalue("pg_schema")
-    migrate.upgrade(url)
-    return url
+    with migrated_database(request, request.param, tmp_path) as url:
+        yield url
 
 
 def make_settings(database_url: str, tmp_path: Path, **overrides) -> Settings:

@@ -9,16 +9,13 @@ validation of a real model rather than its 404.
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 import schemathesis
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
-from sqlalchemy import text
 
-from service import keys, migrate
+from service import keys
 from service.app import create_app
 from tests.service.conftest import (
     BACKENDS,
@@ -26,7 +23,7 @@ from tests.service.conftest import (
     fit,
     logits_data,
     make_settings,
-    pg_schema_url,
+    migrated_database,
     upload,
 )
 
@@ -36,18 +33,8 @@ MAX_EXAMPLES = 25
 @pytest.fixture(scope="module", params=BACKENDS)
 def fuzz_app(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fuzz")
-    schema = None
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp / 'fuzz.sqlite3'}"
-    else:
-        admin = request.getfixturevalue("pg_admin")
-        schema = f"wt_{uuid.uuid4().hex[:12]}"
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-        url = pg_schema_url(schema)
-        migrate.upgrade(url)
-    app = create_app(make_settings(url, tmp, max_queued_fits=4, auth="on"))
-    try:
+    with migrated_database(request, request.param, tmp) as url:
+        app = create_app(make_settings(url, tmp, max_queued_fits=4, auth="on"))
         with TestClient(app) as c:  # runs the lifespan once; schemathesis calls the same app
             with app.state.welltempered.sessions() as session:
                 app.state.fuzz_keys = {
@@ -60,10 +47,6 @@ def fuzz_app(request, tmp_path_factory):
             v = fit(c, "m", upload(c, "m", z, y)["id"])
             c.put("/v1/models/m/aliases/production", json={"version": v["version"]})
             yield app
-    finally:
-        if schema is not None:
-            with request.getfixturevalue("pg_admin").connect() as conn:
-                conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
 
 
 def test_api_conforms_to_its_schema(fuzz_app):

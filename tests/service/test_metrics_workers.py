@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,12 +22,10 @@ import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import text
 
-from service import migrate
 from service.db import DEFAULT_NAMESPACE
 from tests.conftest import skip_or_fail
-from tests.service.conftest import BACKENDS, logits_data, pg_schema_url
+from tests.service.conftest import BACKENDS, logits_data, migrated_database
 from tests.test_deploy import ALERTS_YML, DASHBOARD, alert_exprs, dashboard_exprs, for_prometheus
 
 pytestmark = pytest.mark.slow
@@ -86,52 +83,41 @@ def samples(exposition: str) -> dict[str, dict[tuple, float]]:
 def server(request, tmp_path_factory):
     """A 2-worker server with one model served and feedback received; what was sent."""
     tmp = tmp_path_factory.mktemp(f"serve-{request.param}")
-    schema = None
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp / 'registry.sqlite3'}"
-    else:
-        admin = request.getfixturevalue("pg_admin")
-        schema = f"wt_{uuid.uuid4().hex[:12]}"
-        with admin.connect() as conn:
-            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-        url = pg_schema_url(schema)
-        migrate.upgrade(url)
-    port = free_port()
-    mp_dir = tmp / "prometheus-multiproc"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WELLTEMPERED_")}
-    env.update(
-        WELLTEMPERED_DATABASE_URL=url,
-        WELLTEMPERED_DATA_DIR=str(tmp / "data"),
-        WELLTEMPERED_AUTH="off",
-        WELLTEMPERED_FIT_EXECUTOR="thread",
-        PROMETHEUS_MULTIPROC_DIR=str(mp_dir),
-    )
-    log = (tmp / "serve.log").open("w")
-    proc = subprocess.Popen(
-        [WELLTEMPERED, "serve", "--workers", "2", "--port", str(port), "--log-level", "warning"],
-        env=env,
-        cwd=tmp,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        with fresh() as c:
+    with migrated_database(request, request.param, tmp) as url:
+        port = free_port()
+        mp_dir = tmp / "prometheus-multiproc"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("WELLTEMPERED_")}
+        env.update(
+            WELLTEMPERED_DATABASE_URL=url,
+            WELLTEMPERED_DATA_DIR=str(tmp / "data"),
+            WELLTEMPERED_AUTH="off",
+            WELLTEMPERED_FIT_EXECUTOR="thread",
+            PROMETHEUS_MULTIPROC_DIR=str(mp_dir),
+        )
+        log = (tmp / "serve.log").open("w")
+        command = [WELLTEMPERED, "serve", "--workers", "2", "--port", str(port)]
+        proc = subprocess.Popen(
+            [*command, "--log-level", "warning"],
+            env=env,
+            cwd=tmp,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        base = f"http://127.0.0.1:{port}"
+        try:
+            with fresh() as c:
 
-            def ready() -> bool:
-                if proc.poll() is not None:
-                    raise AssertionError(f"serve exited: {(tmp / 'serve.log').read_text()}")
-                return c.get(f"{base}/readyz").status_code == 200
+                def ready() -> bool:
+                    if proc.poll() is not None:
+                        raise AssertionError(f"serve exited: {(tmp / 'serve.log').read_text()}")
+                    return c.get(f"{base}/readyz").status_code == 200
 
-            wait_until(ready, 60, "the server to be ready")
-            sent = send_traffic(c, base)
-        yield {"base": base, "port": port, "mp_dir": mp_dir, "proc": proc, **sent}
-    finally:
-        stop(proc)
-        log.close()
-        if schema is not None:
-            with request.getfixturevalue("pg_admin").connect() as conn:
-                conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+                wait_until(ready, 60, "the server to be ready")
+                sent = send_traffic(c, base)
+            yield {"base": base, "port": port, "mp_dir": mp_dir, "proc": proc, **sent}
+        finally:
+            stop(proc)
+            log.close()
 
 
 def send_traffic(c: httpx.Client, base: str) -> dict:
