@@ -179,7 +179,7 @@ def main(argv=None) -> None:
     print(f"machine: {machine()}")
     print(
         f"threads: WELLTEMPERED_THREADS={os.environ.get('WELLTEMPERED_THREADS', '-')}, "
-        f"calibrators n_threads()={calibrators._numerics.n_threads()}"
+        f"calibrators n_threads()={calibrators.numerics.n_threads()}"
     )
     z, y = make_logits(args.n, args.k, 0)
     zt, yt = make_logits(args.n, args.k, 1)

@@ -308,7 +308,7 @@ def main(argv=None) -> None:
     )
 
     # Where our time goes: the validation sweep, then every data pass of one fit.
-    from calibrators._input import as_scores_and_labels
+    from calibrators.validation import as_scores_and_labels
 
     val_s = timed(lambda: as_scores_and_labels(z, y), args.repeats)[0]
     passes = spy_passes(lambda: ours(z, y))

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from calibrators._input import CalibrationInputError, NotFittedError
 from calibrators.base import PARAMS_FORMAT, Calibrator
 from calibrators.linear import DirichletScaler, MatrixScaler, VectorScaler
 from calibrators.temperature import TemperatureScaler
+from calibrators.validation import CalibrationInputError, NotFittedError
 
 _CLASSES: dict[str, type[Calibrator]] = {
     cls.method: cls for cls in (TemperatureScaler, VectorScaler, MatrixScaler, DirichletScaler)

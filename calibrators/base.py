@@ -22,14 +22,14 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from calibrators._input import (
+from calibrators.numerics import log_softmax, row_chunks, softmax
+from calibrators.validation import (
     CalibrationInputError,
     NotFittedError,
     as_scores,
     as_scores_and_labels,
     logits64,
 )
-from calibrators._numerics import log_softmax, row_chunks, softmax
 
 Progress = Callable[[float], None]
 PARAMS_FORMAT = "welltempered.calibrator/1"
@@ -94,7 +94,7 @@ class Calibrator:
 
         ``x`` is the validated score array (float32 or float64, logits or
         probabilities per ``kind``); turn row blocks of it into float64
-        logits with :func:`calibrators._input.logits64`.
+        logits with :func:`calibrators.validation.logits64`.
         """
         raise NotImplementedError
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from calibrators._input import CalibrationInputError, as_scores
-from calibrators.metrics import _row_chunks
+from calibrators.numerics import row_chunks
+from calibrators.validation import CalibrationInputError, as_scores
 
 __all__ = ["RANK_BUCKETS", "argmax_report"]
 
@@ -23,7 +23,7 @@ _BUCKET_STARTS = np.array([2, 3, 11])
 def _original_ranks(scores: np.ndarray, rows: np.ndarray, classes: np.ndarray) -> np.ndarray:
     """``1 + #{j : scores[r, j] > scores[r, c]}`` for each pair ``(r, c)`` of (rows, classes)."""
     ranks = np.empty(rows.shape[0], dtype=np.int64)
-    for part in _row_chunks(rows.shape[0], scores.shape[1]):
+    for part in row_chunks(rows.shape[0], scores.shape[1]):
         block = scores[rows[part]]
         reference = block[np.arange(block.shape[0]), classes[part]]
         ranks[part] = 1 + np.count_nonzero(block > reference[:, None], axis=1)

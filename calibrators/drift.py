@@ -84,7 +84,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from calibrators._input import CalibrationInputError
+from calibrators.validation import CalibrationInputError
 
 __all__ = [
     "DEFAULT_ALPHA",

@@ -36,9 +36,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from scipy.optimize import minimize
 
-from calibrators._input import CalibrationInputError, logits64
-from calibrators._numerics import log_softmax, n_threads, row_chunks, single_threaded_blas
 from calibrators.base import Calibrator, Progress, check_positive
+from calibrators.numerics import log_softmax, n_threads, row_chunks, single_threaded_blas
+from calibrators.validation import CalibrationInputError, logits64
 
 #: Default penalty grid (both lam and mu), strongest first. The penalties are
 #: normalised by the number of entries, so useful values are large.

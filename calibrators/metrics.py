@@ -2,9 +2,9 @@
 
 Every function takes ``probs``, an ndarray of shape (n_samples, n_classes) whose
 rows sum to 1, and ``labels``, an ndarray of shape (n_samples,) of integers in
-``[0, n_classes)``. Both go through :func:`calibrators._input.as_scores`
-(probabilities kind) and :func:`calibrators._input.as_labels`, so bad input raises
-:class:`~calibrators._input.CalibrationInputError` with the same message as
+``[0, n_classes)``. Both go through :func:`calibrators.validation.as_scores`
+(probabilities kind) and :func:`calibrators.validation.as_labels`, so bad input raises
+:class:`~calibrators.validation.CalibrationInputError` with the same message as
 everywhere else in the library. :func:`report` computes everything at once.
 
 Names state the direction, as in scikit-learn: ``*_error`` and ``*_loss`` are
@@ -35,7 +35,7 @@ Empty bins
     bins their mean confidence and accuracy are ``None``.
 Floors
     The NLL of a row clips the true-class probability at
-    :data:`calibrators._input.PROBABILITY_FLOOR` (``2**-149``), so a zero
+    :data:`calibrators.validation.PROBABILITY_FLOOR` (``2**-149``), so a zero
     probability costs ``-log(2**-149) = 103.28`` nats instead of infinity.
     Entropy uses ``0 * log 0 = 0``.
 Memory
@@ -111,7 +111,8 @@ from __future__ import annotations
 import numpy as np
 from scipy.special import entr
 
-from calibrators._input import (
+from calibrators.numerics import row_chunks
+from calibrators.validation import (
     PROBABILITY_FLOOR,
     CalibrationInputError,
     as_labels,
@@ -139,19 +140,9 @@ __all__ = [
 DEFAULT_N_BINS = 15
 STRATEGIES = ("uniform", "quantile")
 
-#: Row chunks hold about this many elements (8 MiB as float64).
-_CHUNK_ELEMENTS = 1 << 20
-
 
 # ---------------------------------------------------------------------------
 # helpers
-
-
-def _row_chunks(n_rows: int, n_cols: int):
-    """Slices over ``n_rows`` rows, each covering about ``_CHUNK_ELEMENTS`` elements."""
-    step = max(1, _CHUNK_ELEMENTS // max(1, n_cols))
-    for start in range(0, n_rows, step):
-        yield slice(start, min(start + step, n_rows))
 
 
 def _check_n_bins(n_bins) -> int:
@@ -504,7 +495,7 @@ def _classwise_errors(probs: np.ndarray, labels: np.ndarray, n_bins: int) -> np.
     inner = np.linspace(0.0, 1.0, n_bins + 1)[1:-1]
     offsets = np.arange(k, dtype=np.int64) * n_bins
     confidence_sum = np.zeros(k * n_bins)
-    for rows in _row_chunks(n, k):
+    for rows in row_chunks(n, k):
         chunk = probs[rows]
         index = np.searchsorted(inner, chunk, side="right")
         index += offsets
@@ -570,7 +561,7 @@ def log_loss_summary(probs, labels) -> dict:
 
         \\ell_i = -\\log \\max(p_{i, y_i}, 2^{-149})
 
-    The floor (:data:`calibrators._input.PROBABILITY_FLOOR`) keeps a row with
+    The floor (:data:`calibrators.validation.PROBABILITY_FLOOR`) keeps a row with
     :math:`p_{i,y_i} = 0` finite (103.28 nats). The mean alone hides what typical
     rows do: a few confidently wrong rows dominate it, the median does not.
     Percentiles use numpy's default linear interpolation. Lower is better.
@@ -613,7 +604,7 @@ def nll_loss(probs, labels) -> float:
 def _brier(probs: np.ndarray, labels: np.ndarray) -> float:
     n, k = probs.shape
     total = 0.0
-    for rows in _row_chunks(n, k):
+    for rows in row_chunks(n, k):
         diff = probs[rows].astype(np.float64)
         diff[np.arange(diff.shape[0]), labels[rows]] -= 1.0
         total += float(np.einsum("ij,ij->", diff, diff))
@@ -656,7 +647,7 @@ def accuracy_score(probs, labels) -> float:
 def _mean_entropy(probs: np.ndarray) -> float:
     n, k = probs.shape
     total = 0.0
-    for rows in _row_chunks(n, k):
+    for rows in row_chunks(n, k):
         total += float(entr(probs[rows].astype(np.float64)).sum())
     return total / n
 

@@ -3,7 +3,7 @@
 ::
 
     welltempered fit FILE.npz --method temperature|vector|matrix|dirichlet|all
-                     [--kind logits|probabilities] [--holdout 0.5] [--seed 0] [--json OUT]
+                     [--kind logits|probabilities] [--holdout 0.2] [--seed 0] [--json OUT]
     welltempered fit --demo [--method ...]          # scikit-learn digits, no file needed
     python -m calibrators.offline ...                # the same, without the service
 
@@ -21,12 +21,9 @@ The archive holds one score array and one label array:
 
 Split
 -----
-``perm = numpy.random.default_rng(seed).permutation(N)``; the first
-``n_fit = round(N * (1 - holdout))`` rows of ``perm`` are fitted on, the other
-``N - n_fit`` rows are held out. ``round`` is Python's built-in (a half goes to the
-even integer), so for even ``N`` and the default ``holdout=0.5`` the split is
-exactly ``N / 2`` and ``N / 2``: the convention of the shared CIFAR data. Both
-parts must be non-empty.
+:func:`calibrators.holdout.split_indices`, the rule the service uses too: the
+same ``(N, holdout, seed)`` selects the same rows in both. ``--holdout 0.5`` on an
+even ``N`` is the half/half convention of the shared CIFAR data.
 
 Output
 ------
@@ -56,10 +53,14 @@ from typing import Any
 import numpy as np
 
 from calibrators import METHODS, create
-from calibrators._input import CalibrationInputError, as_scores_and_labels, logits64
-from calibrators._numerics import row_chunks, softmax
 from calibrators.checks import RANK_BUCKETS, argmax_report
+from calibrators.holdout import DEFAULT_HOLDOUT, check_holdout, split_indices
 from calibrators.metrics import report
+from calibrators.validation import (
+    CalibrationInputError,
+    as_scores_and_labels,
+    to_probabilities,
+)
 
 __all__ = [
     "LABEL_ARRAYS",
@@ -118,8 +119,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "logits when the file has both)",
     )
     parser.add_argument(
-        "--holdout", type=float, default=0.5, metavar="FRACTION",
-        help="fraction of rows held out for evaluation, in (0, 1) (default: 0.5)",
+        "--holdout", type=float, default=DEFAULT_HOLDOUT, metavar="FRACTION",
+        help=f"fraction of rows held out for evaluation, in (0, 1) (default: {DEFAULT_HOLDOUT})",
     )
     parser.add_argument(
         "--seed", type=int, default=0,
@@ -148,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
             raise OfflineError("give FILE.npz or --demo, not both.")
         if not args.demo and args.file is None:
             raise OfflineError("FILE.npz is required (or --demo for a built-in example).")
-        _check_holdout(args.holdout)
+        check_holdout(args.holdout)
         methods = METHODS if args.method == "all" else (args.method,)
         if args.demo:
             with tempfile.TemporaryDirectory(prefix="welltempered-demo-") as tmp:
@@ -187,11 +188,6 @@ def _run_file(path: Path, methods, args: argparse.Namespace) -> dict[str, Any]:
         progress=progress,
     )
     return {"file": str(path), "arrays": names, **result}
-
-
-def _check_holdout(holdout) -> None:
-    if not (isinstance(holdout, int | float) and 0 < holdout < 1):
-        raise OfflineError(f"--holdout must be a fraction in (0, 1). Got {holdout!r}.")
 
 
 def _write_json(result: dict, out: Path) -> None:
@@ -280,63 +276,13 @@ def _pick_scores(files: list[str], kind: str | None, path: Path) -> str:
     return present[0]
 
 
-def split_indices(n: int, holdout: float = 0.5, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Row indices of the fit part and the held-out part.
-
-    ``perm = numpy.random.default_rng(seed).permutation(n)``; the fit part is
-    ``perm[:round(n * (1 - holdout))]`` (Python's ``round``, halves to even) and
-    the held-out part the rest.
-
-    Parameters
-    ----------
-    n : int
-        Number of rows.
-    holdout : float, default 0.5
-        Fraction held out, in (0, 1).
-    seed : int, default 0
-
-    Returns
-    -------
-    fit_idx, holdout_idx : ndarray of int64
-
-    Raises
-    ------
-    OfflineError
-        ``holdout`` outside (0, 1), or a part would be empty.
-
-    Examples
-    --------
-    >>> fit_idx, test_idx = split_indices(10, 0.3, seed=0)
-    >>> len(fit_idx), len(test_idx)
-    (7, 3)
-    """
-    _check_holdout(holdout)
-    n_fit = round(n * (1 - holdout))
-    if not 0 < n_fit < n:
-        raise OfflineError(
-            f"--holdout {holdout} leaves {n_fit} of {n} rows to fit on and {n - n_fit} to "
-            f"evaluate; both parts must be non-empty. Got {n} rows."
-        )
-    perm = np.random.default_rng(seed).permutation(n)
-    return perm[:n_fit], perm[n_fit:]
-
-
 # ---------------------------------------------------------------------------
 # fitting and evaluation
 
 
-def _as_probabilities(scores: np.ndarray, kind: str) -> np.ndarray:
-    """Softmax of validated logits (float64), or validated probabilities as given."""
-    if kind == "probabilities":
-        return scores
-    out = np.empty(scores.shape, dtype=np.float64)
-    for rows in row_chunks(*scores.shape):
-        out[rows] = softmax(logits64(scores[rows], kind))
-    return out
-
-
-def compare(scores, labels, *, kind: str = "logits", methods=METHODS, holdout: float = 0.5,
-            seed: int = 0, progress: bool = False) -> dict[str, Any]:
+def compare(scores, labels, *, kind: str = "logits", methods=METHODS,
+            holdout: float = DEFAULT_HOLDOUT, seed: int = 0,
+            progress: bool = False) -> dict[str, Any]:
     """Fit each method on one part of the rows and evaluate it on the other.
 
     Parameters
@@ -347,8 +293,8 @@ def compare(scores, labels, *, kind: str = "logits", methods=METHODS, holdout: f
         Integer class labels in ``[0, n_classes)``.
     kind : {"logits", "probabilities"}
     methods : sequence of str, default all of :data:`calibrators.METHODS`
-    holdout : float, default 0.5
-        Fraction of rows held out (see :func:`split_indices`).
+    holdout : float, default=DEFAULT_HOLDOUT
+        Fraction of rows held out (see :func:`calibrators.holdout.split_indices`).
     seed : int, default 0
     progress : bool, default False
         Say on stderr which method is being fitted.
@@ -380,7 +326,7 @@ def compare(scores, labels, *, kind: str = "logits", methods=METHODS, holdout: f
     out: dict[str, Any] = {
         "n": int(n), "n_classes": int(k), "kind": kind, "holdout": float(holdout),
         "seed": int(seed), "n_fit": int(fit_idx.shape[0]), "n_holdout": int(test_idx.shape[0]),
-        "uncalibrated": report(_as_probabilities(x_test, kind), y_test),
+        "uncalibrated": report(to_probabilities(x_test, kind), y_test),
         "methods": {},
     }
     for method in methods:

@@ -4,7 +4,7 @@ One graph serves temperature, vector, matrix and Dirichlet scaling:
 
 * input ``logits``: float32 of shape (N, K), N dynamic (``dim_param "N"``), K fixed.
   Probabilities are fed as their log; a zero probability (log = ``-inf``) is
-  replaced by :data:`calibrators._input.LOG_FLOOR`, exactly what the numpy path
+  replaced by :data:`calibrators.validation.LOG_FLOOR`, exactly what the numpy path
   does with ``log(max(p, PROBABILITY_FLOOR))``.
 * outputs ``probabilities`` float32 (N, K), ``confidence`` float32 (N,) (the
   largest probability), ``label`` int64 (N,) (first argmax of the calibrated
@@ -42,7 +42,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from calibrators._input import LOG_FLOOR, CalibrationInputError
+from calibrators.validation import LOG_FLOOR, CalibrationInputError
 
 #: Operator set and IR version of every exported model (see the module docstring).
 OPSET = 17

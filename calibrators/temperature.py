@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from calibrators._input import CalibrationInputError, logits64
-from calibrators._numerics import map_chunks
 from calibrators.base import Calibrator, Progress, check_positive
+from calibrators.numerics import map_chunks
+from calibrators.validation import CalibrationInputError, logits64
 
 #: Bracket ends: beta is searched in [BETA_MIN, BETA_MAX] / scale.
 BETA_MIN = 1e-8

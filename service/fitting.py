@@ -34,40 +34,14 @@ from sqlalchemy.orm import sessionmaker
 
 import calibrators
 from calibrators import checks, metrics
+from calibrators.holdout import split_indices
+from calibrators.validation import to_probabilities
 from service.arrays import ArrayStore
 from service.db import CalibratorVersion, Dataset, Model, make_engine, utcnow
 
 log = logging.getLogger("welltempered.fits")
 
 AUTO = "auto"
-
-
-def softmax(scores: np.ndarray, kind: str, chunk_rows: int = 8192) -> np.ndarray:
-    """Row-wise probabilities (float64) of logits, or the probabilities themselves."""
-    if kind == "probabilities":
-        return np.asarray(scores, dtype=np.float64)
-    out = np.empty(scores.shape, dtype=np.float64)
-    for start in range(0, scores.shape[0], chunk_rows):
-        z = np.asarray(scores[start : start + chunk_rows], dtype=np.float64)
-        z = z - z.max(axis=1, keepdims=True)
-        np.exp(z, out=z)
-        z /= z.sum(axis=1, keepdims=True)
-        out[start : start + chunk_rows] = z
-    return out
-
-
-def split(n: int, holdout: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """``default_rng(seed).permutation(n)``: the first (1 - holdout) part fits, the rest
-    is held out."""
-    n_hold = round(n * holdout)
-    n_fit = n - n_hold
-    if n_hold < 1 or n_fit < 2:
-        raise calibrators.CalibrationInputError(
-            f"holdout={holdout} leaves {n_fit} rows to fit and {n_hold} to evaluate on a "
-            f"dataset of {n} rows; both parts need rows (at least 2 to fit). Got N={n}."
-        )
-    perm = np.random.default_rng(seed).permutation(n)
-    return perm[:n_fit], perm[n_fit:]
 
 
 def check_fit_request(method: str, options: dict[str, Any]) -> None:
@@ -116,10 +90,10 @@ def fit_job(
     chosen_method, params, metrics_before/after, argmax, candidates (auto only),
     warning and fit_seconds.
     """
-    fit_idx, hold_idx = split(labels.shape[0], holdout, seed)
+    fit_idx, hold_idx = split_indices(labels.shape[0], holdout, seed)
     x_fit, y_fit = np.asarray(scores[fit_idx]), labels[fit_idx]
     x_hold, y_hold = np.asarray(scores[hold_idx]), labels[hold_idx]
-    before = metrics.report(softmax(x_hold, kind), y_hold)
+    before = metrics.report(to_probabilities(x_hold, kind), y_hold)
 
     methods = tuple(calibrators.METHODS) if method == AUTO else (method,)
     results: dict[str, dict[str, Any]] = {}

@@ -21,7 +21,7 @@ import onnxruntime as ort
 from sqlalchemy.orm import sessionmaker
 
 import calibrators
-from calibrators._input import PROBABILITY_FLOOR, CalibrationInputError
+from calibrators.validation import PROBABILITY_FLOOR, CalibrationInputError
 
 OUTPUTS = ("probabilities", "label", "confidence", "entropy")
 

@@ -1,7 +1,7 @@
 """Decode request bodies into validated arrays, with the core's validation rules.
 
 Shapes, NaN/Inf, probability rows and labels are checked by
-``calibrators._input`` (its ``CalibrationInputError`` becomes a 422 in
+``calibrators.validation`` (its ``CalibrationInputError`` becomes a 422 in
 :mod:`service.problems`); this module adds only what the core cannot know: the
 body formats, and the model's number of classes.
 """
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from calibrators._input import as_labels, as_scores
+from calibrators.validation import as_labels, as_scores
 from service.problems import InvalidInput, MalformedBody, MalformedJSON
 
 #: Accepted names of the score array, and the kind each one means. ``predictions``

@@ -36,7 +36,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from calibrators import drift, metrics
-from calibrators._input import PROBABILITY_FLOOR
+from calibrators.validation import PROBABILITY_FLOOR
 from service import observability as obs
 from service import store
 from service.db import STATUSES, Alias, CalibratorVersion, FeedbackBin, Model

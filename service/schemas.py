@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 
+from calibrators.holdout import DEFAULT_HOLDOUT
+
 Method = Literal["temperature", "vector", "matrix", "dirichlet", "auto"]
 Status = Literal["queued", "running", "succeeded", "rejected", "failed"]
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -86,7 +88,8 @@ class FitRequest(BaseModel):
     dataset_id: int = Field(ge=1, le=MAX_ID)
     method: Method = "auto"
     holdout: float = Field(
-        0.2, gt=0, lt=1, description="Share of rows held out to evaluate (and police argmax)."
+        DEFAULT_HOLDOUT, gt=0, lt=1,
+        description="Share of rows held out to evaluate (and police argmax)."
     )
     seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed of the holdout permutation.")
     options: dict[str, Any] = Field(

@@ -15,9 +15,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from calibrators import metrics
+from calibrators.validation import to_probabilities
 from service.arrays import ArrayStore
 from service.db import Alias, CalibratorVersion, Dataset, Model, utcnow
-from service.fitting import softmax
 from service.ingest import Labelled
 from service.problems import ArgmaxChanged, Conflict, InvalidInput, NotFound, NotReady
 from service.schemas import ALIAS_PATTERN, NAME_PATTERN, FitRequest, ModelCreate
@@ -62,7 +62,7 @@ def add_dataset(
     )
     if existing is not None:
         return existing, False
-    report = metrics.report(softmax(data.scores, data.kind), data.labels)
+    report = metrics.report(to_probabilities(data.scores, data.kind), data.labels)
     dataset = Dataset(
         model_id=model.id,
         sha256=sha,

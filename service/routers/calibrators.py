@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Response
 
+from calibrators.holdout import split_indices
 from service import limits, store
 from service.db import CalibratorVersion, Model
 from service.deps import ModelDep, SessionDep, StateDep, VersionDep, find_dataset
-from service.fitting import check_fit_request, split
+from service.fitting import check_fit_request
 from service.inference import onnx_bytes
 from service.problems import NotReady
 from service.schemas import FitAccepted, FitRequest, VersionList, VersionOut, VersionSummary
@@ -52,7 +53,7 @@ def start_fit(
 ) -> FitAccepted:
     """Queue a fit; it runs in the background. Poll the status URL."""
     dataset = find_dataset(session, model, body.dataset_id)
-    split(dataset.n_rows, body.holdout, body.seed)  # 422 now if a part would be empty
+    split_indices(dataset.n_rows, body.holdout, body.seed)  # 422 now if a part would be empty
     check_fit_request(body.method, body.options)  # 422 now for unknown options
     limits.check_fit_queue(session, state.settings.max_queued_fits)
     row = store.create_version(session, model, dataset, body)

@@ -13,9 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from calibrators import checks, metrics
-from calibrators._input import CalibrationInputError
+from calibrators import checks, numerics
 from calibrators.checks import RANK_BUCKETS, argmax_report
+from calibrators.validation import CalibrationInputError
 
 
 def _softmax(z):
@@ -129,7 +129,7 @@ def test_chunked_ranks_equal_unchunked(monkeypatch, cifar100):
     probs = cifar100.probs[:700]
     after = probs[:, ::-1]
     whole = argmax_report(probs, after, kind="probabilities")
-    monkeypatch.setattr(metrics, "_CHUNK_ELEMENTS", 350)  # 3 rows of 100 per chunk
+    monkeypatch.setattr(numerics, "CHUNK_ELEMENTS", 350)  # 3 rows of 100 per chunk
     assert argmax_report(probs, after, kind="probabilities") == whole
 
 

@@ -8,6 +8,7 @@ import pytest
 MODULES = [
     "calibrators",
     "calibrators.base",
+    "calibrators.holdout",
     "calibrators.temperature",
     "calibrators.linear",
     "calibrators.onnx_export",

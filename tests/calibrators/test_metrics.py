@@ -17,8 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from calibrators import metrics
-from calibrators._input import PROBABILITY_FLOOR, CalibrationInputError
+from calibrators import metrics, numerics
 from calibrators.metrics import (
     accuracy_score,
     bin_edges,
@@ -34,6 +33,7 @@ from calibrators.metrics import (
     reliability_bins,
     report,
 )
+from calibrators.validation import PROBABILITY_FLOOR, CalibrationInputError
 
 # N = 4 rows, K = 3 classes. Confidences 0.7, 0.6, 0.5, 0.8; predictions 0, 0, 1, 2,
 # so rows 0, 2, 3 are correct.
@@ -289,7 +289,7 @@ def test_chunking_does_not_change_results(monkeypatch):
     probs = rng.dirichlet(np.full(7, 0.3), size=53)
     labels = rng.integers(0, 7, size=53)
     whole = report(probs, labels, n_bins=6)
-    monkeypatch.setattr(metrics, "_CHUNK_ELEMENTS", 20)  # 2 rows per chunk, last one short
+    monkeypatch.setattr(numerics, "CHUNK_ELEMENTS", 20)  # 2 rows per chunk, last one short
     chunked = report(probs, labels, n_bins=6)
     for key, value in whole.items():
         if isinstance(value, float):

@@ -1,7 +1,7 @@
 """ONNX export of ``softmax(W * phi(z) + b)``: interface, graph size, and parity.
 
 Parity is against :func:`_reference`, a float64 numpy oracle written here
-(independent of the export module and of ``calibrators._numerics``), on ONNX
+(independent of the export module and of ``calibrators.numerics``), on ONNX
 Runtime's CPU provider and on ``onnx.reference.ReferenceEvaluator``.
 """
 
@@ -20,8 +20,8 @@ from onnx import TensorProto, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from calibrators import onnx_export
-from calibrators._input import LOG_FLOOR, PROBABILITY_FLOOR, CalibrationInputError
 from calibrators.onnx_export import linear_softmax_model, linear_softmax_onnx
+from calibrators.validation import LOG_FLOOR, PROBABILITY_FLOOR, CalibrationInputError
 
 #: Largest allowed |ONNX - numpy| on probabilities, confidence and entropy.
 ATOL = 1e-6

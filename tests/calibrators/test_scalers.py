@@ -23,8 +23,8 @@ from calibrators import (
     TemperatureScaler,
     VectorScaler,
 )
-from calibrators._input import PROBABILITY_FLOOR
 from calibrators.temperature import _pass
+from calibrators.validation import PROBABILITY_FLOOR
 from tests.strategies import logits_and_labels
 
 STRUCTURE = {"temperature": "scalar", "vector": "diagonal", "matrix": "full", "dirichlet": "full"}

@@ -1,5 +1,5 @@
-"""Small numerical kernels shared by the calibrators: row chunking, stable
-softmax/log-softmax, and a two-thread map over chunks.
+"""Small numerical kernels, each written once for the library and the service:
+row chunking, stable softmax/log-softmax and a few-thread map over chunks.
 
 Large inputs are processed in row chunks of about ``CHUNK_ELEMENTS`` entries,
 converted to float64 one chunk at a time: peak extra memory is a few chunks,
@@ -21,9 +21,10 @@ from threadpoolctl import threadpool_limits
 CHUNK_ELEMENTS = 1 << 18
 
 
-def row_chunks(n_rows: int, n_cols: int, chunk_elements: int = CHUNK_ELEMENTS) -> Iterator[slice]:
-    """Consecutive row slices covering ``range(n_rows)``, each about ``chunk_elements``."""
-    step = max(1, chunk_elements // max(1, n_cols))
+def row_chunks(n_rows: int, n_cols: int, chunk_elements: int | None = None) -> Iterator[slice]:
+    """Consecutive row slices covering ``range(n_rows)``, each about ``chunk_elements``
+    (default: ``CHUNK_ELEMENTS``) entries."""
+    step = max(1, (chunk_elements or CHUNK_ELEMENTS) // max(1, n_cols))
     for start in range(0, n_rows, step):
         yield slice(start, min(start + step, n_rows))
 

@@ -11,6 +11,8 @@ from typing import Literal
 
 import numpy as np
 
+from calibrators.numerics import row_chunks, softmax
+
 Kind = Literal["logits", "probabilities"]
 KINDS = ("logits", "probabilities")
 
@@ -91,9 +93,8 @@ def as_scores(scores, kind: str = "logits", *, n_classes: int | None = None) -> 
     dtype = np.float32 if arr.dtype == np.float32 else np.float64
     arr = np.ascontiguousarray(arr, dtype=dtype)
     # Checked in row blocks: no full-size boolean masks for big inputs.
-    step = max(1, (1 << 20) // k)
-    for start in range(0, n, step):
-        _check_block(arr[start : start + step], start, kind)
+    for rows in row_chunks(n, k):
+        _check_block(arr[rows], rows.start, kind)
     return arr
 
 
@@ -153,6 +154,21 @@ def logits64(block: np.ndarray, kind: str) -> np.ndarray:
     if kind == "probabilities":
         return probabilities_to_logits(block)
     return block.astype(np.float64)
+
+
+def to_probabilities(scores: np.ndarray, kind: str) -> np.ndarray:
+    """Probabilities (float64, shape (N, K)) of validated scores.
+
+    The softmax of logits, computed in row chunks; probabilities are returned as
+    float64 (no copy when they already are).
+    """
+    check_kind(kind)
+    if kind == "probabilities":
+        return np.asarray(scores, dtype=np.float64)
+    out = np.empty(scores.shape, dtype=np.float64)
+    for rows in row_chunks(*scores.shape):
+        out[rows] = softmax(scores[rows].astype(np.float64))
+    return out
 
 
 def as_labels(labels, n_samples: int, n_classes: int) -> np.ndarray:
