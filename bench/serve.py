@@ -38,7 +38,7 @@ MODEL = "bench"
 
 def build_app():
     """The service plus the bare baseline routes (added here only)."""
-    from service.app import create_app
+    from service.api.app import create_app
 
     app = create_app()
 

@@ -7,11 +7,11 @@ from logging.config import fileConfig
 from alembic import context
 from sqlalchemy import Connection
 
-from service.db import Base, make_engine
 from service.settings import Settings
+from service.storage.db import Base, make_engine
 
 config = context.config
-# Only the `alembic` command reads alembic.ini; service.migrate builds its Config in code
+# Only the `alembic` command reads alembic.ini; service.storage.migrate builds its Config in code
 # and leaves logging to the caller (`welltempered migrate` sets it up).
 if config.config_file_name is not None:
     fileConfig(config.config_file_name, disable_existing_loggers=False)

@@ -32,10 +32,12 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
     from sqlalchemy.orm import sessionmaker
 
-    from service import demo, fitting, migrate
-    from service.arrays import ArrayStore
-    from service.db import make_engine
+    from service import demo
+    from service.jobs import fitting
     from service.settings import Settings
+    from service.storage import migrate
+    from service.storage.arrays import ArrayStore
+    from service.storage.db import make_engine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     settings = Settings()
@@ -77,7 +79,7 @@ def serve(args: argparse.Namespace) -> int:
             os.environ[f"WELLTEMPERED_{name.upper()}"] = str(value)
         _prepare_multiprocess_metrics(settings)
         uvicorn.run(
-            "service.app:app_from_env",
+            "service.api.app:app_from_env",
             factory=True,
             host=args.host,
             port=args.port,
@@ -86,7 +88,7 @@ def serve(args: argparse.Namespace) -> int:
             timeout_graceful_shutdown=grace,
         )
     else:
-        from service.app import create_app
+        from service.api.app import create_app
 
         uvicorn.run(
             create_app(settings),
@@ -99,7 +101,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _prepare_multiprocess_metrics(settings) -> str:
-    """prometheus_client's multiprocess mode for ``--workers N > 1`` (service/observability.py).
+    """prometheus_client's multiprocess mode for ``--workers N > 1`` (service/observe/metrics.py).
 
     ``PROMETHEUS_MULTIPROC_DIR`` must be in the environment before any worker imports
     prometheus_client, and the directory wiped once, before the workers start: both
@@ -107,14 +109,14 @@ def _prepare_multiprocess_metrics(settings) -> str:
     is used: a fixed place, so a server killed with SIGKILL leaves no stray directory
     (the next start wipes it).
     """
-    name = "PROMETHEUS_MULTIPROC_DIR"  # service.observability.MULTIPROC_ENV
+    name = "PROMETHEUS_MULTIPROC_DIR"  # service.observe.metrics.MULTIPROC_ENV
     path = os.environ.get(name) or os.path.abspath(settings.data_dir / "prometheus-multiproc")
     os.makedirs(path, exist_ok=True)  # importing prometheus_client may write there
     # This process serves no metrics; it imports observability only to wipe the files.
-    from service import observability
+    from service.observe import metrics as obs
 
     os.environ[name] = path
-    observability.prepare_multiprocess_dir(path)
+    obs.prepare_multiprocess_dir(path)
     return path
 
 
@@ -123,8 +125,8 @@ def _no_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def migrate_command(args: argparse.Namespace) -> int:
-    from service import migrate
     from service.settings import Settings
+    from service.storage import migrate
 
     # Alembic's progress ("Running upgrade a -> b") on stderr; SQLAlchemy stays quiet.
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s [%(name)s] %(message)s")
@@ -148,13 +150,13 @@ def fit(args: argparse.Namespace) -> int:
 
 
 def _keys_arguments(p: argparse.ArgumentParser) -> None:
-    from service import keys
+    from service.security import keys
 
     keys.add_arguments(p)
 
 
 def keys_command(args: argparse.Namespace) -> int:
-    from service import keys
+    from service.security import keys
 
     return keys.run(args)
 

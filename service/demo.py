@@ -18,13 +18,13 @@ import numpy as np
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import sessionmaker
 
-from service import store
-from service.arrays import ArrayStore
-from service.db import DEFAULT_NAMESPACE, Alias, CalibratorVersion, Model
-from service.fitting import WorkerConfig, dispose_engine, run_fit
-from service.ingest import validated
-from service.schemas import FitRequest, ModelCreate
+from service.api.ingest import validated
+from service.api.schemas import FitRequest, ModelCreate
+from service.jobs.fitting import WorkerConfig, dispose_engine, run_fit
 from service.settings import Settings
+from service.storage import registry
+from service.storage.arrays import ArrayStore
+from service.storage.db import DEFAULT_NAMESPACE, Alias, CalibratorVersion, Model
 
 log = logging.getLogger("welltempered.demo")
 
@@ -90,7 +90,7 @@ def install(settings: Settings, engine: Engine) -> int:
         log.info("demo: training a small MLP on scikit-learn's digits...")
         _, _, logits, labels = digits_logits()
         if model is None:
-            model = store.create_model(
+            model = registry.create_model(
                 s,
                 ModelCreate(
                     name=MODEL,
@@ -103,8 +103,8 @@ def install(settings: Settings, engine: Engine) -> int:
         arrays = ArrayStore(settings.data_dir)
         arrays.ensure()
         data = validated(logits, labels, "logits", model.num_classes, model.name)
-        dataset, _ = store.add_dataset(s, model, data, arrays)
-        row = store.create_version(
+        dataset, _ = registry.add_dataset(s, model, data, arrays)
+        row = registry.create_version(
             s, model, dataset, FitRequest(dataset_id=dataset.id, method="temperature")
         )
         config = WorkerConfig(settings.database_url, str(settings.data_dir), 1.0)
@@ -115,6 +115,6 @@ def install(settings: Settings, engine: Engine) -> int:
         if status != "succeeded":
             raise RuntimeError(f"demo: the temperature fit ended {status}")
         s.refresh(row)
-        store.set_alias(s, model, ALIAS, row)
+        registry.set_alias(s, model, ALIAS, row)
         log.info("demo: %s version %d fitted and aliased %r", MODEL, row.version, ALIAS)
         return row.version

@@ -1,6 +1,6 @@
 """Service settings, read from ``WELLTEMPERED_*`` environment variables.
 
-Nothing reads the environment at import time: :func:`service.app.create_app`
+Nothing reads the environment at import time: :func:`service.api.app.create_app`
 takes a :class:`Settings`, and only the entry points (CLI, ``app_from_env``,
 Alembic's ``env.py``) build one from the environment.
 """
@@ -75,7 +75,7 @@ class Settings(BaseSettings):
         True,
         description="On startup, mark fits left queued/running by a dead process as failed.",
     )
-    # -- monitoring (service/monitoring.py, README "Monitoring") --
+    # -- monitoring (service/observe/monitoring.py, README "Monitoring") --
     feedback_bucket_seconds: int = Field(
         60,
         ge=1,
@@ -89,7 +89,7 @@ class Settings(BaseSettings):
         description="Window of the welltempered_live_* gauges of /metrics (and the default "
         "window of GET /v1/models/{model}/monitoring).",
     )
-    # -- security and limits (service/auth.py, README "Security and reliability") --
+    # -- security and limits (service/security/auth.py, README "Security and reliability") --
     auth: Literal["on", "off"] = Field(
         "on",
         description="'on': every /v1 route needs an API key (Authorization: Bearer). 'off': "

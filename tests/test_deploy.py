@@ -2,7 +2,7 @@
 Prometheus's config and alert rules, Grafana's provisioning and dashboard.
 
 Every welltempered_* metric used by a PromQL expression of the dashboard or the alert
-rules must exist in the exposition of service.observability; Prometheus's own
+rules must exist in the exposition of service.observe.metrics; Prometheus's own
 ``promtool`` checks the config, the rules, the rules' unit tests, and the syntax of
 every dashboard expression. The live-Prometheus test (a real server scraping a running
 service) lives with the service tests.
@@ -23,7 +23,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from service import observability as obs
+from service.observe import metrics as obs
 from tests.conftest import skip_or_fail
 from tests.test_packaging import SOURCES as WHEEL_SOURCES
 

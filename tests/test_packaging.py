@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from service import migrate
-from service.db import Base
+from service.storage import migrate
+from service.storage.db import Base
 
 ROOT = Path(__file__).resolve().parents[1]
 #: What the wheel is built from: the files the Dockerfile's build stage copies.
@@ -32,15 +32,14 @@ MIGRATIONS = ROOT / "migrations"
 MIGRATE_FROM_THE_WHEEL = """
 import json, sys
 sys.path[:0] = sys.argv[1:]
-import service.cli, service.migrate
+import service.cli, service.storage.migrate
 status = service.cli.main(["migrate"])
 modules = sorted(
     m.__file__ for name, m in sys.modules.items()
     if name.split(".")[0] in ("service", "calibrators") and getattr(m, "__file__", None)
 )
-print(json.dumps(
-    {"status": status, "modules": modules, "scripts": str(service.migrate.script_location())}
-))
+scripts = str(service.storage.migrate.script_location())
+print(json.dumps({"status": status, "modules": modules, "scripts": scripts}))
 """
 
 

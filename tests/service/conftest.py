@@ -22,9 +22,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from service import migrate
-from service.app import create_app
+from service.api.app import create_app
 from service.settings import Settings
+from service.storage import migrate
 from tests.conftest import skip_or_fail
 
 PG_URL = os.environ.get(

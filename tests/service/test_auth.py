@@ -10,10 +10,11 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 from sqlalchemy.orm import sessionmaker
 
-from service import cli, keys
-from service.app import create_app
-from service.auth import key_digest, required_scope
-from service.db import ApiKey, make_engine
+from service import cli
+from service.api.app import create_app
+from service.security import keys
+from service.security.auth import key_digest, required_scope
+from service.storage.db import ApiKey, make_engine
 from tests.service.conftest import assert_problem, fit, logits_data, make_settings
 from tests.service.test_limits import Clock, rate_limited_total
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
+from service.api.app import create_app
 from tests.service.conftest import create_model, fit, logits_data, make_settings, upload, wait_for
 
 

@@ -14,10 +14,11 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
-from service import cli, demo, migrate
-from service.app import create_app
-from service.db import CalibratorVersion, make_engine
+from service import cli, demo
+from service.api.app import create_app
 from service.settings import Settings
+from service.storage import migrate
+from service.storage.db import CalibratorVersion, make_engine
 
 
 def test_migrate_command(tmp_path, monkeypatch, capsys):
@@ -40,11 +41,11 @@ def test_parser_has_the_commands():
 @pytest.mark.postgres
 def test_the_cli_parser_does_not_create_the_metrics():
     """`serve --workers N` prepares PROMETHEUS_MULTIPROC_DIR after parsing its arguments,
-    and importing service.observability creates the metrics (in that directory, in
+    and importing service.observe.metrics creates the metrics (in that directory, in
     multiprocess mode): building the parser must not import it."""
     code = (
         "import sys; from service import cli; cli.build_parser(); "
-        "print('service.observability' in sys.modules)"
+        "print('service.observe.metrics' in sys.modules)"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True

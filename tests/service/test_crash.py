@@ -21,7 +21,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 import calibrators
-from service.arrays import ArrayStore
+from service.storage.arrays import ArrayStore
 from tests.service.conftest import logits_data
 from tests.service.servers import Server
 
@@ -140,7 +140,7 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(database_url, tmp_pa
 
 @pytest.mark.postgres
 def test_postgres_backends_killed_while_serving(pg_schema, pg_admin, tmp_path):
-    from service import migrate
+    from service.storage import migrate
 
     migrate.upgrade(pg_schema)
     app_name = f"wt_{uuid.uuid4().hex[:10]}"
@@ -234,9 +234,9 @@ def test_readyz_is_503_exactly_while_the_database_is_unreachable(pg_schema, tmp_
     """In-process: the app's engine is pointed at a closed port, then back."""
     from fastapi.testclient import TestClient
 
-    from service import migrate
-    from service.app import create_app
-    from service.db import make_engine
+    from service.api.app import create_app
+    from service.storage import migrate
+    from service.storage.db import make_engine
     from tests.service.conftest import make_settings
     from tests.service.servers import free_port
 

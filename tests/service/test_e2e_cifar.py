@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 import calibrators
-from service.app import create_app
+from service.api.app import create_app
 from tests.conftest import DATA_DIR
 from tests.service.conftest import create_model, make_settings, wait_for
 

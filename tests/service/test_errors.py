@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.app import create_app
+from service.api.app import create_app
 from tests.service.conftest import (
     assert_problem,
     create_model,

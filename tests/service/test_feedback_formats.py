@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import select
 
-import service.monitoring
-import service.routers.monitoring
-from service.app import create_app
-from service.db import FeedbackBin
+import service.api.routers.monitoring
+import service.observe.monitoring
+from service.api.app import create_app
+from service.storage.db import FeedbackBin
 from tests.service.conftest import (
     assert_problem,
     create_model,
@@ -133,8 +133,8 @@ def test_npz_feedback_equals_json(served, monkeypatch, kind):
     json_key, scores, score_name, label_name, labels = _rows(kind)
     t0 = 1_700_000_040.0  # a bucket start (a multiple of 60)
     clock = Clock(t0)
-    monkeypatch.setattr(service.routers.monitoring, "time", clock)
-    monkeypatch.setattr(service.monitoring, "time", clock)
+    monkeypatch.setattr(service.api.routers.monitoring, "time", clock)
+    monkeypatch.setattr(service.observe.monitoring, "time", clock)
 
     r = served.post(URL, json={json_key: scores.tolist(), "labels": labels.tolist()})
     assert r.status_code == 200, r.text

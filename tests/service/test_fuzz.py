@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from service import keys
-from service.app import create_app
+from service.api.app import create_app
+from service.security import keys
 from tests.service.conftest import (
     BACKENDS,
     create_model,

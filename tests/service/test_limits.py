@@ -13,11 +13,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from service import observability as obs
-from service.app import create_app
-from service.auth import Principal
-from service.limits import RateLimiter
-from service.problems import TooManyRequests
+from service.api.app import create_app
+from service.api.problems import TooManyRequests
+from service.observe import metrics as obs
+from service.security.auth import Principal
+from service.security.limits import RateLimiter
 from tests.service.conftest import (
     assert_problem,
     create_model,

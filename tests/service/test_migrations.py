@@ -8,10 +8,10 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from fastapi.testclient import TestClient
 
-from service import migrate
-from service.app import create_app
-from service.db import Base, make_engine
+from service.api.app import create_app
 from service.settings import Settings
+from service.storage import migrate
+from service.storage.db import Base, make_engine
 from tests.service.conftest import BACKENDS
 
 

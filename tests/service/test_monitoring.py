@@ -20,9 +20,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.orm import sessionmaker
 
 from calibrators import metrics
-from service import keys, monitoring
-from service.app import create_app
-from service.db import DEFAULT_NAMESPACE, make_engine
+from service.api.app import create_app
+from service.observe import monitoring
+from service.security import keys
+from service.storage.db import DEFAULT_NAMESPACE, make_engine
 from tests.service.conftest import (
     assert_problem,
     create_model,

@@ -1,4 +1,4 @@
-"""service.observability: the metric vocabulary, the exposition in single-process and
+"""service.observe.metrics: the metric vocabulary, the exposition in single-process and
 multiprocess mode, and the scrape-time database gauges."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from service import observability as obs
+from service.observe import metrics as obs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -252,7 +252,7 @@ def run_python(code: str, env_extra: dict[str, str]) -> subprocess.CompletedProc
 WORKER = """
     import os
     import numpy as np
-    from service import observability as obs
+    from service.observe import metrics as obs
     k = int(os.environ["ROWS"])
     for _ in range(k):
         obs.observe_request("/v1/models/{model}/predict", "POST", 200, 0.02)
@@ -297,7 +297,7 @@ def test_two_worker_processes_add_up(tmp_path):
     render = run_python(
         """
         import sys
-        from service import observability as obs
+        from service.observe import metrics as obs
         assert obs.multiprocess_dir() is not None
         print("reaped", obs.mark_dead_workers(), file=sys.stderr)
         body, _ = obs.render_metrics(lambda: {"fit_jobs": [({"status": "running"}, 1)]})
@@ -346,7 +346,7 @@ def test_setting_the_directory_after_importing_prometheus_client_is_refused(tmp_
         import os
         import prometheus_client
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.environ["LATE_DIR"]
-        from service import observability
+        from service.observe import metrics as obs
         """,
         {"LATE_DIR": str(tmp_path)},
     )

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 import calibrators
-from service.inference import SessionCache, as_onnx_input, run
+from service.serving.inference import SessionCache, as_onnx_input, run
 from tests.service.conftest import logits_data
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +24,7 @@ def test_serving_path_does_not_import_torch(tmp_path):
 
         import numpy as np
         from fastapi.testclient import TestClient
-        from service.app import create_app
+        from service.api.app import create_app
         from service.settings import Settings
 
         s = Settings(database_url="sqlite:///{tmp_path / "r.sqlite3"}",

@@ -9,11 +9,11 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import sessionmaker
 
-from service import store
-from service.app import create_app
-from service.arrays import ArrayStore
-from service.db import Dataset, make_engine
-from service.schemas import FitRequest
+from service.api.app import create_app
+from service.api.schemas import FitRequest
+from service.storage import registry
+from service.storage.arrays import ArrayStore
+from service.storage.db import Dataset, make_engine
 from tests.service.conftest import create_model, logits_data, upload
 
 
@@ -53,8 +53,8 @@ def test_start_up_fails_jobs_left_by_a_dead_process(settings):
     engine = make_engine(settings.database_url)
     try:
         with sessionmaker(engine, expire_on_commit=False)() as s:
-            model = store.find_model(s, "m", "default")
-            row = store.create_version(
+            model = registry.find_model(s, "m", "default")
+            row = registry.create_version(
                 s,
                 model,
                 s.get(Dataset, ds["id"]),

@@ -1,4 +1,4 @@
-"""service.svg: the reliability diagram is valid XML with the structure it promises."""
+"""service.observe.svg: the reliability diagram is valid XML with the structure it promises."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from calibrators import TemperatureScaler, metrics
-from service import svg as svg_module
-from service.svg import reliability_svg
+from service.observe import svg as svg_module
+from service.observe.svg import reliability_svg
 
 NS = {"svg": "http://www.w3.org/2000/svg"}
 

@@ -16,15 +16,15 @@ from fastapi import Depends, Path, Request
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from service import store
-from service.arrays import ArrayStore
-from service.auth import PrincipalDep
-from service.db import Alias, CalibratorVersion, Dataset, Model
-from service.fitting import FitRunner
-from service.inference import ServingCache
-from service.problems import NotFound
-from service.schemas import ALIAS_PATTERN, MAX_ID
+from service.api.problems import NotFound
+from service.api.schemas import ALIAS_PATTERN, MAX_ID
+from service.jobs.fitting import FitRunner
+from service.security.auth import PrincipalDep
+from service.serving.inference import ServingCache
 from service.settings import Settings
+from service.storage import registry
+from service.storage.arrays import ArrayStore
+from service.storage.db import Alias, CalibratorVersion, Dataset, Model
 
 _ALIAS = re.compile(ALIAS_PATTERN)
 
@@ -66,7 +66,7 @@ def get_model(
     model: Annotated[str, Path(description="The model's name.")],
 ) -> Model:
     """The caller's namespace's model: another namespace's is a 404 like a missing one."""
-    return store.find_model(session, model, principal.namespace)
+    return registry.find_model(session, model, principal.namespace)
 
 
 ModelDep = Annotated[Model, Depends(get_model)]
@@ -91,7 +91,7 @@ DatasetDep = Annotated[Dataset, Depends(get_dataset)]
 def get_version(
     session: SessionDep, model: ModelDep, version: Annotated[int, Path(ge=1, le=MAX_ID)]
 ) -> CalibratorVersion:
-    return store.find_version(session, model, version)
+    return registry.find_version(session, model, version)
 
 
 VersionDep = Annotated[CalibratorVersion, Depends(get_version)]

@@ -1,4 +1,4 @@
-"""Limits and back-pressure, beyond the body sizes of :mod:`service.uploads`.
+"""Limits and back-pressure, beyond the body sizes of :mod:`service.api.uploads`.
 
 Rows per predict and per dataset (413), classes per model (422), fits waiting
 or running (429 with ``Retry-After``) and requests per API key (429 with
@@ -16,7 +16,7 @@ refused request takes nothing. A key is sustained at the rate and may send a
 burst of that many requests at once after being idle. The default rate, 0,
 turns the limit off.
 
-:func:`service.auth.authorize` applies it once the key is known and not
+:func:`service.security.auth.authorize` applies it once the key is known and not
 expired: an unknown key is still a 401, every request of a known key counts
 (a 403 too), and the open routes (``/healthz``, ``/readyz``, ``/metrics``),
 which need no key, are never limited. With ``WELLTEMPERED_AUTH=off`` there is
@@ -53,11 +53,11 @@ from typing import TYPE_CHECKING
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service.db import CalibratorVersion
-from service.problems import ContentTooLarge, InvalidInput, TooManyRequests
+from service.api.problems import ContentTooLarge, InvalidInput, TooManyRequests
+from service.storage.db import CalibratorVersion
 
 if TYPE_CHECKING:
-    from service.auth import Principal
+    from service.security.auth import Principal
 
 #: Seconds a client is told to wait when the fit queue is full.
 FIT_RETRY_AFTER_SECONDS = 30
@@ -173,7 +173,7 @@ class RateLimiter:
         # Imported here: this module is imported by the CLI (keys -> auth -> limits)
         # before `serve` prepares PROMETHEUS_MULTIPROC_DIR, and importing
         # observability creates the metrics (see that module).
-        from service import observability as obs
+        from service.observe import metrics as obs
 
         obs.observe_rate_limited(principal.namespace)
         retry = max(1, math.ceil(wait))

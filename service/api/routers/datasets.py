@@ -8,12 +8,14 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request, Response
 from sqlalchemy import select
 
-from service import ingest, limits, store
-from service.db import Dataset, Model
-from service.deps import DatasetDep, ModelDep, SessionDep, StateDep
-from service.openapi import LABELS, SCORE_PROPERTIES
-from service.schemas import DatasetList, DatasetOut
-from service.uploads import NPZ_TYPES, Upload, labelled_body
+from service.api import ingest
+from service.api.deps import DatasetDep, ModelDep, SessionDep, StateDep
+from service.api.openapi import LABELS, SCORE_PROPERTIES
+from service.api.schemas import DatasetList, DatasetOut
+from service.api.uploads import NPZ_TYPES, Upload, labelled_body
+from service.security import limits
+from service.storage import registry
+from service.storage.db import Dataset, Model
 
 router = APIRouter(prefix="/v1/models/{model}/datasets", tags=["datasets"])
 
@@ -96,7 +98,7 @@ def upload_dataset(
             upload.npz, model.num_classes, model.name, state.settings.max_body_bytes
         )
     limits.check_rows(data.scores.shape[0], state.settings.max_dataset_rows, "dataset")
-    dataset, created = store.add_dataset(session, model, data, state.arrays)
+    dataset, created = registry.add_dataset(session, model, data, state.arrays)
     response.status_code = 201 if created else 200
     response.headers["Location"] = f"/v1/models/{model.name}/datasets/{dataset.id}"
     return dataset_out(dataset, model)

@@ -20,7 +20,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.problems import (
+from service.api.problems import (
     ContentTooLarge,
     InvalidInput,
     MalformedBody,

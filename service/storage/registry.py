@@ -1,7 +1,7 @@
 """The registry's operations on the database: each function is one transaction's worth.
 
-Routers call these with a session from :mod:`service.deps`; nothing here knows
-about HTTP except the :mod:`service.problems` it raises.
+Routers call these with a session from :mod:`service.api.deps`; nothing here knows
+about HTTP except the :mod:`service.api.problems` it raises.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from sqlalchemy.orm import Session
 
 from calibrators import metrics
 from calibrators.validation import to_probabilities
-from service.arrays import ArrayStore
-from service.db import Alias, CalibratorVersion, Dataset, Model, utcnow
-from service.ingest import Labelled
-from service.problems import ArgmaxChanged, Conflict, InvalidInput, NotFound, NotReady
-from service.schemas import ALIAS_PATTERN, NAME_PATTERN, FitRequest, ModelCreate
+from service.api.ingest import Labelled
+from service.api.problems import ArgmaxChanged, Conflict, InvalidInput, NotFound, NotReady
+from service.api.schemas import ALIAS_PATTERN, NAME_PATTERN, FitRequest, ModelCreate
+from service.storage.arrays import ArrayStore
+from service.storage.db import Alias, CalibratorVersion, Dataset, Model, utcnow
 
 _NAME = re.compile(NAME_PATTERN)
 _ALIAS = re.compile(ALIAS_PATTERN)

@@ -5,14 +5,15 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Response
 
 from calibrators.holdout import split_indices
-from service import limits, store
-from service.db import CalibratorVersion, Model
-from service.deps import ModelDep, SessionDep, StateDep, VersionDep, find_dataset
-from service.fitting import check_fit_request
-from service.inference import onnx_bytes
-from service.problems import NotReady
-from service.schemas import FitAccepted, FitRequest, VersionList, VersionOut, VersionSummary
-from service.uploads import require_json
+from service.api.deps import ModelDep, SessionDep, StateDep, VersionDep, find_dataset
+from service.api.problems import NotReady
+from service.api.schemas import FitAccepted, FitRequest, VersionList, VersionOut, VersionSummary
+from service.api.uploads import require_json
+from service.jobs.fitting import check_fit_request
+from service.security import limits
+from service.serving.inference import onnx_bytes
+from service.storage import registry
+from service.storage.db import CalibratorVersion, Model
 
 router = APIRouter(prefix="/v1/models/{model}/calibrators", tags=["calibrators"])
 
@@ -56,7 +57,7 @@ def start_fit(
     split_indices(dataset.n_rows, body.holdout, body.seed)  # 422 now if a part would be empty
     check_fit_request(body.method, body.options)  # 422 now for unknown options
     limits.check_fit_queue(session, state.settings.max_queued_fits)
-    row = store.create_version(session, model, dataset, body)
+    row = registry.create_version(session, model, dataset, body)
     state.fits.submit(row.id)
     url = version_url(model, row.version)
     response.headers["Location"] = url
@@ -68,7 +69,7 @@ def list_versions(model: ModelDep, session: SessionDep) -> VersionList:
     return VersionList(
         calibrators=[
             VersionSummary.model_validate(v, from_attributes=True)
-            for v in store.list_versions(session, model)
+            for v in registry.list_versions(session, model)
         ]
     )
 

@@ -2,8 +2,8 @@
 
 FastAPI documents each route's success and a 422 ``HTTPValidationError``; the
 service answers every error as RFC 9457 ``application/problem+json``
-(:mod:`service.problems`) and needs a key on every ``/v1`` route
-(:mod:`service.auth`). :func:`install` post-processes the generated document
+(:mod:`service.api.problems`) and needs a key on every ``/v1`` route
+(:mod:`service.security.auth`). :func:`install` post-processes the generated document
 once: a ``Problem`` schema, the error statuses each operation can return, and
 the ``bearer`` security scheme on every non-open operation. The fuzz test
 (tests/service/test_fuzz.py) checks the responses against this document.
@@ -16,8 +16,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from service.auth import OPEN_PATHS, required_scope
-from service.problems import PROBLEM_JSON
+from service.api.problems import PROBLEM_JSON
+from service.security.auth import OPEN_PATHS, required_scope
 
 PROBLEM_SCHEMA: dict[str, Any] = {
     "type": "object",

@@ -6,11 +6,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path
 
-from service import store
-from service.db import Alias, CalibratorVersion, Model
-from service.deps import AliasDep, ModelDep, SessionDep, StateDep
-from service.schemas import ALIAS_PATTERN, AliasList, AliasOut, AliasPut
-from service.uploads import require_json
+from service.api.deps import AliasDep, ModelDep, SessionDep, StateDep
+from service.api.schemas import ALIAS_PATTERN, AliasList, AliasOut, AliasPut
+from service.api.uploads import require_json
+from service.storage import registry
+from service.storage.db import Alias, CalibratorVersion, Model
 
 router = APIRouter(prefix="/v1/models/{model}/aliases", tags=["aliases"])
 
@@ -30,9 +30,9 @@ def put_alias(
     state: StateDep,
 ) -> AliasOut:
     """Point the alias at a version, atomically (creates the alias if needed)."""
-    row = store.find_version(session, model, body.version)
-    store.check_servable(row, model)
-    saved = store.set_alias(session, model, alias, row)
+    row = registry.find_version(session, model, body.version)
+    registry.check_servable(row, model)
+    saved = registry.set_alias(session, model, alias, row)
     state.serving.invalidate(model.name, model.namespace)
     return alias_out(saved, model, row.version)
 
@@ -40,7 +40,7 @@ def put_alias(
 @router.get("", response_model=AliasList)
 def list_aliases(model: ModelDep, session: SessionDep) -> AliasList:
     return AliasList(
-        aliases=[alias_out(a, model, v) for a, v in store.list_aliases(session, model)]
+        aliases=[alias_out(a, model, v) for a, v in registry.list_aliases(session, model)]
     )
 
 

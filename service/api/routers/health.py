@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from sqlalchemy.exc import SQLAlchemyError
 
-from service import migrate
-from service.deps import StateDep
-from service.problems import problem_response
+from service.api.deps import StateDep
+from service.api.problems import problem_response
+from service.storage import migrate
 
 router = APIRouter(tags=["health"])
 

@@ -1,7 +1,7 @@
 """POST /v1/models/{model}/predict: calibrated probabilities through ONNX Runtime.
 
 The hot path touches no database when warm: the (model, alias | version) ->
-ONNX session resolution is cached (:class:`service.inference.ServingCache`).
+ONNX session resolution is cached (:class:`service.serving.inference.ServingCache`).
 The CPU work (parse, validate, run, serialise) is explicit about where it
 runs: small bodies on the event loop, where it costs less than a thread hop
 (a 1 x 1,000 JSON request is ~0.1 ms of work); bodies over
@@ -19,15 +19,17 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from service import inference, ingest, limits
-from service import observability as obs
-from service.auth import authorize
-from service.deps import AppState, get_app_state
-from service.inference import Served
-from service.openapi import SCORE_PROPERTIES
-from service.problems import UnsupportedMediaType
-from service.schemas import MAX_ID
-from service.uploads import media_type, read_body
+from service.api import ingest
+from service.api.deps import AppState, get_app_state
+from service.api.openapi import SCORE_PROPERTIES
+from service.api.problems import UnsupportedMediaType
+from service.api.schemas import MAX_ID
+from service.api.uploads import media_type, read_body
+from service.observe import metrics as obs
+from service.security import limits
+from service.security.auth import authorize
+from service.serving import inference
+from service.serving.inference import Served
 
 PATH = "/v1/models/{model}/predict"
 
@@ -177,7 +179,7 @@ async def predict(request: Request) -> Response:
 
 def install(app: FastAPI) -> None:
     """Add /predict to the app's own router, ahead of the others; call it before
-    :func:`service.auth.install`, as predict calls ``authorize`` itself.
+    :func:`service.security.auth.install`, as predict calls ``authorize`` itself.
 
     Not through ``include_router``: FastAPI dispatches an included router's routes
     through a second matching pass, and a dependency costs a parameter-solving

@@ -37,10 +37,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from calibrators import drift, metrics
 from calibrators.validation import PROBABILITY_FLOOR
-from service import observability as obs
-from service import store
-from service.db import STATUSES, Alias, CalibratorVersion, FeedbackBin, Model
-from service.problems import InvalidInput, NotFound, NotReady
+from service.api.problems import InvalidInput, NotFound, NotReady
+from service.observe import metrics as obs
+from service.storage import registry
+from service.storage.db import STATUSES, Alias, CalibratorVersion, FeedbackBin, Model
 
 log = logging.getLogger("welltempered.monitoring")
 
@@ -284,7 +284,7 @@ def drift_verdict(holdout_bins: Mapping, stats: Mapping[str, np.ndarray]) -> dic
 def monitored_version(session: Session, model: Model, version: int | None) -> CalibratorVersion:
     """``version`` of ``model``, or the one its ``production`` alias points at (404 if none)."""
     if version is not None:
-        return store.find_version(session, model, version)
+        return registry.find_version(session, model, version)
     row = session.scalar(
         select(CalibratorVersion)
         .join(Alias, Alias.version_id == CalibratorVersion.id)
@@ -303,7 +303,7 @@ def monitored_version(session: Session, model: Model, version: int | None) -> Ca
 
 
 def snapshot(sessions: sessionmaker, window_seconds: int, bucket_seconds: int) -> obs.Snapshot:
-    """The database gauges of :class:`service.observability.DatabaseQualityCollector`.
+    """The database gauges of :class:`service.observe.metrics.DatabaseQualityCollector`.
 
     Fit jobs by status (every status, 0 included), hold-out figures of every aliased
     version, and the live figures and drift bound of every version with feedback in
@@ -370,7 +370,7 @@ def snapshot(sessions: sessionmaker, window_seconds: int, bucket_seconds: int) -
 
 
 def observe_finished_fit(session_factory: sessionmaker, version_id: int) -> None:
-    """:func:`service.observability.observe_fit` of a job that ended, from its row.
+    """:func:`service.observe.metrics.observe_fit` of a job that ended, from its row.
 
     Called in the serve process when the pool's future completes (the fit itself may
     have run in another process, whose metrics nobody scrapes).

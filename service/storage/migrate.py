@@ -25,7 +25,7 @@ class NotMigrated(RuntimeError):
 
 def script_location() -> Path:
     """The installed migration environment: ``env.py``, ``script.py.mako``, ``versions/``."""
-    location = resources.files(f"{__package__}.migrations")
+    location = resources.files("service.migrations")
     if not isinstance(location, Path):  # e.g. imported from a zip: Alembic needs files
         raise RuntimeError(
             f"Alembic needs the migration scripts as files on disk. Got {location!r}."

@@ -5,12 +5,13 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Response
 from sqlalchemy import select
 
-from service import limits, store
-from service.auth import PrincipalDep
-from service.db import Model
-from service.deps import ModelDep, SessionDep, StateDep
-from service.schemas import ModelCreate, ModelList, ModelOut
-from service.uploads import require_json
+from service.api.deps import ModelDep, SessionDep, StateDep
+from service.api.schemas import ModelCreate, ModelList, ModelOut
+from service.api.uploads import require_json
+from service.security import limits
+from service.security.auth import PrincipalDep
+from service.storage import registry
+from service.storage.db import Model
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
@@ -28,7 +29,7 @@ def create_model(
     response: Response,
 ) -> ModelOut:
     limits.check_classes(body.num_classes, state.settings.max_classes)
-    model = store.create_model(session, body, principal.namespace)
+    model = registry.create_model(session, body, principal.namespace)
     response.headers["Location"] = f"/v1/models/{model.name}"
     return model_out(model)
 

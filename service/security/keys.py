@@ -1,7 +1,7 @@
 """API key management: create (the key is shown once), list (never the key), revoke.
 
 Used by ``welltempered keys ...`` (same settings, hence same database, as
-``serve``) and by the admin routes in :mod:`service.routers.keys`.
+``serve``) and by the admin routes in :mod:`service.api.routers.keys`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from service.auth import SHOWN_CHARS, key_digest, new_key
-from service.db import SCOPES, ApiKey, utcnow
-from service.schemas import NAME_PATTERN
+from service.api.schemas import NAME_PATTERN
+from service.security.auth import SHOWN_CHARS, key_digest, new_key
+from service.storage.db import SCOPES, ApiKey, utcnow
 
 _DURATION = re.compile(r"^\s*(\d+)\s*([smhdw])\s*$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -120,9 +120,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from sqlalchemy.orm import sessionmaker
 
-    from service import migrate
-    from service.db import make_engine
     from service.settings import Settings
+    from service.storage import migrate
+    from service.storage.db import make_engine
 
     settings = Settings()
     engine = make_engine(settings.database_url)

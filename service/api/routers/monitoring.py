@@ -1,7 +1,7 @@
 """Monitoring: labelled feedback, live calibration and drift, reliability diagrams, /metrics.
 
-The numerics live in :mod:`service.monitoring` (per-bin sums, live report, drift)
-and :mod:`calibrators`; the metric vocabulary in :mod:`service.observability`.
+The numerics live in :mod:`service.observe.monitoring` (per-bin sums, live report, drift)
+and :mod:`calibrators`; the metric vocabulary in :mod:`service.observe.metrics`.
 """
 
 from __future__ import annotations
@@ -13,16 +13,20 @@ from typing import Annotated, Any
 import numpy as np
 from fastapi import APIRouter, Depends, Query, Request, Response
 
-from service import inference, ingest, limits, monitoring, store
-from service import observability as obs
-from service.db import CalibratorVersion, Model
-from service.deps import ModelDep, SessionDep, StateDep, VersionDep
-from service.openapi import LABELS, SCORE_PROPERTIES
-from service.problems import InvalidInput
-from service.schemas import MAX_ID
-from service.svg import CONTENT_TYPE as SVG
-from service.svg import reliability_svg
-from service.uploads import NPZ_TYPES, Upload, labelled_body
+from service.api import ingest
+from service.api.deps import ModelDep, SessionDep, StateDep, VersionDep
+from service.api.openapi import LABELS, SCORE_PROPERTIES
+from service.api.problems import InvalidInput
+from service.api.schemas import MAX_ID
+from service.api.uploads import NPZ_TYPES, Upload, labelled_body
+from service.observe import metrics as obs
+from service.observe import monitoring
+from service.observe.svg import CONTENT_TYPE as SVG
+from service.observe.svg import reliability_svg
+from service.security import limits
+from service.serving import inference
+from service.storage import registry
+from service.storage.db import CalibratorVersion, Model
 
 router = APIRouter(tags=["monitoring"])
 
@@ -191,7 +195,7 @@ def post_feedback(
     n = int(labelled.labels.shape[0])
     limits.check_rows(n, settings.max_feedback_rows, "feedback")
     row = monitoring.monitored_version(session, model, version)
-    store.check_servable(row, model)
+    registry.check_servable(row, model)
     onnx = state.serving.onnx.get(row.id, lambda: row.params)
     out = inference.run(onnx, inference.as_onnx_input(labelled.scores, labelled.kind))
     stats = monitoring.feedback_statistics(out["probabilities"], labelled.labels)

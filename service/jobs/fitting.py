@@ -36,8 +36,8 @@ import calibrators
 from calibrators import checks, metrics
 from calibrators.holdout import split_indices
 from calibrators.validation import to_probabilities
-from service.arrays import ArrayStore
-from service.db import CalibratorVersion, Dataset, Model, make_engine, utcnow
+from service.storage.arrays import ArrayStore
+from service.storage.db import CalibratorVersion, Dataset, Model, make_engine, utcnow
 
 log = logging.getLogger("welltempered.fits")
 
@@ -341,7 +341,7 @@ class FitRunner:
             if isinstance(exc, cf.BrokenExecutor):
                 self._reset()
         else:
-            from service.monitoring import observe_finished_fit  # lazy: not in fit workers
+            from service.observe.monitoring import observe_finished_fit  # lazy: not in fit workers
 
             observe_finished_fit(self.session_factory, version_id)
             return

@@ -1,4 +1,4 @@
-"""/v1/keys: an ``admin`` key manages the keys of its own namespace (scope: service.auth)."""
+"""/v1/keys: an ``admin`` key manages the keys of its own namespace (see service.security.auth)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Depends, Path, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from service import keys
-from service.auth import PrincipalDep
-from service.db import ApiKey
-from service.deps import SessionDep
-from service.problems import NotFound
-from service.schemas import MAX_ID, _Out
-from service.uploads import require_json
+from service.api.deps import SessionDep
+from service.api.problems import NotFound
+from service.api.schemas import MAX_ID, _Out
+from service.api.uploads import require_json
+from service.security import keys
+from service.security.auth import PrincipalDep
+from service.storage.db import ApiKey
 
 router = APIRouter(prefix="/v1/keys", tags=["keys"])
 

@@ -3,7 +3,7 @@
 The model
 ---------
 A key is ``wt_`` + 43 url-safe characters from :func:`secrets.token_urlsafe`
-(256 random bits). Only its sha256 is stored (:class:`service.db.ApiKey`); the
+(256 random bits). Only its sha256 is stored (:class:`service.storage.db.ApiKey`); the
 key itself is printed once, when created. A slow password hash (bcrypt,
 argon2) exists to make *guessing* a low-entropy secret expensive; a 256-bit
 random key cannot be guessed whatever the hash costs, and a leaked table of
@@ -29,7 +29,7 @@ labels), ``/docs`` and ``/openapi.json`` (the API's shape is public).
 
 Once a key is known and not expired, and before its scope is checked, the
 request is counted against the key's rate limit (429 with ``Retry-After``; a
-token bucket per key and per process, :class:`service.limits.RateLimiter`,
+token bucket per key and per process, :class:`service.security.limits.RateLimiter`,
 when ``WELLTEMPERED_RATE_LIMIT_PER_SECOND`` > 0). Unknown keys are a 401
 first, and the open routes are never limited.
 
@@ -55,10 +55,10 @@ import anyio.to_thread
 from fastapi import Depends, FastAPI, Request
 from sqlalchemy import select
 
-from service.db import DEFAULT_NAMESPACE, SCOPES, ApiKey
-from service.limits import RateLimiter
-from service.problems import Forbidden, Unauthorized
+from service.api.problems import Forbidden, Unauthorized
+from service.security.limits import RateLimiter
 from service.settings import Settings
+from service.storage.db import DEFAULT_NAMESPACE, SCOPES, ApiKey
 
 KEY_PREFIX = "wt_"
 #: Characters of a key shown by ``keys list`` and in errors: "wt_" + 8 random ones.

@@ -2,7 +2,7 @@
 
 Shapes, NaN/Inf, probability rows and labels are checked by
 ``calibrators.validation`` (its ``CalibrationInputError`` becomes a 422 in
-:mod:`service.problems`); this module adds only what the core cannot know: the
+:mod:`service.api.problems`); this module adds only what the core cannot know: the
 body formats, and the model's number of classes.
 """
 
@@ -20,7 +20,7 @@ import numpy as np
 import orjson
 
 from calibrators.validation import as_labels, as_scores
-from service.problems import InvalidInput, MalformedBody, MalformedJSON
+from service.api.problems import InvalidInput, MalformedBody, MalformedJSON
 
 #: Accepted names of the score array, and the kind each one means. ``predictions``
 #: is the name used by the shared CIFAR files (softmax probabilities).

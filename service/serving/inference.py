@@ -108,7 +108,7 @@ class ServingCache:
         return served
 
     def _resolve(self, name: str, alias: str | None, version: int | None, namespace: str) -> Served:
-        from service.store import resolve_served
+        from service.storage.registry import resolve_served
 
         with self.sessions() as session:
             model, row = resolve_served(session, name, alias, version, namespace)

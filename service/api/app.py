@@ -11,15 +11,9 @@ from fastapi import FastAPI
 from sqlalchemy.orm import sessionmaker
 from starlette.types import Scope
 
-from service import auth, observability, openapi, problems
-from service.arrays import ArrayStore
-from service.db import make_engine
-from service.deps import AppState
-from service.fitting import FitRunner, WorkerConfig, recover
-from service.inference import ServingCache, SessionCache
-from service.migrate import ensure_schema
-from service.monitoring import MetricsMiddleware
-from service.routers import (
+from service.api import openapi, problems
+from service.api.deps import AppState
+from service.api.routers import (
     aliases,
     calibrators,
     datasets,
@@ -29,8 +23,16 @@ from service.routers import (
     monitoring,
     predict,
 )
+from service.api.uploads import BodyLimitMiddleware
+from service.jobs.fitting import FitRunner, WorkerConfig, recover
+from service.observe import metrics as obs
+from service.observe.monitoring import MetricsMiddleware
+from service.security import auth
+from service.serving.inference import ServingCache, SessionCache
 from service.settings import Settings
-from service.uploads import BodyLimitMiddleware
+from service.storage.arrays import ArrayStore
+from service.storage.db import make_engine
+from service.storage.migrate import ensure_schema
 
 _BIG_BODY = re.compile(r"^/v1/models/[^/]+/(datasets|predict|feedback)/?$")
 
@@ -50,7 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        observability.mark_dead_workers()  # metric files of workers killed without a shutdown
+        obs.mark_dead_workers()  # metric files of workers killed without a shutdown
         engine = make_engine(settings.database_url)
         try:
             ensure_schema(engine, settings.database_url)
@@ -76,7 +78,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 fits.shutdown()
         finally:
             engine.dispose()
-            observability.mark_process_dead()
+            obs.mark_process_dead()
 
     app = FastAPI(
         title="welltempered",
@@ -98,5 +100,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 
 def app_from_env() -> FastAPI:
-    """For ``uvicorn --factory service.app:app_from_env`` (settings from the environment)."""
+    """For ``uvicorn --factory service.api.app:app_from_env`` (settings from the environment)."""
     return create_app(Settings())

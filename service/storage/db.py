@@ -81,7 +81,7 @@ class Model(Base):
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
-    #: The tenant: an API key sees only the models of its namespace (service.auth).
+    #: The tenant: an API key sees only the models of its namespace (service.security.auth).
     namespace: Mapped[str] = mapped_column(String(64), server_default=DEFAULT_NAMESPACE)
     name: Mapped[str] = mapped_column(String(128))
     num_classes: Mapped[int]

@@ -1,0 +1,1 @@
+"""Fit jobs: the fit function and the processes that run it."""

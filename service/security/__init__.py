@@ -1,0 +1,1 @@
+"""API keys, authentication of a request's key, and per-key limits."""

@@ -1,0 +1,1 @@
+"""Serving calibrated probabilities through ONNX Runtime."""
