@@ -24,8 +24,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.observe import metrics as obs
-from tests.conftest import skip_or_fail
-from tests.test_packaging import SOURCES as WHEEL_SOURCES
+from tests.helpers import WHEEL_SOURCES, skip_or_fail
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"

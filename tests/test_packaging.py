@@ -20,10 +20,9 @@ import pytest
 
 from service.storage import migrate
 from service.storage.db import Base
+from tests.helpers import WHEEL_SOURCES
 
 ROOT = Path(__file__).resolve().parents[1]
-#: What the wheel is built from: the files the Dockerfile's build stage copies.
-SOURCES = ("pyproject.toml", "README.md", "calibrators", "service", "migrations")
 MIGRATIONS = ROOT / "migrations"
 
 #: Run by the .venv's interpreter with -I -S: no site-packages, no .pth files (so no
@@ -55,7 +54,7 @@ def run(*args: str, **kwargs) -> subprocess.CompletedProcess:
 def wheel(tmp_path_factory) -> Path:
     """Built offline from a copy of the sources: no build/ or *.egg-info in the repository."""
     src = tmp_path_factory.mktemp("src")
-    for name in SOURCES:
+    for name in WHEEL_SOURCES:
         if (ROOT / name).is_dir():
             ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
             shutil.copytree(ROOT / name, src / name, ignore=ignore)

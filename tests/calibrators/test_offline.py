@@ -17,7 +17,7 @@ from calibrators.checks import argmax_report
 from calibrators.holdout import split_indices
 from calibrators.metrics import report
 from calibrators.offline import main
-from tests.conftest import DATA_DIR
+from tests.helpers import DATA_DIR
 
 N, K = 90, 4  # K >= 3, N != K
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import calibrators
-from tests.service.conftest import (
+from tests.service.helpers import (
     assert_problem,
     create_model,
     fit,

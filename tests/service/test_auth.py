@@ -15,8 +15,14 @@ from service.api.app import create_app
 from service.security import keys
 from service.security.auth import key_digest, required_scope
 from service.storage.db import ApiKey, make_engine
-from tests.service.conftest import assert_problem, fit, logits_data, make_settings
-from tests.service.test_limits import Clock, rate_limited_total
+from tests.service.helpers import (
+    Clock,
+    assert_problem,
+    fit,
+    logits_data,
+    make_settings,
+    rate_limited_total,
+)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.api.app import create_app
-from tests.service.conftest import create_model, fit, logits_data, make_settings, upload, wait_for
+from tests.service.helpers import create_model, fit, logits_data, make_settings, upload, wait_for
 
 
 def test_fit_in_a_worker_process(database_url, tmp_path):

@@ -22,7 +22,7 @@ from sqlalchemy.engine import make_url
 
 import calibrators
 from service.storage.arrays import ArrayStore
-from tests.service.conftest import logits_data
+from tests.service.helpers import logits_data
 from tests.service.servers import Server
 
 pytestmark = pytest.mark.slow
@@ -237,7 +237,7 @@ def test_readyz_is_503_exactly_while_the_database_is_unreachable(pg_schema, tmp_
     from service.api.app import create_app
     from service.storage import migrate
     from service.storage.db import make_engine
-    from tests.service.conftest import make_settings
+    from tests.service.helpers import make_settings
     from tests.service.servers import free_port
 
     migrate.upgrade(pg_schema)

@@ -10,8 +10,8 @@ from fastapi.testclient import TestClient
 
 import calibrators
 from service.api.app import create_app
-from tests.conftest import DATA_DIR
-from tests.service.conftest import create_model, make_settings, wait_for
+from tests.helpers import DATA_DIR
+from tests.service.helpers import create_model, make_settings, wait_for
 
 # Fixed penalties and an iteration cap bound the K=100 matrix/Dirichlet fits
 # (no cross-validation), so `auto` takes seconds, not minutes.

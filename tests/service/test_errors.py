@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 
 import numpy as np
 import pytest
@@ -12,26 +11,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from service.api.app import create_app
-from tests.service.conftest import (
+from tests.service.helpers import (
     assert_problem,
+    bodies,
     create_model,
     fit,
     logits_data,
     make_settings,
+    npy,
+    npz,
     upload,
 )
-
-
-def npy(arr) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, arr, allow_pickle=False)
-    return buf.getvalue()
-
-
-def npz(**arrays) -> bytes:
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    return buf.getvalue()
 
 
 @pytest.fixture
@@ -279,48 +269,6 @@ def test_body_limits(database_url, tmp_path):
 
 # -- fuzz: garbage in, a 2xx or a problem out, never a 500 ------------------
 
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-    lambda inner: (
-        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
-    ),
-    max_leaves=30,
-)
-keys = st.sampled_from(
-    [
-        "logits",
-        "probabilities",
-        "labels",
-        "name",
-        "num_classes",
-        "dataset_id",
-        "method",
-        "holdout",
-        "options",
-        "version",
-        "seed",
-        "class_names",
-        "argmax_policy",
-    ]
-)
-json_objects = st.dictionaries(keys, json_values, max_size=4)
-matrices = st.lists(
-    st.lists(st.floats(width=32) | st.integers(-5, 5), min_size=0, max_size=5), max_size=4
-)
-shaped = st.fixed_dictionaries(
-    {"logits": matrices, "labels": st.lists(st.integers(-2, 5), max_size=4)}
-)
-bodies = st.one_of(
-    st.binary(max_size=64).map(lambda b: ("application/octet-stream", b)),
-    st.binary(max_size=64).map(lambda b: ("application/x-npy", b)),
-    st.binary(max_size=64).map(lambda b: ("multipart/form-data; boundary=xyz", b)),
-    st.text(max_size=30).map(lambda t: ("application/json", t.encode())),
-    st.sampled_from(["text/plain", "", "application/json; charset=utf-8"]).flatmap(
-        lambda ct: json_values.map(lambda v: (ct, json.dumps(v).encode()))
-    ),
-    json_objects.map(lambda v: ("application/json", json.dumps(v).encode())),
-    shaped.map(lambda v: ("application/json", json.dumps(v).encode())),
-)
 targets = st.sampled_from(
     [
         ("POST", "/v1/models"),

@@ -20,15 +20,17 @@ import service.api.routers.monitoring
 import service.observe.monitoring
 from service.api.app import create_app
 from service.storage.db import FeedbackBin
-from tests.service.conftest import (
+from tests.service.helpers import (
     assert_problem,
     create_model,
+    families,
     logits_data,
     make_settings,
+    npy,
+    npz,
+    promote,
     upload,
 )
-from tests.service.test_errors import npy, npz
-from tests.service.test_monitoring import families, promote
 
 URL = "/v1/models/m/feedback"
 OCTET = {"content-type": "application/octet-stream"}

@@ -17,7 +17,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from service.api.app import create_app
 from service.security import keys
-from tests.service.conftest import (
+from tests.service.helpers import (
     BACKENDS,
     create_model,
     fit,

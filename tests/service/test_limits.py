@@ -11,19 +11,19 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import given
 from hypothesis import strategies as st
-from prometheus_client.parser import text_string_to_metric_families
 
 from service.api.app import create_app
 from service.api.problems import TooManyRequests
-from service.observe import metrics as obs
 from service.security.auth import Principal
 from service.security.limits import RateLimiter
-from tests.service.conftest import (
+from tests.service.helpers import (
+    Clock,
     assert_problem,
     create_model,
     fit,
     logits_data,
     make_settings,
+    rate_limited_total,
     upload,
 )
 
@@ -116,26 +116,6 @@ def test_oversized_chunked_body_is_refused_without_reading_it(settings):
 
 # ---------------------------------------------------------------------------
 # the token bucket, on an injected clock
-
-
-class Clock:
-    def __init__(self, now: float = 1000.0):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def rate_limited_total(namespace: str, exposition: str | None = None) -> float:
-    """``welltempered_rate_limited_requests_total{namespace=...}`` in /metrics (0 if absent)."""
-    if exposition is None:
-        exposition = obs.render_metrics()[0].decode()
-    for family in text_string_to_metric_families(exposition):
-        for s in family.samples:
-            if s.name == "welltempered_rate_limited_requests_total":
-                if s.labels == {"namespace": namespace}:
-                    return s.value
-    return 0.0
 
 
 def test_bucket_gives_a_burst_then_refuses_until_refilled():

@@ -24,8 +24,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.storage.db import DEFAULT_NAMESPACE
-from tests.conftest import skip_or_fail
-from tests.service.conftest import BACKENDS, logits_data, migrated_database
+from tests.helpers import skip_or_fail
+from tests.service.helpers import BACKENDS, logits_data, migrated_database
 from tests.test_deploy import ALERTS_YML, DASHBOARD, alert_exprs, dashboard_exprs, for_prometheus
 
 pytestmark = pytest.mark.slow

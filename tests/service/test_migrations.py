@@ -12,7 +12,7 @@ from service.api.app import create_app
 from service.settings import Settings
 from service.storage import migrate
 from service.storage.db import Base, make_engine
-from tests.service.conftest import BACKENDS
+from tests.service.helpers import BACKENDS
 
 
 @pytest.fixture(params=BACKENDS)

@@ -16,7 +16,6 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.orm import sessionmaker
 
 from calibrators import metrics
@@ -24,27 +23,20 @@ from service.api.app import create_app
 from service.observe import monitoring
 from service.security import keys
 from service.storage.db import DEFAULT_NAMESPACE, make_engine
-from tests.service.conftest import (
+from tests.service.helpers import (
     assert_problem,
+    bodies,
     create_model,
+    families,
     fit,
     logits_data,
     make_settings,
+    promote,
     upload,
 )
-from tests.service.test_errors import bodies
 
 SVG_NS = "{http://www.w3.org/2000/svg}"
 NPY = "application/x-npy"
-
-
-def promote(client, model: str, dataset_id: int, seed: int = 0, **extra) -> dict:
-    """Fit temperature scaling and point ``production`` at it."""
-    version = fit(client, model, dataset_id, seed=seed, **extra)
-    assert version["status"] == "succeeded", version
-    r = client.put(f"/v1/models/{model}/aliases/production", json={"version": version["version"]})
-    assert r.status_code == 200, r.text
-    return version
 
 
 def served_probabilities(client, model: str, body: dict) -> np.ndarray:
@@ -65,14 +57,6 @@ def feed(client, model: str, kind: str, scores, labels, batches: int = 1, **extr
         r = client.post(f"/v1/models/{model}/feedback", json=body)
         assert r.status_code == 200, r.text
         out.append(r.json())
-    return out
-
-
-def families(text: str) -> dict[str, dict[tuple, float]]:
-    out: dict[str, dict[tuple, float]] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
     return out
 
 

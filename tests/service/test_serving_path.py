@@ -11,7 +11,7 @@ import numpy as np
 
 import calibrators
 from service.serving.inference import SessionCache, as_onnx_input, run
-from tests.service.conftest import logits_data
+from tests.service.helpers import logits_data
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,7 +14,7 @@ from service.api.schemas import FitRequest
 from service.storage import registry
 from service.storage.arrays import ArrayStore
 from service.storage.db import Dataset, make_engine
-from tests.service.conftest import create_model, logits_data, upload
+from tests.service.helpers import create_model, logits_data, upload
 
 
 def test_put_is_content_addressed_and_atomic(tmp_path, monkeypatch):

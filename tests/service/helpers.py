@@ -1,0 +1,248 @@
+"""Helpers shared by the service tests: settings, synthetic data, API steps,
+problem checks, request-body strategies and databases of each backend.
+
+Test files import from here, never from each other or from a conftest.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+
+from service.observe import metrics as obs
+from service.settings import Settings
+from service.storage import migrate
+
+PG_URL = os.environ.get(
+    "WELLTEMPERED_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+
+
+BACKENDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
+
+
+FINISHED = ("succeeded", "rejected", "failed")
+
+
+def pg_schema_url(schema: str) -> str:
+    url = make_url(PG_URL).update_query_dict({"options": f"-csearch_path={schema}"})
+    return url.render_as_string(hide_password=False)
+
+
+@contextmanager
+def new_schema(pg_admin) -> Iterator[str]:
+    """A fresh, empty schema, dropped on exit; its URL puts it first on the search_path."""
+    schema = f"wt_{uuid.uuid4().hex[:12]}"
+    with pg_admin.connect() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    try:
+        yield pg_schema_url(schema)
+    finally:
+        with pg_admin.connect() as conn:
+            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+
+
+@contextmanager
+def migrated_database(request, backend: str, directory: Path) -> Iterator[str]:
+    """The URL of a migrated, empty database of ``backend`` (a BACKENDS value), for
+    fixtures of any scope: a file in ``directory``, or a new PostgreSQL schema."""
+    if backend == "sqlite":
+        yield f"sqlite:///{directory / 'registry.sqlite3'}"
+        return
+    with new_schema(request.getfixturevalue("pg_admin")) as url:
+        migrate.upgrade(url)
+        yield url
+
+
+def make_settings(database_url: str, tmp_path: Path, **overrides) -> Settings:
+    values = {
+        "database_url": database_url,
+        "data_dir": tmp_path / "data",
+        "fit_executor": "thread",
+        "progress_interval_seconds": 0.05,
+        # The API tests predate keys: they run with auth off (namespace "default");
+        # tests/service/test_auth.py runs with it on.
+        "auth": "off",
+    }
+    values.update(overrides)
+    return Settings(**values)
+
+
+def logits_data(n: int = 300, k: int = 4, seed: int = 0, scale: float = 3.0):
+    """Over-confident synthetic logits with labels: a true signal times ``scale``."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, k, n)
+    logits = rng.normal(size=(n, k))
+    logits[np.arange(n), labels] += 1.5
+    return logits * scale, labels
+
+
+def create_model(client: TestClient, name: str = "m", k: int = 4, **extra) -> dict:
+    r = client.post("/v1/models", json={"name": name, "num_classes": k, **extra})
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def upload(client: TestClient, model: str, logits, labels, kind: str = "logits") -> dict:
+    r = client.post(
+        f"/v1/models/{model}/datasets",
+        json={kind: np.asarray(logits).tolist(), "labels": np.asarray(labels).tolist()},
+    )
+    assert r.status_code in (200, 201), r.text
+    return r.json()
+
+
+def wait_for(client: TestClient, model: str, version: int, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        r = client.get(f"/v1/models/{model}/calibrators/{version}")
+        assert r.status_code == 200, r.text
+        body = r.json()
+        if body["status"] in FINISHED:
+            return body
+        if time.monotonic() > deadline:
+            raise AssertionError(f"fit still {body['status']} after {timeout}s: {body}")
+        time.sleep(0.02)
+
+
+def fit(client: TestClient, model: str, dataset_id: int, method: str = "temperature", **extra):
+    r = client.post(
+        f"/v1/models/{model}/calibrators",
+        json={"dataset_id": dataset_id, "method": method, **extra},
+    )
+    assert r.status_code == 202, r.text
+    return wait_for(client, model, r.json()["version"])
+
+
+def assert_problem(r, status: int, *words: str) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/problem+json"), r.headers
+    body = r.json()
+    assert body["status"] == status
+    assert {"type", "title", "status", "detail", "instance"} <= set(body), body
+    for word in words:
+        assert word.lower() in body["detail"].lower(), body["detail"]
+    return body
+
+
+def promote(client, model: str, dataset_id: int, seed: int = 0, **extra) -> dict:
+    """Fit temperature scaling and point ``production`` at it."""
+    version = fit(client, model, dataset_id, seed=seed, **extra)
+    assert version["status"] == "succeeded", version
+    r = client.put(f"/v1/models/{model}/aliases/production", json={"version": version["version"]})
+    assert r.status_code == 200, r.text
+    return version
+
+
+def families(text: str) -> dict[str, dict[tuple, float]]:
+    out: dict[str, dict[tuple, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+# -- request bodies ----------------------------------------------------------
+
+
+def npy(arr) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+def npz(**arrays) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=30,
+)
+
+
+keys = st.sampled_from(
+    [
+        "logits",
+        "probabilities",
+        "labels",
+        "name",
+        "num_classes",
+        "dataset_id",
+        "method",
+        "holdout",
+        "options",
+        "version",
+        "seed",
+        "class_names",
+        "argmax_policy",
+    ]
+)
+
+
+json_objects = st.dictionaries(keys, json_values, max_size=4)
+
+
+matrices = st.lists(
+    st.lists(st.floats(width=32) | st.integers(-5, 5), min_size=0, max_size=5), max_size=4
+)
+
+
+shaped = st.fixed_dictionaries(
+    {"logits": matrices, "labels": st.lists(st.integers(-2, 5), max_size=4)}
+)
+
+
+bodies = st.one_of(
+    st.binary(max_size=64).map(lambda b: ("application/octet-stream", b)),
+    st.binary(max_size=64).map(lambda b: ("application/x-npy", b)),
+    st.binary(max_size=64).map(lambda b: ("multipart/form-data; boundary=xyz", b)),
+    st.text(max_size=30).map(lambda t: ("application/json", t.encode())),
+    st.sampled_from(["text/plain", "", "application/json; charset=utf-8"]).flatmap(
+        lambda ct: json_values.map(lambda v: (ct, json.dumps(v).encode()))
+    ),
+    json_objects.map(lambda v: ("application/json", json.dumps(v).encode())),
+    shaped.map(lambda v: ("application/json", json.dumps(v).encode())),
+)
+
+
+# -- time and metrics -------------------------------------------------------
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def rate_limited_total(namespace: str, exposition: str | None = None) -> float:
+    """``welltempered_rate_limited_requests_total{namespace=...}`` in /metrics (0 if absent)."""
+    if exposition is None:
+        exposition = obs.render_metrics()[0].decode()
+    for family in text_string_to_metric_families(exposition):
+        for s in family.samples:
+            if s.name == "welltempered_rate_limited_requests_total":
+                if s.labels == {"namespace": namespace}:
+                    return s.value
+    return 0.0
