@@ -44,8 +44,9 @@ def argmax_report(scores_before, probs_after, *, kind: str = "logits") -> dict:
     (1 = top; classes with an equal score do not push it down), compared on
     ``scores_before`` as given: logits as logits, probabilities as
     probabilities. Rank 1 for a changed row means the new class was tied for
-    first with the old one. The work is vectorised over chunks of about
-    ``2**20`` elements, so K = 1000 needs no full-size temporary.
+    first with the old one. The work is vectorised over row chunks of about
+    :data:`calibrators.numerics.CHUNK_ELEMENTS` entries, so a large K needs no
+    full-size temporary.
 
     Parameters
     ----------

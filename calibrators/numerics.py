@@ -37,6 +37,31 @@ def n_threads() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
+def map_rows(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> np.ndarray:
+    """``fn`` applied to row chunks of ``x``, gathered into a float64 array of ``x``'s shape.
+
+    Parameters
+    ----------
+    fn : callable
+        Maps a block of rows, ndarray of shape (n_block, n_cols), to an array of
+        the same shape.
+    x : ndarray of shape (n_rows, n_cols)
+
+    Returns
+    -------
+    ndarray of shape (n_rows, n_cols), float64
+
+    Examples
+    --------
+    >>> map_rows(lambda block: 2.0 * block, np.ones((3, 2))).tolist()
+    [[2.0, 2.0], [2.0, 2.0], [2.0, 2.0]]
+    """
+    out = np.empty(x.shape, dtype=np.float64)
+    for rows in row_chunks(*x.shape):
+        out[rows] = fn(x[rows])
+    return out
+
+
 def map_chunks(fn: Callable[[slice], object], n_rows: int, n_cols: int) -> list:
     """``[fn(s) for s in row_chunks(...)]``, on a few threads when the input is big."""
     slices = list(row_chunks(n_rows, n_cols))
@@ -55,11 +80,60 @@ def log_softmax(u: np.ndarray) -> np.ndarray:
 
 
 def softmax(u: np.ndarray) -> np.ndarray:
-    """Row-wise softmax of a float64 array; rows sum to 1, no NaN for finite input."""
-    out = u - u.max(axis=1, keepdims=True)
+    """Row-wise softmax of a float64 array; rows sum to 1, no NaN for finite input.
+
+    Parameters
+    ----------
+    u : ndarray of shape (n_rows, n_cols), float64
+
+    Returns
+    -------
+    ndarray of shape (n_rows, n_cols), float64
+
+    Examples
+    --------
+    >>> softmax(np.array([[0.0, 0.0], [1000.0, 1000.0 + np.log(3.0)]])).round(12).tolist()
+    [[0.5, 0.5], [0.25, 0.75]]
+    """
+    return _normalised_exp(u)[0]
+
+
+def softmax_terms(
+    u: np.ndarray, *, overwrite: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`softmax` of a float64 array with the two per-row numbers that normalise it.
+
+    ``p = exp(u - row_max) / exp(log_total)``, with ``log_total = log(sum(exp(u -
+    row_max)))``: a loss needs ``log_total - (u_y - row_max)``, the NLL of class
+    ``y``, next to ``p`` for its gradient.
+
+    Parameters
+    ----------
+    u : ndarray of shape (n_rows, n_cols), float64
+    overwrite : bool, default False
+        Compute ``p`` in the memory of ``u`` (no second (n_rows, n_cols) array).
+
+    Returns
+    -------
+    p : ndarray of shape (n_rows, n_cols), float64
+        Exactly ``softmax(u)``; ``u`` itself when ``overwrite``.
+    row_max : ndarray of shape (n_rows,), float64
+    log_total : ndarray of shape (n_rows,), float64
+    """
+    out, row_max, total = _normalised_exp(u, u if overwrite else None)
+    return out, row_max[:, 0], np.log(total[:, 0])
+
+
+def _normalised_exp(
+    u: np.ndarray, out: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(softmax(u), row max, row sum of exp(u - row max))``, the last two of shape (n, 1)."""
+    row_max = u.max(axis=1, keepdims=True)
+    out = np.subtract(u, row_max, out=out)
     np.exp(out, out=out)
-    out /= out.sum(axis=1, keepdims=True)
-    return out
+    total = out.sum(axis=1, keepdims=True)
+    out /= total
+    return out, row_max, total
 
 
 _blas_lock = threading.Lock()
@@ -72,9 +146,9 @@ def single_threaded_blas():
     """Limit BLAS to one thread while any caller is inside this context.
 
     The products of the penalised fits are small (N x K by K x K); OpenBLAS's
-    threads spin badly when another process or thread holds the other core
-    (measured 20x slower under load), and our own fold threads already use
-    the cores. The BLAS thread count is process-wide, so nested and
+    threads spin when another process or thread holds the other cores (the fit
+    slows down many times over; ``bench/README.md`` has the figures), and our own
+    fold threads already use the cores. The BLAS thread count is process-wide, so nested and
     concurrent users are reference-counted: the first sets the limit, the
     last restores it (a plain ``threadpool_limits`` per thread would restore
     it under the feet of a thread still running).

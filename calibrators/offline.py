@@ -57,6 +57,7 @@ from calibrators.checks import RANK_BUCKETS, argmax_report
 from calibrators.holdout import DEFAULT_HOLDOUT, check_holdout, split_indices
 from calibrators.metrics import report
 from calibrators.validation import (
+    KINDS,
     CalibrationInputError,
     as_scores_and_labels,
     to_probabilities,
@@ -114,7 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="calibrator to fit, or 'all' of them (default: temperature)",
     )
     parser.add_argument(
-        "--kind", choices=("logits", "probabilities"), default=None,
+        "--kind", choices=KINDS, default=None,
         help="what the scores are (default: what the array name says; "
         "logits when the file has both)",
     )
@@ -464,7 +465,7 @@ def demo_npz(path) -> Path:
     over-confident, as real networks are) is trained on a stratified half of
     scikit-learn's bundled 8x8 digits (``load_digits``, no download); its
     ``decision_function`` (logits) on the other half, 899 rows x 10 classes,
-    is saved with the labels. Deterministic; takes about a second.
+    is saved with the labels. Deterministic.
 
     Parameters
     ----------

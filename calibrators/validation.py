@@ -1,20 +1,24 @@
 """Canonicalisation of user input: the one place that turns scores into logits.
 
 Every public entry point (fit, predict_proba, metrics, checks) goes through
-:func:`as_logits` and :func:`as_labels`, so validation rules and messages are
-identical everywhere.
+:func:`as_scores` / :func:`as_logits` and :func:`as_labels`, and every option
+(of a calibrator, a metric, the drift test) through :func:`check_integer` or
+:func:`check_positive`, so validation rules and messages are identical everywhere.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+import numbers
+from typing import Any, Literal, get_args
 
 import numpy as np
 
-from calibrators.numerics import row_chunks, softmax
+from calibrators.numerics import map_rows, row_chunks, softmax
 
 Kind = Literal["logits", "probabilities"]
-KINDS = ("logits", "probabilities")
+#: What a score matrix holds; every ``kind`` argument is one of these.
+KINDS: tuple[str, ...] = get_args(Kind)
 
 #: The smallest positive float32 (2**-149). Probabilities are clipped to it
 #: before the log, so a zero probability becomes a finite, very negative logit
@@ -46,8 +50,90 @@ def _first_bad_row(mask: np.ndarray) -> int:
 
 
 def check_kind(kind: str) -> None:
+    """Raise CalibrationInputError unless ``kind`` is one of :data:`KINDS`."""
     if kind not in KINDS:
-        raise CalibrationInputError(f"kind must be 'logits' or 'probabilities'. Got {kind!r}.")
+        expected = " or ".join(repr(k) for k in KINDS)
+        raise CalibrationInputError(f"kind must be {expected}. Got {kind!r}.")
+
+
+def check_integer(name: str, value: Any, *, minimum: int | None = None) -> int:
+    """``value`` if it is an integer (not a bool) ``>= minimum``, else CalibrationInputError.
+
+    Parameters
+    ----------
+    name : str
+        Used in the message.
+    value : object
+    minimum : int, optional
+
+    Returns
+    -------
+    int
+        ``value`` itself, or ``int(value)`` for a numpy integer.
+
+    Examples
+    --------
+    >>> check_integer("n_folds", 3, minimum=2)
+    3
+    >>> check_integer("n_folds", True, minimum=2)
+    Traceback (most recent call last):
+    ...
+    calibrators.validation.CalibrationInputError: n_folds must be an integer >= 2. Got True.
+    """
+    if (
+        isinstance(value, bool | np.bool_)
+        or not isinstance(value, numbers.Integral)
+        or (minimum is not None and value < minimum)
+    ):
+        expected = "an integer" if minimum is None else f"an integer >= {minimum}"
+        raise CalibrationInputError(f"{name} must be {expected}. Got {value!r}.")
+    return value if type(value) is int else int(value)
+
+
+def check_positive(
+    name: str, value: Any, *, allow_zero: bool = False, allow_none: bool = False
+) -> Any:
+    """``value`` if it is a finite real number > 0 (not a bool), else CalibrationInputError.
+
+    Parameters
+    ----------
+    name : str
+        Used in the message.
+    value : object
+    allow_zero : bool, default False
+        Accept 0 as well.
+    allow_none : bool, default False
+        Accept None as well.
+
+    Returns
+    -------
+    int, float or None
+        ``value`` itself (a Python int or float stays what it is), or
+        ``float(value)`` for a numpy number.
+
+    Examples
+    --------
+    >>> check_positive("tol", 1e-9)
+    1e-09
+    >>> check_positive("reg_mu", -1.0, allow_zero=True)
+    Traceback (most recent call last):
+    ...
+    calibrators.validation.CalibrationInputError: reg_mu must be a finite number >= 0. Got -1.0.
+    """
+    if value is None and allow_none:
+        return None
+    if (
+        isinstance(value, bool | np.bool_)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value < 0
+        or (value == 0 and not allow_zero)
+    ):
+        expected = "a finite number " + (">= 0" if allow_zero else "> 0")
+        if allow_none:
+            expected = "None or " + expected
+        raise CalibrationInputError(f"{name} must be {expected}. Got {value!r}.")
+    return value if type(value) in (int, float) else float(value)
 
 
 def as_scores(scores, kind: str = "logits", *, n_classes: int | None = None) -> np.ndarray:
@@ -165,10 +251,7 @@ def to_probabilities(scores: np.ndarray, kind: str) -> np.ndarray:
     check_kind(kind)
     if kind == "probabilities":
         return np.asarray(scores, dtype=np.float64)
-    out = np.empty(scores.shape, dtype=np.float64)
-    for rows in row_chunks(*scores.shape):
-        out[rows] = softmax(scores[rows].astype(np.float64))
-    return out
+    return map_rows(lambda block: softmax(block.astype(np.float64)), scores)
 
 
 def as_labels(labels, n_samples: int, n_classes: int) -> np.ndarray:

@@ -195,8 +195,9 @@ def test_bad_input_raises_the_shared_error(function, probs, labels):
 @pytest.mark.parametrize("n_bins", [0, -3, 1.5, True, "15", None])
 def test_bad_n_bins_raises(n_bins):
     for function in (expected_calibration_error, classwise_calibration_error, report):
-        with pytest.raises(CalibrationInputError, match="n_bins must be a positive integer"):
+        with pytest.raises(CalibrationInputError, match="n_bins must be an integer >= 1") as info:
             function(PROBS, LABELS, n_bins=n_bins)
+        assert str(info.value).endswith(f"Got {n_bins!r}.")
 
 
 def test_bad_strategy_raises():
