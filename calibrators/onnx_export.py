@@ -1,11 +1,14 @@
-"""ONNX export of the one model behind every calibrator, ``softmax(W * phi(z) + b)``.
+"""ONNX export of calibrators: one graph wrapper, one subgraph per kind of calibrator.
 
-One graph serves temperature, vector, matrix and Dirichlet scaling:
+Every exported model has the same interface and the same wrapper
+(:func:`softmax_model`); only the calibrated-logits subgraph in the middle differs:
 
 * input ``logits``: float32 of shape (N, K), N dynamic (``dim_param "N"``), K fixed.
   Probabilities are fed as their log; a zero probability (log = ``-inf``) is
   replaced by :data:`calibrators.validation.LOG_FLOOR`, exactly what the numpy path
   does with ``log(max(p, PROBABILITY_FLOOR))``.
+* the calibrator's subgraph (its ``_onnx_forward`` hook, built with a
+  :class:`GraphBuilder`) maps those float64 logits to float64 calibrated logits.
 * outputs ``probabilities`` float32 (N, K), ``confidence`` float32 (N,) (the
   largest probability), ``label`` int64 (N,) (first argmax of the calibrated
   logits) and ``entropy`` float32 (N,) in nats.
@@ -13,9 +16,12 @@ One graph serves temperature, vector, matrix and Dirichlet scaling:
 The graph casts the input to float64 first and does all the arithmetic in
 float64, casting only the outputs to float32, so it agrees with the float64
 numpy path to float32 rounding. Weights are float64 initializers holding the
-fitted numbers bit for bit. The structure of ``W`` picks the smallest graph:
-a scalar ``Mul`` (temperature), a broadcast ``Mul`` by a (K,) vector (vector
-scaling) or a ``MatMul`` by ``W.T`` (matrix, Dirichlet).
+fitted numbers bit for bit.
+
+The subgraph of the ``softmax(W * phi(z) + b)`` family (:func:`linear_subgraph`,
+and :func:`linear_softmax_model` for the whole model) picks the smallest graph
+for the structure of ``W``: a scalar ``Mul`` (temperature), a broadcast ``Mul``
+by a (K,) vector (vector scaling) or a ``MatMul`` by ``W.T`` (matrix, Dirichlet).
 
 Versions
 --------
@@ -36,7 +42,8 @@ This module builds models only; it does not import ONNX Runtime.
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal, get_args
 
 import numpy as np
 import onnx
@@ -50,9 +57,75 @@ IR_VERSION = 8
 
 INPUT_NAME = "logits"
 OUTPUT_NAMES = ("probabilities", "confidence", "label", "entropy")
-FEATURES = ("logits", "log_softmax")
 
 Feature = Literal["logits", "log_softmax"]
+FEATURES: tuple[str, ...] = get_args(Feature)
+
+
+class GraphBuilder:
+    """Nodes and initializers of one ONNX graph, with unique tensor names.
+
+    A calibrator's ``_onnx_forward(graph, z)`` appends its nodes here and returns
+    the name of its output; names it asks for are kept when free, otherwise
+    suffixed (``u`` -> ``u_1``), so a subgraph cannot collide with the wrapper.
+
+    Parameters
+    ----------
+    n_classes : int
+        K, the number of classes (the static second dimension of every (N, K) tensor).
+
+    Examples
+    --------
+    >>> g = GraphBuilder(3)
+    >>> beta = g.constant(2.0, "beta")
+    >>> g.node("Mul", ["z", beta], "u"), g.node("Mul", ["u", beta], "u")
+    ('u', 'u_1')
+    """
+
+    def __init__(self, n_classes: int):
+        self.n_classes = n_classes
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self._names: set[str] = set()
+
+    def name(self, hint: str) -> str:
+        """A tensor name not used yet in this graph: ``hint``, or ``hint_<i>``."""
+        name, i = hint, 0
+        while name in self._names:
+            i += 1
+            name = f"{hint}_{i}"
+        self._names.add(name)
+        return name
+
+    def constant(self, value: Any, hint: str) -> str:
+        """An initializer holding ``value`` (float64; int64 for an integer array); its name."""
+        arr = np.asarray(value)
+        if not np.issubdtype(arr.dtype, np.integer):
+            arr = arr.astype(np.float64)
+        name = self.name(hint)
+        self.initializers.append(numpy_helper.from_array(arr, name))
+        return name
+
+    def node(self, op_type: str, inputs: list[str], hint: str | None = None, **attributes) -> str:
+        """Append one ``op_type`` node with one output; the output's name.
+
+        Parameters
+        ----------
+        op_type : str
+            An operator of the default domain at opset :data:`OPSET`.
+        inputs : list of str
+            Names of tensors already in the graph (or the graph input).
+        hint : str, optional
+            Wanted output name; default the operator's name in lower case.
+        **attributes
+            The node's attributes (``axis=1``, ``keepdims=0``...).
+        """
+        out = self.name(hint or op_type.lower())
+        self.nodes.append(helper.make_node(op_type, inputs, [out], **attributes))
+        return out
+
+
+Forward = Callable[[GraphBuilder, str], str]
 
 
 def _float64_array(name: str, value, shape: tuple[int, ...]) -> np.ndarray:
@@ -83,19 +156,206 @@ def _weight(n_classes: int, weight) -> np.ndarray:
 
 
 def _check_arguments(n_classes, feature, metadata) -> None:
+    _check_n_classes_and_metadata(n_classes, metadata)
+    if feature not in FEATURES:
+        expected = " or ".join(repr(f) for f in FEATURES)
+        raise CalibrationInputError(f"feature must be {expected}. Got {feature!r}.")
+
+
+def _check_n_classes_and_metadata(n_classes, metadata) -> None:
     if isinstance(n_classes, bool) or not isinstance(n_classes, int | np.integer):
         raise CalibrationInputError(f"n_classes must be an int. Got {n_classes!r}.")
     if n_classes < 2:
         raise CalibrationInputError(f"n_classes must be at least 2. Got {n_classes}.")
-    if feature not in FEATURES:
-        raise CalibrationInputError(
-            f"feature must be 'logits' or 'log_softmax'. Got {feature!r}."
-        )
     for key, value in (metadata or {}).items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise CalibrationInputError(
                 f"metadata keys and values must be str. Got {key!r}: {value!r}."
             )
+
+
+def softmax_model(
+    n_classes: int,
+    forward: Forward,
+    *,
+    graph_name: str = "calibrator",
+    doc_string: str = "",
+    metadata: dict[str, str] | None = None,
+) -> onnx.ModelProto:
+    """The ONNX model of ``softmax(forward(z))`` with the interface of every calibrator.
+
+    Parameters
+    ----------
+    n_classes : int
+        K, the number of classes (at least 2); fixed in the graph's shapes.
+    forward : callable
+        ``forward(graph, z) -> u``: appends to ``graph`` (a :class:`GraphBuilder`)
+        the nodes that map ``z``, the name of the float64 logits of shape (N, K),
+        to calibrated float64 logits of shape (N, K), and returns their name.
+    graph_name : str, default "calibrator"
+        The graph's name.
+    doc_string : str
+        Stored as the model's ``doc_string``.
+    metadata : dict of str to str, optional
+        Stored as the model's ``metadata_props`` (e.g. method, K, version).
+
+    Returns
+    -------
+    onnx.ModelProto
+        Input ``logits`` float32 of shape (N, K); outputs ``probabilities``
+        float32 of shape (N, K), ``confidence`` float32 of shape (N,),
+        ``label`` int64 of shape (N,) and ``entropy`` float32 of shape (N,)
+        (nats). A ``-inf`` input entry is read as ``LOG_FLOOR`` = log(2**-149).
+        Opset 17, IR version 8; the model passes ``onnx.checker.check_model``.
+
+    Raises
+    ------
+    CalibrationInputError
+        If ``n_classes`` is not an int >= 2 or ``metadata`` not a dict of str.
+
+    Examples
+    --------
+    >>> def half(graph, z):
+    ...     return graph.node("Mul", [z, graph.constant(0.5, "beta")], "u")
+    >>> model = softmax_model(3, half)
+    >>> [o.name for o in model.graph.output]
+    ['probabilities', 'confidence', 'label', 'entropy']
+    """
+    _check_n_classes_and_metadata(n_classes, metadata)
+    k = int(n_classes)
+    probabilities, confidence, label, entropy = OUTPUT_NAMES
+    g = GraphBuilder(k)
+    for reserved in (INPUT_NAME, *OUTPUT_NAMES):
+        g.name(reserved)
+    u = forward(g, _finite_logits(g))
+    _softmax_outputs(g, u)
+    graph = helper.make_graph(
+        g.nodes,
+        graph_name,
+        inputs=[helper.make_tensor_value_info(INPUT_NAME, TensorProto.FLOAT, ["N", k])],
+        outputs=[
+            helper.make_tensor_value_info(probabilities, TensorProto.FLOAT, ["N", k]),
+            helper.make_tensor_value_info(confidence, TensorProto.FLOAT, ["N"]),
+            helper.make_tensor_value_info(label, TensorProto.INT64, ["N"]),
+            helper.make_tensor_value_info(entropy, TensorProto.FLOAT, ["N"]),
+        ],
+        initializer=g.initializers,
+        doc_string=doc_string,
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET)],
+        ir_version=IR_VERSION,
+        producer_name="welltempered",
+        doc_string=doc_string,
+    )
+    helper.set_model_props(model, dict(metadata or {}))
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _finite_logits(g: GraphBuilder) -> str:
+    """The input as float64, with ``-inf`` replaced by ``LOG_FLOOR``; its name."""
+    double, k = TensorProto.DOUBLE, g.n_classes
+    log_floor = g.constant(LOG_FLOOR, "log_floor")
+    g.constant(np.array([1], dtype=np.int64), "class_axis")
+    # -inf -> LOG_FLOOR. ONNX Runtime's Where is a slow broadcasting loop, so it runs
+    # only when the batch needs it: the batch minimum is not > -inf (a -inf, or a NaN
+    # that hides one); otherwise the branch taken is a bare Cast.
+    cast_branch = helper.make_graph(
+        [helper.make_node("Cast", [INPUT_NAME], ["z_cast"], to=double)],
+        "cast",
+        [],
+        [helper.make_tensor_value_info("z_cast", double, ["N", k])],
+    )
+    floor_branch = helper.make_graph(
+        [
+            helper.make_node("Cast", [INPUT_NAME], ["z64"], to=double),
+            helper.make_node(
+                "IsInf", ["z64"], ["is_neg_inf"], detect_positive=0, detect_negative=1
+            ),
+            helper.make_node("Where", ["is_neg_inf", log_floor, "z64"], ["z_floor"]),
+        ],
+        "floor_neg_inf",
+        [],
+        [helper.make_tensor_value_info("z_floor", double, ["N", k])],
+    )
+    for branch_name in ("z_cast", "z64", "is_neg_inf", "z_floor"):
+        g.name(branch_name)  # the branches' names are reserved in the outer graph too
+    neg_inf = g.constant(-np.inf, "neg_inf")
+    z_min32 = g.node("ReduceMin", [INPUT_NAME], "z_min32", keepdims=0)
+    z_min = g.node("Cast", [z_min32], "z_min", to=double)
+    no_neg_inf = g.node("Greater", [z_min, neg_inf], "no_neg_inf")
+    return g.node("If", [no_neg_inf], "z", then_branch=cast_branch, else_branch=floor_branch)
+
+
+def _softmax_outputs(g: GraphBuilder, u: str) -> None:
+    """The four outputs from the calibrated float64 logits ``u``."""
+    # One exponential pass: s = u - max(u) <= 0 (float64), e = exp(s),
+    # S = sum(e), p = e / S, confidence = max p = 1 / S, entropy =
+    # log S - sum(p * s). The exponential alone runs in float32: ONNX Runtime's
+    # float64 Exp is a scalar loop (bench/README.md has the cost), and for s <= 0
+    # the float32 rounding of s and exp(s) moves p by at most
+    # max_s(e^s |s|) * 2**-23 ~ 5e-8 absolute, far below the 1e-6 parity we
+    # promise. Sums, division and log stay float64.
+    probabilities, confidence, label, entropy = OUTPUT_NAMES
+    double, axis = TensorProto.DOUBLE, "class_axis"
+    g.nodes.append(
+        helper.make_node("ArgMax", [u], [label], axis=1, keepdims=0, select_last_index=0)
+    )
+    u_max = g.node("ReduceMax", [u], "u_max", axes=[1], keepdims=1)
+    s = g.node("Sub", [u, u_max], "s")
+    s32 = g.node("Cast", [s], "s32", to=TensorProto.FLOAT)
+    e32 = g.node("Exp", [s32], "e32")
+    e = g.node("Cast", [e32], "e", to=double)
+    total = g.node("ReduceSum", [e, axis], "total", keepdims=1)
+    p64 = g.node("Div", [e, total], "p64")
+    ps = g.node("Mul", [p64, s], "ps")
+    mean_s = g.node("ReduceSum", [ps, axis], "mean_s", keepdims=0)
+    total_n = g.node("Squeeze", [total, axis], "total_n")
+    log_total = g.node("Log", [total_n], "log_total")
+    entropy64 = g.node("Sub", [log_total, mean_s], "entropy64")
+    confidence64 = g.node("Reciprocal", [total_n], "confidence64")
+    for source, output in ((p64, probabilities), (confidence64, confidence),
+                           (entropy64, entropy)):
+        g.nodes.append(helper.make_node("Cast", [source], [output], to=TensorProto.FLOAT))
+
+
+def linear_subgraph(
+    g: GraphBuilder, z: str, *, weight: np.ndarray | float, bias: np.ndarray | None,
+    feature: Feature,
+) -> str:
+    """Append ``u = W * phi(z) + b`` to ``g``; the name of ``u``.
+
+    The ONNX side of the ``softmax(W * phi(z) + b)`` family. ``weight`` and
+    ``bias`` are used as given (validated float64 values: see
+    :func:`linear_softmax_model`).
+
+    Parameters
+    ----------
+    g : GraphBuilder
+    z : str
+        Name of the float64 logits, shape (N, K).
+    weight : float or ndarray of shape (K,) or (K, K)
+    bias : ndarray of shape (K,) or None
+    feature : {"logits", "log_softmax"}
+
+    Returns
+    -------
+    str
+        Name of the float64 calibrated logits, shape (N, K).
+    """
+    x = z
+    if feature == "log_softmax":
+        x = g.node("LogSoftmax", [z], "phi", axis=1)
+    w = np.asarray(weight, dtype=np.float64)
+    if w.ndim == 2:
+        wx = g.node("MatMul", [x, g.constant(np.ascontiguousarray(w.T), "weight_t")], "wx")
+    else:
+        wx = g.node("Mul", [x, g.constant(w, "weight")], "wx")
+    if bias is None:
+        return wx
+    return g.node("Add", [wx, g.constant(bias, "bias")], "u")
 
 
 def linear_softmax_model(
@@ -129,11 +389,7 @@ def linear_softmax_model(
     Returns
     -------
     onnx.ModelProto
-        Input ``logits`` float32 of shape (N, K); outputs ``probabilities``
-        float32 of shape (N, K), ``confidence`` float32 of shape (N,),
-        ``label`` int64 of shape (N,) and ``entropy`` float32 of shape (N,)
-        (nats). A ``-inf`` input entry is read as ``LOG_FLOOR`` = log(2**-149).
-        Opset 17, IR version 8; the model passes ``onnx.checker.check_model``.
+        The interface of :func:`softmax_model`.
 
     Raises
     ------
@@ -151,110 +407,13 @@ def linear_softmax_model(
     k = int(n_classes)
     w = _weight(k, weight)
     b = None if bias is None else _float64_array("bias", bias, (k,))
-
-    double = TensorProto.DOUBLE
-    initializers = [
-        numpy_helper.from_array(np.array(LOG_FLOOR, dtype=np.float64), "log_floor"),
-        numpy_helper.from_array(np.array([1], dtype=np.int64), "class_axis"),
-    ]
-    # -inf -> LOG_FLOOR. ONNX Runtime's Where is a slow broadcasting loop (20 ms of a
-    # 60 ms run at 4,096 x 1,000), so it runs only when the batch needs it: the
-    # batch minimum is not > -inf (a -inf, or a NaN that hides one); otherwise the
-    # branch taken is a bare Cast.
-    cast_branch = helper.make_graph(
-        [helper.make_node("Cast", [INPUT_NAME], ["z_cast"], to=double)],
-        "cast",
-        [],
-        [helper.make_tensor_value_info("z_cast", double, ["N", k])],
-    )
-    floor_branch = helper.make_graph(
-        [
-            helper.make_node("Cast", [INPUT_NAME], ["z64"], to=double),
-            helper.make_node(
-                "IsInf", ["z64"], ["is_neg_inf"], detect_positive=0, detect_negative=1
-            ),
-            helper.make_node("Where", ["is_neg_inf", "log_floor", "z64"], ["z_floor"]),
-        ],
-        "floor_neg_inf",
-        [],
-        [helper.make_tensor_value_info("z_floor", double, ["N", k])],
-    )
-    initializers.append(numpy_helper.from_array(np.array(-np.inf, dtype=np.float64), "neg_inf"))
-    nodes = [
-        helper.make_node("ReduceMin", [INPUT_NAME], ["z_min32"], keepdims=0),
-        helper.make_node("Cast", ["z_min32"], ["z_min"], to=double),
-        helper.make_node("Greater", ["z_min", "neg_inf"], ["no_neg_inf"]),
-        helper.make_node(
-            "If", ["no_neg_inf"], ["z"], then_branch=cast_branch, else_branch=floor_branch
-        ),
-    ]
-    x = "z"
-    if feature == "log_softmax":
-        nodes.append(helper.make_node("LogSoftmax", ["z"], ["phi"], axis=1))
-        x = "phi"
-
-    if w.ndim == 2:
-        initializers.append(numpy_helper.from_array(np.ascontiguousarray(w.T), "weight_t"))
-        nodes.append(helper.make_node("MatMul", [x, "weight_t"], ["wx"]))
-    else:
-        initializers.append(numpy_helper.from_array(w, "weight"))
-        nodes.append(helper.make_node("Mul", [x, "weight"], ["wx"]))
-    u = "wx"
-    if b is not None:
-        initializers.append(numpy_helper.from_array(b, "bias"))
-        nodes.append(helper.make_node("Add", ["wx", "bias"], ["u"]))
-        u = "u"
-
-    # One exponential pass: s = u - max(u) <= 0 (float64), e = exp(s),
-    # S = sum(e), p = e / S, confidence = max p = 1 / S, entropy =
-    # log S - sum(p * s). The exponential alone runs in float32: ONNX Runtime's
-    # float64 Exp is a scalar loop (measured 2x slower for the whole graph at
-    # 4,096 x 1,000), and for s <= 0 the float32 rounding of s and exp(s)
-    # moves p by at most max_s(e^s |s|) * 2**-23 ~ 5e-8 absolute, far below
-    # the 1e-6 parity we promise. Sums, division and log stay float64.
-    nodes += [
-        helper.make_node("ArgMax", [u], ["label"], axis=1, keepdims=0, select_last_index=0),
-        helper.make_node("ReduceMax", [u], ["u_max"], axes=[1], keepdims=1),
-        helper.make_node("Sub", [u, "u_max"], ["s"]),
-        helper.make_node("Cast", ["s"], ["s32"], to=TensorProto.FLOAT),
-        helper.make_node("Exp", ["s32"], ["e32"]),
-        helper.make_node("Cast", ["e32"], ["e"], to=double),
-        helper.make_node("ReduceSum", ["e", "class_axis"], ["total"], keepdims=1),
-        helper.make_node("Div", ["e", "total"], ["p64"]),
-        helper.make_node("Mul", ["p64", "s"], ["ps"]),
-        helper.make_node("ReduceSum", ["ps", "class_axis"], ["mean_s"], keepdims=0),
-        helper.make_node("Squeeze", ["total", "class_axis"], ["total_n"]),
-        helper.make_node("Log", ["total_n"], ["log_total"]),
-        helper.make_node("Sub", ["log_total", "mean_s"], ["entropy64"]),
-        helper.make_node("Reciprocal", ["total_n"], ["confidence64"]),
-        helper.make_node("Cast", ["p64"], ["probabilities"], to=TensorProto.FLOAT),
-        helper.make_node("Cast", ["confidence64"], ["confidence"], to=TensorProto.FLOAT),
-        helper.make_node("Cast", ["entropy64"], ["entropy"], to=TensorProto.FLOAT),
-    ]
-
-    graph = helper.make_graph(
-        nodes,
-        "linear_softmax",
-        inputs=[helper.make_tensor_value_info(INPUT_NAME, TensorProto.FLOAT, ["N", k])],
-        outputs=[
-            helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["N", k]),
-            helper.make_tensor_value_info("confidence", TensorProto.FLOAT, ["N"]),
-            helper.make_tensor_value_info("label", TensorProto.INT64, ["N"]),
-            helper.make_tensor_value_info("entropy", TensorProto.FLOAT, ["N"]),
-        ],
-        initializer=initializers,
+    return softmax_model(
+        k,
+        lambda g, z: linear_subgraph(g, z, weight=w, bias=b, feature=feature),
+        graph_name="linear_softmax",
         doc_string=doc_string,
+        metadata=metadata,
     )
-    model = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", OPSET)],
-        ir_version=IR_VERSION,
-        producer_name="welltempered",
-        doc_string=doc_string,
-    )
-    helper.set_model_props(model, dict(metadata or {}))
-    onnx.checker.check_model(model, full_check=True)
-    return model
 
 
 def linear_softmax_onnx(
