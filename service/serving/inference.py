@@ -22,6 +22,7 @@ from sqlalchemy.orm import sessionmaker
 
 import calibrators
 from calibrators.validation import PROBABILITY_FLOOR, CalibrationInputError
+from service.storage.registry import resolve_served
 
 OUTPUTS = ("probabilities", "label", "confidence", "entropy")
 
@@ -108,8 +109,6 @@ class ServingCache:
         return served
 
     def _resolve(self, name: str, alias: str | None, version: int | None, namespace: str) -> Served:
-        from service.storage.registry import resolve_served
-
         with self.sessions() as session:
             model, row = resolve_served(session, name, alias, version, namespace)
             onnx = self.onnx.get(row.id, lambda: row.params)
