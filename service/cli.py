@@ -2,11 +2,15 @@
 
 A new subcommand is one entry in :data:`COMMANDS`: a name, a help line, a
 function that adds its arguments, and one that runs it and returns the exit code.
+Each of those functions imports what its subcommand needs when it runs, for
+start-up speed only, never to hide a cycle: this module is the top layer, and no
+module of the service imports it.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import signal
@@ -29,11 +33,14 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
+    # Imported here for start-up speed, as in every function below (module docstring).
     import uvicorn
     from sqlalchemy.orm import sessionmaker
 
     from service import demo
+    from service.api.app import create_app
     from service.jobs import fitting
+    from service.observe import metrics
     from service.settings import Settings
     from service.storage import migrate
     from service.storage.arrays import ArrayStore
@@ -77,7 +84,10 @@ def serve(args: argparse.Namespace) -> int:
         # Workers are new processes: hand them the settings through the environment.
         for name, value in settings.model_dump(exclude_none=True).items():
             os.environ[f"WELLTEMPERED_{name.upper()}"] = str(value)
-        _prepare_multiprocess_metrics(settings)
+        # prometheus_client's multiprocess mode: the directory wiped once and in the
+        # environment the workers start with (service/observe/metrics.py). A fixed
+        # default place, so a server killed with SIGKILL leaves no stray directory.
+        metrics.export_multiprocess_dir(settings.data_dir / "prometheus-multiproc")
         uvicorn.run(
             "service.api.app:app_from_env",
             factory=True,
@@ -88,8 +98,6 @@ def serve(args: argparse.Namespace) -> int:
             timeout_graceful_shutdown=grace,
         )
     else:
-        from service.api.app import create_app
-
         uvicorn.run(
             create_app(settings),
             host=args.host,
@@ -98,26 +106,6 @@ def serve(args: argparse.Namespace) -> int:
             timeout_graceful_shutdown=grace,
         )
     return 0
-
-
-def _prepare_multiprocess_metrics(settings) -> str:
-    """prometheus_client's multiprocess mode for ``--workers N > 1`` (service/observe/metrics.py).
-
-    ``PROMETHEUS_MULTIPROC_DIR`` must be in the environment before any worker imports
-    prometheus_client, and the directory wiped once, before the workers start: both
-    happen here, in the parent. Without the variable, ``<data_dir>/prometheus-multiproc``
-    is used: a fixed place, so a server killed with SIGKILL leaves no stray directory
-    (the next start wipes it).
-    """
-    name = "PROMETHEUS_MULTIPROC_DIR"  # service.observe.metrics.MULTIPROC_ENV
-    path = os.environ.get(name) or os.path.abspath(settings.data_dir / "prometheus-multiproc")
-    os.makedirs(path, exist_ok=True)  # importing prometheus_client may write there
-    # This process serves no metrics; it imports observability only to wipe the files.
-    from service.observe import metrics as obs
-
-    os.environ[name] = path
-    obs.prepare_multiprocess_dir(path)
-    return path
 
 
 def _no_arguments(p: argparse.ArgumentParser) -> None:
@@ -163,8 +151,6 @@ def keys_command(args: argparse.Namespace) -> int:
 
 def is_loopback(host: str) -> bool:
     """127.0.0.0/8, ::1 or localhost (what ``serve`` accepts with auth off)."""
-    import ipaddress
-
     if host.lower() == "localhost":
         return True
     try:

@@ -91,11 +91,12 @@ def for_prometheus(expr: str) -> str:
 @pytest.fixture(scope="module")
 def exposition() -> str:
     """Families of /metrics after every metric was touched once (and a full snapshot)."""
-    obs.observe_request("/v1/models/{model}/predict", "POST", 200, 0.01)
-    obs.observe_predictions("ns", "deploy-test", 1, np.array([0.5]), np.array([0.8]), flipped=0)
-    obs.observe_feedback("ns", "deploy-test", 1, 1)
-    obs.observe_fit("temperature", 0.1)
-    obs.observe_rate_limited("ns")
+    metrics = obs.ServiceMetrics()
+    metrics.observe_request("/v1/models/{model}/predict", "POST", 200, 0.01)
+    metrics.observe_predictions("ns", "deploy-test", 1, np.array([0.5]), np.array([0.8]), flipped=0)
+    metrics.observe_feedback("ns", "deploy-test", 1, 1)
+    metrics.observe_fit("temperature", 0.1)
+    metrics.observe_rate_limited("ns")
     live = {"namespace": "ns", "model": "m", "version": 1}
     hold = {**live, "alias": "production"}
     snapshot = {
@@ -106,7 +107,7 @@ def exposition() -> str:
         else [(hold if "alias" in spec.labels else live, 0.5)]
         for key, spec in obs.DB_GAUGES.items()
     }
-    body, _ = obs.render_metrics(lambda: snapshot)
+    body, _ = metrics.render(lambda: snapshot)
     return body.decode()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import AsyncIterator
@@ -25,8 +26,8 @@ from service.api.routers import (
 )
 from service.api.uploads import BodyLimitMiddleware
 from service.jobs.fitting import FitRunner, WorkerConfig, recover
-from service.observe import metrics as obs
-from service.observe.monitoring import MetricsMiddleware
+from service.observe.metrics import ServiceMetrics
+from service.observe.monitoring import MetricsMiddleware, observe_finished_fit
 from service.security import auth
 from service.serving.inference import ServingCache, SessionCache
 from service.settings import Settings
@@ -46,13 +47,19 @@ def _limit_for(settings: Settings):
     return limit_for
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    """The service. The lifespan connects, checks the schema, recovers jobs, starts the pool."""
+def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None = None) -> FastAPI:
+    """The service. The lifespan connects, checks the schema, recovers jobs, starts the pool.
+
+    ``metrics`` defaults to a new :class:`ServiceMetrics` (which reads
+    ``PROMETHEUS_MULTIPROC_DIR`` now, and raises if it contradicts prometheus_client's
+    mode); the app hands it to everything that observes events.
+    """
     settings = settings if settings is not None else Settings()
+    metrics = metrics if metrics is not None else ServiceMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        obs.mark_dead_workers()  # metric files of workers killed without a shutdown
+        metrics.mark_dead_workers()  # metric files of workers killed without a shutdown
         engine = make_engine(settings.database_url)
         try:
             ensure_schema(engine, settings.database_url)
@@ -68,17 +75,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 settings.progress_interval_seconds,
                 settings.fit_threads or max(1, (os.cpu_count() or 2) // 2),
             )
-            fits = FitRunner(settings.fit_executor, settings.fit_workers, config, sessions)
+            fits = FitRunner(
+                settings.fit_executor,
+                settings.fit_workers,
+                config,
+                sessions,
+                on_finished=functools.partial(observe_finished_fit, metrics, sessions),
+            )
             onnx = SessionCache(settings.onnx_threads, settings.onnx_cache_size)
             serving = ServingCache(sessions, onnx, settings.alias_cache_seconds)
-            app.state.welltempered = AppState(settings, engine, sessions, arrays, fits, serving)
+            app.state.welltempered = AppState(
+                settings, engine, sessions, arrays, fits, serving, metrics
+            )
             try:
                 yield
             finally:
                 fits.shutdown()
         finally:
             engine.dispose()
-            obs.mark_process_dead()
+            metrics.mark_process_dead()
 
     app = FastAPI(
         title="welltempered",
@@ -90,10 +105,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # predict first, on the app itself (matched first: the hot path), authorising
     # inline; then the auth dependency, which every route added later gets.
     predict.install(app)
-    auth.install(app, settings)
+    auth.install(app, settings, on_rate_limited=metrics.observe_rate_limited)
     openapi.install(app)  # problem+json errors and Bearer auth in /openapi.json
     app.add_middleware(BodyLimitMiddleware, limit_for=_limit_for(settings))
-    app.add_middleware(MetricsMiddleware)  # outermost: 413s and 401s are counted too
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: 413s, 401s counted too
     for module in (models, datasets, calibrators, aliases, keys, monitoring, health):
         app.include_router(module.router)
     return app

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.api.problems import NotFound
 from service.api.schemas import ALIAS_PATTERN, MAX_ID
 from service.jobs.fitting import FitRunner
+from service.observe.metrics import ServiceMetrics
 from service.security.auth import PrincipalDep
 from service.serving.inference import ServingCache
 from service.settings import Settings
@@ -39,6 +40,7 @@ class AppState:
     arrays: ArrayStore
     fits: FitRunner
     serving: ServingCache
+    metrics: ServiceMetrics
 
 
 def get_app_state(request: Request) -> AppState:

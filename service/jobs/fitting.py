@@ -286,13 +286,28 @@ def recover(session_factory) -> int:
 
 class FitRunner:
     """Owns the pool. Processes by default: a fit holds the GIL in places (scipy's
-    optimizer loop), and a process cannot slow the API's threads down."""
+    optimizer loop), and a process cannot slow the API's threads down.
 
-    def __init__(self, kind: str, workers: int, config: WorkerConfig, session_factory):
+    ``on_finished(version_id)``, when given, is called in this process after a job
+    ran to its end (succeeded, rejected or failed by the fit itself), from the
+    thread that completes the job's future: the layer above records what it needs
+    (the app observes the fit's duration) without this module knowing of it. An
+    exception it raises is logged, never propagated.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        workers: int,
+        config: WorkerConfig,
+        session_factory,
+        on_finished: Callable[[int], None] | None = None,
+    ):
         self.kind = kind
         self.workers = workers
         self.config = config
         self.session_factory = session_factory
+        self.on_finished = on_finished
         self._executor: cf.Executor | None = None
         self._lock = threading.Lock()
         self._pending: set[int] = set()
@@ -341,9 +356,11 @@ class FitRunner:
             if isinstance(exc, cf.BrokenExecutor):
                 self._reset()
         else:
-            from service.observe.monitoring import observe_finished_fit  # lazy: not in fit workers
-
-            observe_finished_fit(self.session_factory, version_id)
+            if self.on_finished is not None:
+                try:
+                    self.on_finished(version_id)
+                except Exception:
+                    log.exception("on_finished of version id %s failed", version_id)
             return
         try:
             mark_failed(self.session_factory, version_id, error)

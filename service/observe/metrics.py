@@ -1,4 +1,4 @@
-"""Every Prometheus metric of the service, defined in this one module.
+"""Every Prometheus metric of the service: a fixed vocabulary, in this one module.
 
 The vocabulary
 --------------
@@ -15,14 +15,26 @@ and key ids live in the database and the logs, never in labels (the rate
 limit's refusals are counted by the key's ``namespace``). :data:`METRICS`
 lists every name with its type and labels.
 
+Nothing is created at import
+----------------------------
+Importing this module defines the vocabulary (the :class:`EventSpec` constants
+listed in :data:`EVENTS`, and :data:`DB_GAUGES`) and nothing else: no metric
+object, nothing in prometheus_client's global ``REGISTRY``, no environment read.
+:class:`ServiceMetrics` creates the metrics of one process from the vocabulary;
+:func:`service.api.app.create_app` builds one and hands it to whatever observes
+events (the HTTP middleware, predict and feedback, the fit runner's callback,
+the rate limiter) and to ``GET /metrics``.
+
 Two kinds of figures
 --------------------
 *Events of this process* (requests, served rows, entropy and confidence of
 served rows, argmax flips, feedback rows, fit durations, requests refused by
 the rate limit) are :class:`~prometheus_client.Counter` /
-:class:`~prometheus_client.Histogram` objects incremented by the helpers
-:func:`observe_request`, :func:`observe_predictions`, :func:`observe_feedback`,
-:func:`observe_fit` and :func:`observe_rate_limited`.
+:class:`~prometheus_client.Histogram` objects of a :class:`ServiceMetrics`,
+incremented by its methods :meth:`~ServiceMetrics.observe_request`,
+:meth:`~ServiceMetrics.observe_predictions`,
+:meth:`~ServiceMetrics.observe_feedback`, :meth:`~ServiceMetrics.observe_fit`
+and :meth:`~ServiceMetrics.observe_rate_limited`.
 
 *Shared state* (fit jobs by status, hold-out quality of each aliased
 version, live quality over the feedback window) is read from the database *at
@@ -36,23 +48,28 @@ Followed exactly as its documentation prescribes
 (https://prometheus.github.io/client_python/multiprocess/):
 
 1. ``PROMETHEUS_MULTIPROC_DIR`` names a directory, set in the environment by
-   the start-up script (Dockerfile / compose, or the shell) *before* any
-   worker imports ``prometheus_client``: the library picks its value storage
-   when it is first imported (``prometheus_client.values.ValueClass``).
-   Importing this module raises :class:`MultiprocessModeError` when the two
+   the start-up script (Dockerfile / compose, the shell, or ``welltempered
+   serve --workers N`` in its parent process) *before* any worker imports
+   ``prometheus_client``: the library picks its value storage when it is first
+   imported (``prometheus_client.values.ValueClass``). Building a
+   :class:`ServiceMetrics` raises :class:`MultiprocessModeError` when the two
    disagree (variable set after the import, or removed since), instead of
    silently exporting one worker's share.
 2. The directory is wiped between runs, before start-up: the parent calls
-   :func:`prepare_multiprocess_dir` once, before starting the workers.
+   :func:`prepare_multiprocess_dir` once, before starting the workers
+   (``serve --workers N`` calls :func:`export_multiprocess_dir`, which does that
+   and sets the variable).
 3. Each scrape builds a *fresh* :class:`~prometheus_client.CollectorRegistry`
    holding a :class:`~prometheus_client.multiprocess.MultiProcessCollector`
-   (:func:`render_metrics` does it), never the global ``REGISTRY`` (whose
-   metrics would be exported twice).
+   (:meth:`ServiceMetrics.render`, :func:`render_multiprocess`), never a
+   registry the metrics are registered in (they would be exported twice). Each
+   worker builds its own :class:`ServiceMetrics`, and only one: two in one
+   process would write the same files.
 4. When a worker exits, ``mark_process_dead(pid)`` removes its live-gauge
    files. uvicorn has no ``child_exit`` hook (gunicorn's place for it), so a
-   worker calls :func:`mark_process_dead` at the end of its lifespan, and
-   :func:`mark_dead_workers` at the start of its lifespan (files of workers
-   that died without a clean shutdown).
+   worker calls :meth:`ServiceMetrics.mark_process_dead` at the end of its
+   lifespan, and :meth:`ServiceMetrics.mark_dead_workers` at the start of its
+   lifespan (files of workers that died without a clean shutdown).
 5. The documented limits are respected: no ``Gauge.set_function``, no ``pid``
    label, no Info/Enum, no exemplars, no label ``remove``/``clear``. The only
    process gauge, ``welltempered_http_requests_in_progress``, uses
@@ -64,13 +81,16 @@ Followed exactly as its documentation prescribes
    CPU and memory ones, which are therefore absent in multiprocess mode).
 
 Without ``PROMETHEUS_MULTIPROC_DIR`` (one process: tests, ``welltempered
-serve`` with one worker) the metrics live in the default registry and
-:func:`render_metrics` exports it, with the process and GC collectors. The
-``_created`` series are disabled so both modes expose the same series.
+serve`` with one worker) the metrics live in the :class:`ServiceMetrics`' own
+registry, next to the process, platform and GC collectors that prometheus_client
+puts in its default registry, and :meth:`ServiceMetrics.render` exports that
+registry. The ``_created`` series are disabled (when a :class:`ServiceMetrics`
+is built) so both modes expose the same series.
 
 Work done in other processes (fits run in a process pool) is *not* observed
-where it runs: the serve process calls :func:`observe_fit` when the job ends
-(the duration is on the job row), so the figure is right in both modes.
+where it runs: the serve process calls :meth:`ServiceMetrics.observe_fit` when
+the job ends (the duration is on the job row), so the figure is right in both
+modes.
 """
 
 from __future__ import annotations
@@ -84,47 +104,45 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import prometheus_client
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
-    REGISTRY,
     CollectorRegistry,
     Counter,
     Gauge,
+    GCCollector,
     Histogram,
+    PlatformCollector,
+    ProcessCollector,
     generate_latest,
     multiprocess,
     values,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 log = logging.getLogger("welltempered.metrics")
 
 __all__ = [
     "DB_GAUGES",
+    "EVENTS",
     "LABELS",
     "METRICS",
     "PREFIX",
     "DatabaseQualityCollector",
+    "EventSpec",
     "GaugeSpec",
     "MultiprocessModeError",
+    "ServiceMetrics",
     "Snapshot",
-    "mark_dead_workers",
-    "mark_process_dead",
-    "multiprocess_dir",
-    "observe_feedback",
-    "observe_fit",
-    "observe_predictions",
-    "observe_rate_limited",
-    "observe_request",
+    "export_multiprocess_dir",
     "prepare_multiprocess_dir",
-    "render_metrics",
+    "render_multiprocess",
     "route_template",
     "status_class",
-    "track_in_progress",
 ]
 
 PREFIX = "welltempered_"
@@ -141,7 +159,8 @@ class MultiprocessModeError(RuntimeError):
     """``PROMETHEUS_MULTIPROC_DIR`` and prometheus_client's storage disagree."""
 
 
-def _detect_mode() -> str | None:
+def _multiprocess_dir_from_environment() -> str | None:
+    """``PROMETHEUS_MULTIPROC_DIR``, checked against the storage prometheus_client chose."""
     multiprocess_storage = values.ValueClass is not values.MutexValue
     path = os.environ.get(MULTIPROC_ENV) or None
     if multiprocess_storage and path is None:
@@ -156,16 +175,6 @@ def _detect_mode() -> str | None:
             f"the environment before the process starts. Got {path!r}."
         )
     return path
-
-
-_MULTIPROC_DIR = _detect_mode()
-# _created series exist only in single-process mode; disable them so both modes agree.
-prometheus_client.disable_created_metrics()
-
-
-def multiprocess_dir() -> str | None:
-    """The directory this process's metrics are written to, or None (single process)."""
-    return _MULTIPROC_DIR
 
 
 # ---------------------------------------------------------------------------
@@ -189,64 +198,108 @@ FIT_BUCKETS_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 
 
 # ---------------------------------------------------------------------------
-# events of this process (counters and histograms; multiprocess-safe)
+# events of a process (counters and histograms; multiprocess-safe): the specs
 
-HTTP_REQUESTS = Counter(
+_KINDS = {"counter": Counter, "histogram": Histogram, "gauge": Gauge}
+
+
+@dataclass(frozen=True)
+class EventSpec:
+    """One metric of the events of a process; :class:`ServiceMetrics` creates it."""
+
+    kind: Literal["counter", "histogram", "gauge"]
+    #: The exported name (a counter's with its ``_total``).
+    name: str
+    documentation: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+    #: How a gauge adds up over worker processes (multiprocess mode).
+    multiprocess_mode: str | None = None
+
+    def create(self, registry: CollectorRegistry) -> Counter | Histogram | Gauge:
+        """The prometheus_client metric, registered in ``registry`` (never the global one)."""
+        options: dict[str, Any] = {}
+        if self.buckets is not None:
+            options["buckets"] = self.buckets
+        if self.multiprocess_mode is not None:
+            options["multiprocess_mode"] = self.multiprocess_mode
+        return _KINDS[self.kind](
+            self.name, self.documentation, self.labels, registry=registry, **options
+        )
+
+
+HTTP_REQUESTS = EventSpec(
+    "counter",
     "welltempered_http_requests_total",
     "HTTP requests answered, by route template, HTTP method and status class.",
     ("route", "method", "status"),
 )
-HTTP_DURATION = Histogram(
+HTTP_DURATION = EventSpec(
+    "histogram",
     "welltempered_http_request_duration_seconds",
     "Time from request to response, by route template, HTTP method and status class.",
     ("route", "method", "status"),
     buckets=HTTP_BUCKETS_SECONDS,
 )
-HTTP_IN_PROGRESS = Gauge(
+HTTP_IN_PROGRESS = EventSpec(
+    "gauge",
     "welltempered_http_requests_in_progress",
     "HTTP requests being handled now (summed over the live worker processes).",
     multiprocess_mode="livesum",
 )
-PREDICTIONS = Counter(
+PREDICTIONS = EventSpec(
+    "counter",
     "welltempered_predictions_total",
     "Rows served by /predict (calibrated probability vectors), by namespace, model and version.",
     ("namespace", "model", "version"),
 )
-PREDICTION_ENTROPY = Histogram(
+PREDICTION_ENTROPY = EventSpec(
+    "histogram",
     "welltempered_prediction_entropy_nats",
     "Shannon entropy of each served calibrated row, in nats (0 = one-hot, log K = uniform).",
     ("namespace", "model"),
     buckets=ENTROPY_BUCKETS_NATS,
 )
-PREDICTION_CONFIDENCE = Histogram(
+PREDICTION_CONFIDENCE = EventSpec(
+    "histogram",
     "welltempered_prediction_confidence_ratio",
     "Confidence (maximum probability) of each served calibrated row.",
     ("namespace", "model"),
     buckets=CONFIDENCE_BUCKETS,
 )
-ARGMAX_FLIPS = Counter(
+ARGMAX_FLIPS = EventSpec(
+    "counter",
     "welltempered_prediction_argmax_flips_total",
     "Served rows whose calibrated argmax differs from the uncalibrated argmax (possible "
     "only under argmax_policy 'warn' or 'off').",
     ("namespace", "model", "version"),
 )
-FEEDBACK_ROWS = Counter(
+FEEDBACK_ROWS = EventSpec(
+    "counter",
     "welltempered_feedback_rows_total",
     "Labelled rows received by /feedback, by namespace, model and the version that served them.",
     ("namespace", "model", "version"),
 )
-FIT_DURATION = Histogram(
+FIT_DURATION = EventSpec(
+    "histogram",
     "welltempered_fit_duration_seconds",
     "Wall time of finished calibrator fits, by requested method.",
     ("method",),
     buckets=FIT_BUCKETS_SECONDS,
 )
-RATE_LIMITED = Counter(
+RATE_LIMITED = EventSpec(
+    "counter",
     "welltempered_rate_limited_requests_total",
     "Requests refused with 429 because their API key was over its rate limit in this "
     "process (WELLTEMPERED_RATE_LIMIT_PER_SECOND), by the key's namespace.",
     ("namespace",),
 )
+
+#: Every event metric, in the order :class:`ServiceMetrics` creates (and exports) them.
+EVENTS = (
+    HTTP_REQUESTS, HTTP_DURATION, HTTP_IN_PROGRESS, PREDICTIONS, PREDICTION_ENTROPY,
+    PREDICTION_CONFIDENCE, ARGMAX_FLIPS, FEEDBACK_ROWS, FIT_DURATION, RATE_LIMITED,
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
@@ -418,26 +471,15 @@ class DatabaseQualityCollector:
 # ---------------------------------------------------------------------------
 # the catalogue
 
-
-def _catalogue() -> dict[str, tuple[str, tuple[str, ...]]]:
-    out = {}
-    for metric in (
-        HTTP_REQUESTS, HTTP_DURATION, HTTP_IN_PROGRESS, PREDICTIONS, PREDICTION_ENTROPY,
-        PREDICTION_CONFIDENCE, ARGMAX_FLIPS, FEEDBACK_ROWS, FIT_DURATION, RATE_LIMITED,
-    ):  # fmt: skip
-        name = metric._name + ("_total" if metric._type == "counter" else "")
-        out[name] = (metric._type, tuple(metric._labelnames))
-    for spec in (*DB_GAUGES.values(), _DATABASE_UP):
-        out[spec.name] = ("gauge", spec.labels)
-    return out
-
-
 #: Every metric name -> (type, label names). Counters are listed with ``_total``.
-METRICS: dict[str, tuple[str, tuple[str, ...]]] = _catalogue()
+METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
+    **{spec.name: (spec.kind, spec.labels) for spec in EVENTS},
+    **{spec.name: ("gauge", spec.labels) for spec in (*DB_GAUGES.values(), _DATABASE_UP)},
+}
 
 
 # ---------------------------------------------------------------------------
-# helpers the app calls
+# labels
 
 
 def status_class(status_code: int) -> str:
@@ -464,55 +506,6 @@ def route_template(scope: Mapping[str, Any]) -> str:
     route = scope.get("route")
     path = getattr(route, "path", None)
     return path if isinstance(path, str) and path else UNMATCHED_ROUTE
-
-
-def observe_request(route: str, method: str, status_code: int, seconds: float) -> None:
-    """Count one answered HTTP request and its latency.
-
-    Parameters
-    ----------
-    route : str
-        The route template (:func:`route_template`), never the raw path.
-    method : str
-        HTTP method; anything outside GET/HEAD/POST/PUT/PATCH/DELETE/OPTIONS is "OTHER".
-    status_code : int
-        The response status; exported as its class ("2xx").
-    seconds : float
-        Wall time from receiving the request to sending the response start.
-    """
-    requests, duration = _request_children(route, _method_label(method), status_class(status_code))
-    requests.inc()
-    duration.observe(max(0.0, float(seconds)))
-
-
-# ``metric.labels(...)`` validates and hashes the labels on every call (~2 us each,
-# six per predict request); the children of a label set never change (nothing here
-# removes series), so they are looked up once. The label sets are closed (route
-# templates, namespaces x models x versions), which bounds these caches like the series
-# themselves.
-@functools.lru_cache(maxsize=4096)
-def _request_children(route: str, method: str, status: str) -> tuple:
-    return HTTP_REQUESTS.labels(route, method, status), HTTP_DURATION.labels(route, method, status)
-
-
-@functools.lru_cache(maxsize=4096)
-def _prediction_children(namespace: str, model: str, version: str) -> tuple:
-    return (
-        PREDICTIONS.labels(namespace, model, version),
-        ARGMAX_FLIPS.labels(namespace, model, version),
-        PREDICTION_ENTROPY.labels(namespace, model),
-        PREDICTION_CONFIDENCE.labels(namespace, model),
-    )
-
-
-@contextmanager
-def track_in_progress() -> Iterator[None]:
-    """Count the request in ``welltempered_http_requests_in_progress`` while it runs."""
-    HTTP_IN_PROGRESS.inc()
-    try:
-        yield
-    finally:
-        HTTP_IN_PROGRESS.dec()
 
 
 #: Up to this many values, :func:`_observe_many` calls ``observe`` per value (measured:
@@ -546,112 +539,245 @@ def _observe_many(child, values: np.ndarray) -> None:
     child._sum.inc(float(v.sum()))
 
 
-def observe_predictions(
-    namespace: str, model: str, version: int | str, entropy, confidence, flipped: int = 0
-) -> None:
-    """Count the rows of one /predict answer and their entropy and confidence.
+# ---------------------------------------------------------------------------
+# the metrics of a process
 
-    Parameters
-    ----------
-    namespace : str
-        The namespace owning the model (``models.namespace``).
-    model : str
-        Model name, unique within its namespace only.
-    version : int or str
-        The calibrator version that served the rows.
-    entropy : array-like of shape (n_rows,)
-        Entropy of each calibrated row, in nats. Non-finite entries are not observed.
-    confidence : array-like of shape (n_rows,)
-        Maximum probability of each calibrated row.
-    flipped : int, default 0
-        Rows whose calibrated argmax differs from the uncalibrated one.
+
+class ServiceMetrics:
+    """The event metrics of this process, created from :data:`EVENTS`; one per app.
+
+    ``PROMETHEUS_MULTIPROC_DIR`` is read here, when the object is built (not when
+    this module is imported). With it (multiprocess mode) the values are written to
+    that directory, where :meth:`render` in any worker adds up every worker's
+    files: build one object per process, after the variable is final. Without it
+    the metrics live in this object's own registry, with the process, platform
+    and GC collectors, and two objects in one process (two apps in a test) are
+    independent.
+
+    Raises
+    ------
+    MultiprocessModeError
+        When ``PROMETHEUS_MULTIPROC_DIR`` and the storage prometheus_client chose
+        when it was imported disagree (the variable set after the import, or
+        removed since).
+
+    Examples
+    --------
+    >>> metrics = ServiceMetrics()
+    >>> metrics.observe_request("/healthz", "GET", 200, 0.001)
+    >>> b'welltempered_http_requests_total{method="GET",route="/healthz",status="2xx"} 1.0' in (
+    ...     metrics.render()[0])
+    True
     """
-    entropy = np.asarray(entropy).ravel()
-    confidence = np.asarray(confidence).ravel()
-    if entropy.shape != confidence.shape:
-        raise ValueError(
-            f"entropy and confidence must have one entry per row. Got {entropy.size} "
-            f"and {confidence.size}."
+
+    def __init__(self) -> None:
+        self.multiprocess_dir = _multiprocess_dir_from_environment()
+        # _created series exist only in single-process mode; disable them so both modes agree.
+        prometheus_client.disable_created_metrics()
+        # Never exported in multiprocess mode (point 3 of the module docstring).
+        self._registry = CollectorRegistry(auto_describe=True)
+        if self.multiprocess_dir is None:
+            # What prometheus_client's default registry holds, in the same order.
+            GCCollector(registry=self._registry)
+            PlatformCollector(registry=self._registry)
+            ProcessCollector(registry=self._registry)
+        created = {spec.name: spec.create(self._registry) for spec in EVENTS}
+        self.http_requests: Counter = created[HTTP_REQUESTS.name]
+        self.http_duration: Histogram = created[HTTP_DURATION.name]
+        self.http_in_progress: Gauge = created[HTTP_IN_PROGRESS.name]
+        self.predictions: Counter = created[PREDICTIONS.name]
+        self.prediction_entropy: Histogram = created[PREDICTION_ENTROPY.name]
+        self.prediction_confidence: Histogram = created[PREDICTION_CONFIDENCE.name]
+        self.argmax_flips: Counter = created[ARGMAX_FLIPS.name]
+        self.feedback_rows: Counter = created[FEEDBACK_ROWS.name]
+        self.fit_duration: Histogram = created[FIT_DURATION.name]
+        self.rate_limited: Counter = created[RATE_LIMITED.name]
+        # ``metric.labels(...)`` validates and hashes the labels on every call (~2 us
+        # each, six per predict request); the children of a label set never change
+        # (nothing here removes series), so they are looked up once. The label sets are
+        # closed (route templates, namespaces x models x versions), which bounds these
+        # caches like the series themselves.
+        self._request_children = functools.lru_cache(maxsize=4096)(self._request_labels)
+        self._prediction_children = functools.lru_cache(maxsize=4096)(self._prediction_labels)
+
+    def _request_labels(self, route: str, method: str, status: str) -> tuple:
+        return (
+            self.http_requests.labels(route, method, status),
+            self.http_duration.labels(route, method, status),
         )
-    if isinstance(flipped, bool) or not 0 <= int(flipped) <= entropy.size:
-        raise ValueError(f"flipped must be an int in [0, {entropy.size}]. Got {flipped!r}.")
-    rows, flips, entropies, confidences = _prediction_children(namespace, model, str(version))
-    rows.inc(entropy.size)
-    flips.inc(int(flipped))  # creates the series at 0 too
-    _observe_many(entropies, entropy)
-    _observe_many(confidences, confidence)
 
+    def _prediction_labels(self, namespace: str, model: str, version: str) -> tuple:
+        return (
+            self.predictions.labels(namespace, model, version),
+            self.argmax_flips.labels(namespace, model, version),
+            self.prediction_entropy.labels(namespace, model),
+            self.prediction_confidence.labels(namespace, model),
+        )
 
-def observe_feedback(namespace: str, model: str, version: int | str, rows: int) -> None:
-    """Count labelled rows received by /feedback for the version that served them.
+    # -- events ---------------------------------------------------------------
 
-    Parameters
-    ----------
-    namespace : str
-        The namespace owning the model (``models.namespace``).
-    model : str
-        Model name, unique within its namespace only.
-    version : int or str
-        The calibrator version that calibrated the rows.
-    rows : int
-        Labelled rows received.
-    """
-    FEEDBACK_ROWS.labels(namespace, model, str(version)).inc(int(rows))
+    def observe_request(self, route: str, method: str, status_code: int, seconds: float) -> None:
+        """Count one answered HTTP request and its latency.
 
+        Parameters
+        ----------
+        route : str
+            The route template (:func:`route_template`), never the raw path.
+        method : str
+            HTTP method; anything outside GET/HEAD/POST/PUT/PATCH/DELETE/OPTIONS is "OTHER".
+        status_code : int
+            The response status; exported as its class ("2xx").
+        seconds : float
+            Wall time from receiving the request to sending the response start.
+        """
+        requests, duration = self._request_children(
+            route, _method_label(method), status_class(status_code)
+        )
+        requests.inc()
+        duration.observe(max(0.0, float(seconds)))
 
-def observe_fit(method: str, seconds: float) -> None:
-    """Record one finished fit's wall time (call it in the serve process, see above)."""
-    FIT_DURATION.labels(method).observe(max(0.0, float(seconds)))
+    @contextmanager
+    def track_in_progress(self) -> Iterator[None]:
+        """Count the request in ``welltempered_http_requests_in_progress`` while it runs."""
+        self.http_in_progress.inc()
+        try:
+            yield
+        finally:
+            self.http_in_progress.dec()
 
+    def observe_predictions(
+        self, namespace: str, model: str, version: int | str, entropy, confidence, flipped: int = 0
+    ) -> None:
+        """Count the rows of one /predict answer and their entropy and confidence.
 
-def observe_rate_limited(namespace: str) -> None:
-    """Count one request refused by the rate limit, under its key's namespace (not the key)."""
-    RATE_LIMITED.labels(namespace).inc()
+        Parameters
+        ----------
+        namespace : str
+            The namespace owning the model (``models.namespace``).
+        model : str
+            Model name, unique within its namespace only.
+        version : int or str
+            The calibrator version that served the rows.
+        entropy : array-like of shape (n_rows,)
+            Entropy of each calibrated row, in nats. Non-finite entries are not observed.
+        confidence : array-like of shape (n_rows,)
+            Maximum probability of each calibrated row.
+        flipped : int, default 0
+            Rows whose calibrated argmax differs from the uncalibrated one.
+        """
+        entropy = np.asarray(entropy).ravel()
+        confidence = np.asarray(confidence).ravel()
+        if entropy.shape != confidence.shape:
+            raise ValueError(
+                f"entropy and confidence must have one entry per row. Got {entropy.size} "
+                f"and {confidence.size}."
+            )
+        if isinstance(flipped, bool) or not 0 <= int(flipped) <= entropy.size:
+            raise ValueError(f"flipped must be an int in [0, {entropy.size}]. Got {flipped!r}.")
+        rows, flips, entropies, confidences = self._prediction_children(
+            namespace, model, str(version)
+        )
+        rows.inc(entropy.size)
+        flips.inc(int(flipped))  # creates the series at 0 too
+        _observe_many(entropies, entropy)
+        _observe_many(confidences, confidence)
+
+    def observe_feedback(self, namespace: str, model: str, version: int | str, rows: int) -> None:
+        """Count labelled rows received by /feedback for the version that served them.
+
+        Parameters
+        ----------
+        namespace : str
+            The namespace owning the model (``models.namespace``).
+        model : str
+            Model name, unique within its namespace only.
+        version : int or str
+            The calibrator version that calibrated the rows.
+        rows : int
+            Labelled rows received.
+        """
+        self.feedback_rows.labels(namespace, model, str(version)).inc(int(rows))
+
+    def observe_fit(self, method: str, seconds: float) -> None:
+        """Record one finished fit's wall time (call it in the serve process, see above)."""
+        self.fit_duration.labels(method).observe(max(0.0, float(seconds)))
+
+    def observe_rate_limited(self, namespace: str) -> None:
+        """Count one request refused by the rate limit, under its key's namespace (not the key)."""
+        self.rate_limited.labels(namespace).inc()
+
+    # -- exposition and worker lifecycle ---------------------------------------
+
+    def render(self, snapshot: Callable[[], Snapshot] | None = None) -> tuple[bytes, str]:
+        """The body and Content-Type of ``GET /metrics``.
+
+        Builds a fresh registry for this scrape: the metrics of every worker (a
+        ``MultiProcessCollector`` over :attr:`multiprocess_dir`) in multiprocess
+        mode, this object's registry otherwise, plus a
+        :class:`DatabaseQualityCollector` over ``snapshot`` when given.
+
+        Parameters
+        ----------
+        snapshot : callable () -> :data:`Snapshot`, optional
+            Reads the database gauges; without it they are not exported.
+
+        Returns
+        -------
+        (bytes, str)
+            The Prometheus text exposition (format 0.0.4) and its Content-Type.
+        """
+        if self.multiprocess_dir is not None:
+            return render_multiprocess(self.multiprocess_dir, snapshot)
+        return _exposition(self._registry, snapshot)
+
+    def mark_process_dead(self, pid: int | None = None) -> None:
+        """prometheus_client's ``mark_process_dead`` for ``pid`` (default: this process).
+
+        A worker calls it as the last step of its lifespan; a no-op in single-process mode.
+        """
+        if self.multiprocess_dir is not None:
+            multiprocess.mark_process_dead(
+                os.getpid() if pid is None else pid, self.multiprocess_dir
+            )
+
+    def mark_dead_workers(self) -> list[int]:
+        """Mark dead every process whose live-gauge files remain but which no longer runs.
+
+        For workers killed without a clean lifespan shutdown (uvicorn restarts them and
+        has no ``child_exit`` hook). Call it when a worker starts; returns the pids.
+        """
+        if self.multiprocess_dir is None:
+            return []
+        dead = set()
+        pattern = os.path.join(glob.escape(self.multiprocess_dir), "gauge_live*_*.db")
+        for name in glob.glob(pattern):
+            match = re.fullmatch(r"gauge_live[a-z]+_(\d+)\.db", os.path.basename(name))
+            if match and not _pid_alive(int(match.group(1))):
+                dead.add(int(match.group(1)))
+        for pid in sorted(dead):
+            multiprocess.mark_process_dead(pid, self.multiprocess_dir)
+        return sorted(dead)
 
 
 # ---------------------------------------------------------------------------
-# exposition and worker lifecycle
+# exposition and the multiprocess directory
 
 
-class _ProcessRegistry:
-    """The default registry as a collector (single-process mode only)."""
-
-    def collect(self) -> Iterable[Metric]:
-        return REGISTRY.collect()
-
-
-def render_metrics(
-    snapshot: Callable[[], Snapshot] | None = None, *, multiprocess_path: str | None = None
-) -> tuple[bytes, str]:
-    """The body and Content-Type of ``GET /metrics``.
-
-    Builds a fresh registry for this scrape: the metrics of every worker (a
-    ``MultiProcessCollector`` over :func:`multiprocess_dir`) in multiprocess mode,
-    the default registry otherwise, plus a :class:`DatabaseQualityCollector` over
-    ``snapshot`` when given.
-
-    Parameters
-    ----------
-    snapshot : callable () -> :data:`Snapshot`, optional
-        Reads the database gauges; without it they are not exported.
-    multiprocess_path : str, optional
-        Read the worker files of this directory instead of this process's mode
-        (a sidecar exporter, tests).
-
-    Returns
-    -------
-    (bytes, str)
-        The Prometheus text exposition (format 0.0.4) and its Content-Type.
-    """
+def _exposition(source: Collector, snapshot: Callable[[], Snapshot] | None) -> tuple[bytes, str]:
+    """One scrape: a fresh registry with ``source`` and, given a snapshot, the database gauges."""
     registry = CollectorRegistry()
-    path = multiprocess_path or _MULTIPROC_DIR
-    if path is not None:
-        multiprocess.MultiProcessCollector(registry, path=path)
-    else:
-        registry.register(_ProcessRegistry())
+    registry.register(source)
     if snapshot is not None:
         registry.register(DatabaseQualityCollector(snapshot))
     return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+def render_multiprocess(
+    path: str | os.PathLike, snapshot: Callable[[], Snapshot] | None = None
+) -> tuple[bytes, str]:
+    """The exposition of the worker files in ``path`` (what a worker serves in
+    multiprocess mode; also usable by a sidecar exporter, and by tests)."""
+    return _exposition(multiprocess.MultiProcessCollector(None, path=os.fspath(path)), snapshot)
 
 
 def prepare_multiprocess_dir(path: str | os.PathLike | None = None) -> str | None:
@@ -671,13 +797,19 @@ def prepare_multiprocess_dir(path: str | os.PathLike | None = None) -> str | Non
     return target
 
 
-def mark_process_dead(pid: int | None = None) -> None:
-    """prometheus_client's ``mark_process_dead`` for ``pid`` (default: this process).
+def export_multiprocess_dir(default: str | os.PathLike) -> str:
+    """For the parent of several workers: prepare the directory and export its name.
 
-    A worker calls it as the last step of its lifespan; a no-op in single-process mode.
+    The directory is ``$PROMETHEUS_MULTIPROC_DIR``, or ``default`` (made absolute)
+    when unset; it is wiped (:func:`prepare_multiprocess_dir`) and set in
+    ``os.environ``, which every worker started afterwards inherits, so each imports
+    prometheus_client in multiprocess mode. Call it once, before starting the
+    workers; the parent builds no :class:`ServiceMetrics` itself.
     """
-    if _MULTIPROC_DIR is not None:
-        multiprocess.mark_process_dead(os.getpid() if pid is None else pid, _MULTIPROC_DIR)
+    path = os.environ.get(MULTIPROC_ENV) or os.path.abspath(default)
+    prepare_multiprocess_dir(path)
+    os.environ[MULTIPROC_ENV] = path
+    return path
 
 
 def _pid_alive(pid: int) -> bool:
@@ -688,21 +820,3 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def mark_dead_workers() -> list[int]:
-    """Mark dead every process whose live-gauge files remain but which no longer runs.
-
-    For workers killed without a clean lifespan shutdown (uvicorn restarts them and
-    has no ``child_exit`` hook). Call it when a worker starts; returns the pids.
-    """
-    if _MULTIPROC_DIR is None:
-        return []
-    dead = set()
-    for name in glob.glob(os.path.join(glob.escape(_MULTIPROC_DIR), "gauge_live*_*.db")):
-        match = re.fullmatch(r"gauge_live[a-z]+_(\d+)\.db", os.path.basename(name))
-        if match and not _pid_alive(int(match.group(1))):
-            dead.add(int(match.group(1)))
-    for pid in sorted(dead):
-        multiprocess.mark_process_dead(pid, _MULTIPROC_DIR)
-    return sorted(dead)

@@ -369,11 +369,15 @@ def snapshot(sessions: sessionmaker, window_seconds: int, bucket_seconds: int) -
     return snap
 
 
-def observe_finished_fit(session_factory: sessionmaker, version_id: int) -> None:
-    """:func:`service.observe.metrics.observe_fit` of a job that ended, from its row.
+def observe_finished_fit(
+    metrics: obs.ServiceMetrics, session_factory: sessionmaker, version_id: int
+) -> None:
+    """:meth:`~service.observe.metrics.ServiceMetrics.observe_fit` of a job that ended.
 
-    Called in the serve process when the pool's future completes (the fit itself may
-    have run in another process, whose metrics nobody scrapes).
+    The method and duration are read from the job's row. ``create_app`` hands it to
+    the fit runner as its ``on_finished`` callback, so it runs in the serve process
+    when the pool's future completes (the fit itself may have run in another
+    process, whose metrics nobody scrapes).
     """
     try:
         with session_factory() as session:
@@ -386,7 +390,7 @@ def observe_finished_fit(session_factory: sessionmaker, version_id: int) -> None
         log.exception("metrics: could not read fit %s to observe its duration", version_id)
         return
     if row is not None and row.fit_seconds is not None:
-        obs.observe_fit(row.method, row.fit_seconds)
+        metrics.observe_fit(row.method, row.fit_seconds)
 
 
 # ---------------------------------------------------------------------------
@@ -403,13 +407,15 @@ class MetricsMiddleware:
     by Starlette's outermost error middleware) is counted as 500.
     """
 
-    def __init__(self, app: ASGIApp):
+    def __init__(self, app: ASGIApp, metrics: obs.ServiceMetrics):
         self.app = app
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        metrics = self.metrics
         start = time.perf_counter()
         observed = False
 
@@ -417,7 +423,7 @@ class MetricsMiddleware:
             nonlocal observed
             if message["type"] == "http.response.start" and not observed:
                 observed = True
-                obs.observe_request(
+                metrics.observe_request(
                     obs.route_template(scope),
                     scope["method"],
                     message["status"],
@@ -425,13 +431,13 @@ class MetricsMiddleware:
                 )
             await send(message)
 
-        with obs.track_in_progress():
+        with metrics.track_in_progress():
             try:
                 await self.app(scope, receive, send_observed)
             except BaseException:
                 if not observed:
                     observed = True
-                    obs.observe_request(
+                    metrics.observe_request(
                         obs.route_template(scope), scope["method"], 500, time.perf_counter() - start
                     )
                 raise

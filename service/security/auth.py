@@ -47,6 +47,7 @@ import hmac
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated
@@ -200,7 +201,7 @@ async def authorize(request: Request) -> Principal:
         raise Unauthorized(f"The API key {entry.principal.prefix}... has expired.")
     principal = entry.principal
     if auth.limiter is not None:  # all the limit costs when it is off
-        auth.limiter.check(principal)
+        auth.limiter.check(principal.key_id, principal.namespace, principal.prefix)
     if not principal.allows(need):
         raise Forbidden(
             f"This operation needs the {need!r} scope; the key {principal.prefix}... has "
@@ -214,17 +215,26 @@ PrincipalDep = Annotated[Principal, Depends(authorize)]
 
 
 class Authenticator:
-    """Per-app auth state: on/off, the key cache and the rate limiter (None: no limit)."""
+    """Per-app auth state: on/off, the key cache and the rate limiter (None: no limit).
 
-    def __init__(self, settings: Settings):
+    ``on_rate_limited(namespace)`` is called for each request the limit refuses.
+    """
+
+    def __init__(self, settings: Settings, on_rate_limited: Callable[[str], None] | None = None):
         self.enabled = settings.auth == "on"
         self.cache = KeyCache(settings.key_cache_seconds)
         self.limiter: RateLimiter | None = None
         if self.enabled and settings.rate_limit_per_second > 0:
-            self.limiter = RateLimiter(settings.rate_limit_per_second, settings.rate_limit_burst)
+            self.limiter = RateLimiter(
+                settings.rate_limit_per_second,
+                settings.rate_limit_burst,
+                on_refused=on_rate_limited,
+            )
 
 
-def install(app: FastAPI, settings: Settings) -> None:
+def install(
+    app: FastAPI, settings: Settings, on_rate_limited: Callable[[str], None] | None = None
+) -> None:
     """Put :func:`authorize` on every route of ``app`` (call before including routers)."""
-    app.state.welltempered_auth = Authenticator(settings)
+    app.state.welltempered_auth = Authenticator(settings, on_rate_limited)
     app.router.dependencies.append(Depends(authorize))

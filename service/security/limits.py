@@ -48,16 +48,12 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.api.problems import ContentTooLarge, InvalidInput, TooManyRequests
 from service.storage.db import CalibratorVersion
-
-if TYPE_CHECKING:
-    from service.security.auth import Principal
 
 #: Seconds a client is told to wait when the fit queue is full.
 FIT_RETRY_AFTER_SECONDS = 30
@@ -109,6 +105,10 @@ class RateLimiter:
     clock : callable () -> float, default :func:`time.monotonic`
         Seconds from any fixed origin, never decreasing. An attribute: tests
         replace it.
+    on_refused : callable (namespace: str) -> None, optional
+        Called by :meth:`check` for each refused request, with the key's
+        namespace (the app counts it in
+        ``welltempered_rate_limited_requests_total``).
 
     Examples
     --------
@@ -121,7 +121,13 @@ class RateLimiter:
     (0.0, 0.5)
     """
 
-    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        rate: float,
+        burst: int,
+        clock: Callable[[], float] = time.monotonic,
+        on_refused: Callable[[str], None] | None = None,
+    ):
         if not (math.isfinite(rate) and rate > 0):
             raise ValueError(
                 f"rate must be a finite number of requests per second > 0. Got {rate!r}."
@@ -131,6 +137,7 @@ class RateLimiter:
         self.rate = float(rate)
         self.burst = burst
         self.clock = clock
+        self.on_refused = on_refused
         self._capacity = float(burst)
         # key -> [tokens, time of the last take], least recently used first
         self._buckets: OrderedDict[Hashable, list[float]] = OrderedDict()
@@ -165,20 +172,17 @@ class RateLimiter:
         bucket[0] = tokens
         return (1.0 - tokens) / rate
 
-    def check(self, principal: Principal) -> None:
-        """Count one request of ``principal``'s key; 429 with ``Retry-After`` when over."""
-        wait = self.take(principal.key_id)
+    def check(self, key_id: Hashable, namespace: str, prefix: str | None) -> None:
+        """Count one request of the key ``key_id`` (of ``namespace``, shown as ``prefix``);
+        429 with ``Retry-After`` when over."""
+        wait = self.take(key_id)
         if not wait:
             return
-        # Imported here: this module is imported by the CLI (keys -> auth -> limits)
-        # before `serve` prepares PROMETHEUS_MULTIPROC_DIR, and importing
-        # observability creates the metrics (see that module).
-        from service.observe import metrics as obs
-
-        obs.observe_rate_limited(principal.namespace)
+        if self.on_refused is not None:
+            self.on_refused(namespace)
         retry = max(1, math.ceil(wait))
         raise TooManyRequests(
-            f"The API key {principal.prefix}... is over its rate limit of {self.rate:g}/s "
+            f"The API key {prefix}... is over its rate limit of {self.rate:g}/s "
             f"with bursts of {self.burst} (WELLTEMPERED_RATE_LIMIT_PER_SECOND, "
             f"WELLTEMPERED_RATE_LIMIT_BURST; per worker process): retry in {retry} s.",
             headers={"Retry-After": str(retry)},

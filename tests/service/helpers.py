@@ -23,7 +23,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
-from service.observe import metrics as obs
 from service.settings import Settings
 from service.storage import migrate
 
@@ -236,10 +235,8 @@ class Clock:
         return self.now
 
 
-def rate_limited_total(namespace: str, exposition: str | None = None) -> float:
+def rate_limited_total(namespace: str, exposition: str) -> float:
     """``welltempered_rate_limited_requests_total{namespace=...}`` in /metrics (0 if absent)."""
-    if exposition is None:
-        exposition = obs.render_metrics()[0].decode()
     for family in text_string_to_metric_families(exposition):
         for s in family.samples:
             if s.name == "welltempered_rate_limited_requests_total":

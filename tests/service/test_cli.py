@@ -38,21 +38,6 @@ def test_parser_has_the_commands():
     assert {"serve", "migrate", "fit"} <= set(sub.choices)
 
 
-@pytest.mark.postgres
-def test_the_cli_parser_does_not_create_the_metrics():
-    """`serve --workers N` prepares PROMETHEUS_MULTIPROC_DIR after parsing its arguments,
-    and importing service.observe.metrics creates the metrics (in that directory, in
-    multiprocess mode): building the parser must not import it."""
-    code = (
-        "import sys; from service import cli; cli.build_parser(); "
-        "print('service.observe.metrics' in sys.modules)"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
-    )
-    assert done.stdout.strip() == "False", done.stdout + done.stderr
-
-
 def test_serve_refuses_an_unmigrated_postgres(pg_schema, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WELLTEMPERED_DATABASE_URL", pg_schema)
     monkeypatch.setenv("WELLTEMPERED_DATA_DIR", str(tmp_path / "data"))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import xml.etree.ElementTree as ET
 
 import numpy as np
@@ -427,23 +426,3 @@ def test_garbage_never_500(fed, body, window, version):
         if r.status_code >= 400:
             assert r.headers["content-type"] == "application/problem+json", r.headers
             assert r.json()["detail"]
-
-
-def test_serve_workers_prepare_the_multiprocess_directory(tmp_path, monkeypatch):
-    """`serve --workers N`: the parent sets PROMETHEUS_MULTIPROC_DIR and wipes old files."""
-    from service.cli import _prepare_multiprocess_metrics
-    from service.settings import Settings
-
-    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
-    default = tmp_path / "data" / "prometheus-multiproc"
-    default.mkdir(parents=True)
-    (default / "counter_1.db").write_bytes(b"old run")
-    (default / "keep.txt").write_text("not a metric file")
-    settings = Settings(data_dir=tmp_path / "data")
-    assert _prepare_multiprocess_metrics(settings) == str(default)
-    assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == str(default)
-    assert sorted(p.name for p in default.iterdir()) == ["keep.txt"]
-
-    mine = tmp_path / "mine"
-    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(mine))
-    assert _prepare_multiprocess_metrics(settings) == str(mine) and mine.is_dir()

@@ -1,5 +1,5 @@
-"""service.observe.metrics: the metric vocabulary, the exposition in single-process and
-multiprocess mode, and the scrape-time database gauges."""
+"""service.observe.metrics: the metric vocabulary, the metrics object of a process, the
+exposition in single-process and multiprocess mode, and the scrape-time database gauges."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.observe import metrics as obs
@@ -51,14 +51,22 @@ def sample(fams: dict, family: str, name: str, **labels) -> float:
     raise KeyError((family, name, labels))
 
 
-def touch_everything(model: str = "touch", namespace: str = "touch-ns") -> None:
-    obs.observe_request("/v1/models/{model}/predict", "POST", 200, 0.02)
-    obs.observe_predictions(
+@pytest.fixture
+def metrics() -> obs.ServiceMetrics:
+    return obs.ServiceMetrics()
+
+
+def touch_everything(
+    metrics: obs.ServiceMetrics, model: str = "touch", namespace: str = "touch-ns"
+) -> None:
+    metrics.observe_request("/v1/models/{model}/predict", "POST", 200, 0.02)
+    metrics.observe_predictions(
         namespace, model, 1, np.array([0.1, 1.0]), np.array([0.9, 0.6]), flipped=1
     )
-    obs.observe_feedback(namespace, model, 1, 2)
-    obs.observe_fit("temperature", 0.5)
-    with obs.track_in_progress():
+    metrics.observe_feedback(namespace, model, 1, 2)
+    metrics.observe_fit("temperature", 0.5)
+    metrics.observe_rate_limited(namespace)
+    with metrics.track_in_progress():
         pass
 
 
@@ -76,9 +84,9 @@ def test_names_units_and_labels_follow_the_rules():
     assert {"welltempered_http_requests_total", "welltempered_fit_jobs"} <= set(obs.METRICS)
 
 
-def test_exposition_has_every_metric_with_help_and_type():
-    touch_everything()
-    body, content_type = obs.render_metrics(lambda: FAKE_SNAPSHOT)
+def test_exposition_has_every_metric_with_help_and_type(metrics):
+    touch_everything(metrics)
+    body, content_type = metrics.render(lambda: FAKE_SNAPSHOT)
     assert content_type.startswith("text/plain")
     text = body.decode()
     for name, (kind, _) in obs.METRICS.items():
@@ -94,20 +102,33 @@ def test_exposition_has_every_metric_with_help_and_type():
     assert [s.labels["version"] for s in fams["welltempered_live_ece_ratio"].samples] == ["2"]
 
 
-def test_without_snapshot_there_are_no_database_gauges():
-    body, _ = obs.render_metrics()
+def test_without_snapshot_there_are_no_database_gauges(metrics):
+    body, _ = metrics.render()
     assert b"welltempered_fit_jobs" not in body
     assert b"welltempered_http_requests_total" in body
+    # what prometheus_client's default registry would export, in single-process mode
+    assert b"process_cpu_seconds_total" in body and b"python_info" in body
 
 
-def test_observe_helpers_count_what_they_say():
+def test_each_metrics_object_is_independent_and_outside_the_global_registry():
+    before = sorted(m.name for m in REGISTRY.collect())
+    one, two = obs.ServiceMetrics(), obs.ServiceMetrics()  # two apps in one process
+    touch_everything(one)
+    fams_one, fams_two = families(one.render()[0]), families(two.render()[0])
+    http = "welltempered_http_requests"
+    assert sample(fams_one, http, http + "_total", route="/v1/models/{model}/predict") == 1
+    assert fams_two[http].samples == []
+    assert sorted(m.name for m in REGISTRY.collect()) == before
+
+
+def test_observe_methods_count_what_they_say(metrics):
     ns, model = "helpers-ns", "helpers"
     entropy_a, confidence_a = np.array([0.0, 0.3, np.nan]), np.array([1.0, 0.8, 0.5])
-    obs.observe_predictions(ns, model, 3, entropy_a, confidence_a, 2)
-    obs.observe_predictions(ns, model, 3, np.zeros(0), np.zeros(0))
-    obs.observe_request("/healthz", "get", 503, 0.001)
-    obs.observe_request("/healthz", "BREW", 418, 0.001)
-    fams = families(obs.render_metrics()[0])
+    metrics.observe_predictions(ns, model, 3, entropy_a, confidence_a, 2)
+    metrics.observe_predictions(ns, model, 3, np.zeros(0), np.zeros(0))
+    metrics.observe_request("/healthz", "get", 503, 0.001)
+    metrics.observe_request("/healthz", "BREW", 418, 0.001)
+    fams = families(metrics.render()[0])
     rows = sample(fams, "welltempered_predictions", "welltempered_predictions_total",
                   namespace=ns, model=model, version=3)  # fmt: skip
     assert rows == entropy_a.size
@@ -118,20 +139,20 @@ def test_observe_helpers_count_what_they_say():
     assert sample(fams, entropy, entropy + "_count", namespace=ns, model=model) == finite
     assert sample(fams, entropy, entropy + "_bucket", namespace=ns, model=model, le="0.01") == 1
     http = "welltempered_http_requests"
-    assert sample(fams, http, http + "_total", route="/healthz", method="GET", status="5xx") >= 1
-    assert sample(fams, http, http + "_total", route="/healthz", method="OTHER", status="4xx") >= 1
+    assert sample(fams, http, http + "_total", route="/healthz", method="GET", status="5xx") == 1
+    assert sample(fams, http, http + "_total", route="/healthz", method="OTHER", status="4xx") == 1
     with pytest.raises(ValueError, match="one entry per row"):
-        obs.observe_predictions(ns, model, 3, np.zeros(2), np.zeros(3))
+        metrics.observe_predictions(ns, model, 3, np.zeros(2), np.zeros(3))
     with pytest.raises(ValueError, match="flipped"):
-        obs.observe_predictions(ns, model, 3, np.zeros(2), np.zeros(2), flipped=3)
+        metrics.observe_predictions(ns, model, 3, np.zeros(2), np.zeros(2), flipped=3)
 
 
-def test_the_same_model_name_in_two_namespaces_is_two_series():
+def test_the_same_model_name_in_two_namespaces_is_two_series(metrics):
     model, sizes = "shared-name", {"ns-one": 3, "ns-two": 20}  # 20 > _SMALL_BATCH: numpy path
     for ns, n in sizes.items():
-        obs.observe_predictions(ns, model, 1, np.full(n, 0.5), np.full(n, 0.7), flipped=n // 2)
-        obs.observe_feedback(ns, model, 1, 2 * n)
-    fams = families(obs.render_metrics()[0])
+        metrics.observe_predictions(ns, model, 1, np.full(n, 0.5), np.full(n, 0.7), flipped=n // 2)
+        metrics.observe_feedback(ns, model, 1, 2 * n)
+    fams = families(metrics.render()[0])
     rows, flips = "welltempered_predictions", "welltempered_prediction_argmax_flips"
     entropy, feedback = "welltempered_prediction_entropy_nats", "welltempered_feedback_rows"
     got = {
@@ -205,11 +226,11 @@ def test_registering_the_collector_does_not_query_the_database():
     assert calls == []
 
 
-def test_a_failing_database_leaves_the_process_metrics(caplog):
+def test_a_failing_database_leaves_the_process_metrics(metrics, caplog):
     def broken():
         raise ConnectionError("database is down")
 
-    body, _ = obs.render_metrics(broken)
+    body, _ = metrics.render(broken)
     fams = families(body)
     assert sample(fams, "welltempered_database_up", "welltempered_database_up") == 0
     assert fams["welltempered_live_ece_ratio"].samples == []
@@ -253,16 +274,17 @@ WORKER = """
     import os
     import numpy as np
     from service.observe import metrics as obs
+    metrics = obs.ServiceMetrics()
     k = int(os.environ["ROWS"])
     for _ in range(k):
-        obs.observe_request("/v1/models/{model}/predict", "POST", 200, 0.02)
-    obs.observe_predictions("team-a", "m", 1, np.full(k, 0.15), np.full(k, 0.85), flipped=1)
+        metrics.observe_request("/v1/models/{model}/predict", "POST", 200, 0.02)
+    metrics.observe_predictions("team-a", "m", 1, np.full(k, 0.15), np.full(k, 0.85), flipped=1)
     b = int(os.environ["ROWS_B"])  # the same model name in another namespace
-    obs.observe_predictions("team-b", "m", 1, np.full(b, 0.15), np.full(b, 0.85))
-    obs.observe_fit("temperature", 0.3)
-    obs.HTTP_IN_PROGRESS.inc()  # a request still running when the worker dies
+    metrics.observe_predictions("team-b", "m", 1, np.full(b, 0.15), np.full(b, 0.85))
+    metrics.observe_fit("temperature", 0.3)
+    metrics.http_in_progress.inc()  # a request still running when the worker dies
     if os.environ.get("CLEAN_EXIT") == "1":
-        obs.mark_process_dead()
+        metrics.mark_process_dead()
     print(os.getpid())
 """
 
@@ -298,9 +320,10 @@ def test_two_worker_processes_add_up(tmp_path):
         """
         import sys
         from service.observe import metrics as obs
-        assert obs.multiprocess_dir() is not None
-        print("reaped", obs.mark_dead_workers(), file=sys.stderr)
-        body, _ = obs.render_metrics(lambda: {"fit_jobs": [({"status": "running"}, 1)]})
+        metrics = obs.ServiceMetrics()
+        assert metrics.multiprocess_dir is not None
+        print("reaped", metrics.mark_dead_workers(), file=sys.stderr)
+        body, _ = metrics.render(lambda: {"fit_jobs": [({"status": "running"}, 1)]})
         sys.stdout.write(body.decode())
         """,
         {"PROMETHEUS_MULTIPROC_DIR": str(mp_dir)},
@@ -336,22 +359,66 @@ def test_two_worker_processes_add_up(tmp_path):
     assert "process_cpu_seconds_total" not in render.stdout  # per-process collectors are off
 
     # The same files read from this (single-process) test process.
-    fams_here = families(obs.render_metrics(multiprocess_path=str(mp_dir))[0])
+    fams_here = families(obs.render_multiprocess(mp_dir)[0])
     assert sample(fams_here, http, http + "_total", **labels) == 8
 
 
-def test_setting_the_directory_after_importing_prometheus_client_is_refused(tmp_path):
+@pytest.mark.parametrize(
+    ("code", "message"),
+    [
+        (
+            """
+            import os
+            import prometheus_client
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.environ["THE_DIR"]
+            """,
+            "was set after",
+        ),
+        (
+            """
+            import os
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.environ["THE_DIR"]
+            import prometheus_client
+            del os.environ["PROMETHEUS_MULTIPROC_DIR"]
+            """,
+            "it is unset now",
+        ),
+    ],
+    ids=["set-after-import", "removed-since"],
+)
+def test_an_inconsistent_multiprocess_environment_is_refused_by_the_factory(
+    tmp_path, code, message
+):
+    """Importing the module is harmless; building the metrics (create_app) refuses."""
     done = run_python(
-        """
-        import os
-        import prometheus_client
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.environ["LATE_DIR"]
-        from service.observe import metrics as obs
-        """,
-        {"LATE_DIR": str(tmp_path)},
+        code
+        + """
+            from service.observe import metrics as obs
+            print("imported")
+            obs.ServiceMetrics()
+            """,
+        {"THE_DIR": str(tmp_path)},
     )
-    assert done.returncode != 0
-    assert "MultiprocessModeError" in done.stderr and "was set after" in done.stderr
+    assert done.returncode != 0 and done.stdout.strip() == "imported"
+    assert "MultiprocessModeError" in done.stderr and message in done.stderr
+
+
+def test_export_multiprocess_dir_wipes_and_sets_the_variable(tmp_path, monkeypatch):
+    """`serve --workers N`: the parent sets PROMETHEUS_MULTIPROC_DIR and wipes old files."""
+    # A copy of the environment: the variable set here must not reach the other tests.
+    environ = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    monkeypatch.setattr(os, "environ", environ)
+    default = tmp_path / "data" / "prometheus-multiproc"
+    default.mkdir(parents=True)
+    (default / "counter_1.db").write_bytes(b"old run")
+    (default / "keep.txt").write_text("not a metric file")
+    assert obs.export_multiprocess_dir(default) == str(default)
+    assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == str(default)
+    assert sorted(p.name for p in default.iterdir()) == ["keep.txt"]
+
+    mine = tmp_path / "mine"  # an operator's choice wins over the default
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(mine))
+    assert obs.export_multiprocess_dir(default) == str(mine) and mine.is_dir()
 
 
 def test_docstring_examples():

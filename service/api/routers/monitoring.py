@@ -74,7 +74,7 @@ def metrics(state: StateDep) -> Response:
             state.sessions, settings.monitoring_window_seconds, settings.feedback_bucket_seconds
         )
 
-    body, content_type = obs.render_metrics(snapshot)
+    body, content_type = state.metrics.render(snapshot)
     return Response(body, headers={"Content-Type": content_type})
 
 
@@ -201,7 +201,7 @@ def post_feedback(
     stats = monitoring.feedback_statistics(out["probabilities"], labelled.labels)
     bucket = monitoring.bucket_start(time.time(), settings.feedback_bucket_seconds)
     monitoring.record_feedback(session, row.id, stats, bucket)
-    obs.observe_feedback(model.namespace, model.name, row.version, n)
+    state.metrics.observe_feedback(model.namespace, model.name, row.version, n)
     return {
         "model": model.name,
         "version": row.version,

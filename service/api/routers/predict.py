@@ -25,7 +25,7 @@ from service.api.openapi import SCORE_PROPERTIES
 from service.api.problems import UnsupportedMediaType
 from service.api.schemas import MAX_ID
 from service.api.uploads import media_type, read_body
-from service.observe import metrics as obs
+from service.observe.metrics import ServiceMetrics
 from service.security import limits
 from service.security.auth import authorize
 from service.serving import inference
@@ -125,7 +125,13 @@ _PREDICT_DOC = {
 
 
 def respond(
-    served: Served, fmt: str, raw: bytes, kind: str, want_npy: bool, max_rows: int
+    served: Served,
+    fmt: str,
+    raw: bytes,
+    kind: str,
+    want_npy: bool,
+    max_rows: int,
+    metrics: ServiceMetrics,
 ) -> Response:
     """Parse, validate, run ONNX Runtime and serialise: pure CPU work."""
     if fmt == "json":
@@ -136,7 +142,7 @@ def respond(
     out = inference.run(served.session, inference.as_onnx_input(scores, kind))
     # Rows whose calibrated argmax is not the input's (the log of probabilities keeps it).
     flipped = int((scores.argmax(axis=1) != out["label"]).sum())
-    obs.observe_predictions(
+    metrics.observe_predictions(
         served.namespace, served.model, served.version, out["entropy"], out["confidence"], flipped
     )
     headers = {VERSION_HEADER: str(served.version)}
@@ -173,8 +179,10 @@ async def predict(request: Request) -> Response:
     want_npy = NPY in request.headers.get("accept", "")
     max_rows = state.settings.max_predict_rows
     if len(raw) <= state.settings.inline_predict_bytes:
-        return respond(served, fmt, raw, query.kind, want_npy, max_rows)
-    return await anyio.to_thread.run_sync(respond, served, fmt, raw, query.kind, want_npy, max_rows)
+        return respond(served, fmt, raw, query.kind, want_npy, max_rows, state.metrics)
+    return await anyio.to_thread.run_sync(
+        respond, served, fmt, raw, query.kind, want_npy, max_rows, state.metrics
+    )
 
 
 def install(app: FastAPI) -> None:
