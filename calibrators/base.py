@@ -1,70 +1,196 @@
-"""The one model behind every calibrator: ``softmax(W * phi(z) + b)``.
+"""The base of every calibrator: logits in, calibrated logits out, softmax on top.
 
-A subclass sets three things (the structure of ``W``, whether ``b`` exists,
-and the feature map ``phi``) and implements ``_fit``; prediction,
-serialisation and ONNX export are shared.
+A calibrator is a map ``z -> u(z)`` from the logits of a classifier to calibrated
+logits (unnormalised log-probabilities); its probabilities are ``softmax(u(z))``.
+A subclass implements three things:
 
-============  ===========  ========  ====================  ===============
-method        ``W``        ``b``     ``phi(z)``            keeps argmax
-============  ===========  ========  ====================  ===============
-temperature   scalar beta  no        z                     always
-vector        diagonal     yes       z                     not guaranteed
-matrix        full         yes       z                     not guaranteed
-dirichlet     full         yes       log_softmax(z)        not guaranteed
-============  ===========  ========  ====================  ===============
+* ``_fit(x, y, *, kind, options, progress)``: learn the fitted arrays (attributes
+  ending in ``_``) and return a JSON-serialisable ``fit_info`` dict;
+* ``_forward(z)``: ``u`` for a float64 block of logits, in numpy;
+* ``_onnx_forward(graph, z)``: the same map as ONNX nodes (see
+  :class:`calibrators.onnx_export.GraphBuilder`).
+
+and declares, at class level, its constructor options (``option_checks``: name ->
+check, in the order of the ``__init__`` signature) and its fitted arrays
+(``fitted_arrays``: name -> shape). Everything else is shared and written once
+here: option validation, input validation, row-chunked float64 prediction, the
+ONNX wrapper (input, ``-inf`` handling, the four outputs), the
+:meth:`~Calibrator.to_params` / :func:`calibrators.from_params` round trip and
+the scikit-learn estimator contract (``get_params``, ``set_params``, ``clone``).
+
+The ``softmax(W * phi(z) + b)`` family (temperature, vector, matrix and Dirichlet
+scaling) is one subclass of this base: :class:`calibrators.linear_softmax.LinearSoftmax`.
+
+Examples
+--------
+A calibrator that halves every logit (it learns nothing; ``_onnx_forward`` omitted):
+
+>>> class Halve(Calibrator):
+...     method = "halve"
+...     def _fit(self, x, y, *, kind, options, progress):
+...         return {}
+...     def _forward(self, z):
+...         return 0.5 * z
+>>> cal = Halve().fit([[2.0, 0.0, 0.0], [0.0, 2.0, 0.0]], [0, 1])
+>>> cal.predict_proba([[2.0, 0.0, 0.0]]).round(4).tolist()
+[[0.5761, 0.2119, 0.2119]]
+>>> Halve.from_params(cal.to_params()).n_classes_
+3
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from typing import Any, ClassVar, Literal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import numpy as np
+from sklearn.base import BaseEstimator
 
-from calibrators.numerics import log_softmax, row_chunks, softmax
+from calibrators.numerics import map_rows, softmax
 from calibrators.validation import (
     CalibrationInputError,
     NotFittedError,
     as_scores,
     as_scores_and_labels,
+    check_integer,
+    check_positive,
     logits64,
 )
 
+if TYPE_CHECKING:  # ONNX is imported by to_onnx only, not with the package
+    from calibrators.onnx_export import GraphBuilder
+
 Progress = Callable[[float], None]
 PARAMS_FORMAT = "welltempered.calibrator/1"
+#: A fitted array's shape: a tuple of ints and names, each name ``"n_classes"``
+#: (K) or a constructor option; ``()`` for a float; None for an array that is
+#: always absent (stored as JSON null, e.g. the bias of temperature scaling).
+Shape = tuple[int | str, ...] | None
 
 
 def _no_progress(fraction: float) -> None:
     return None
 
 
-class Calibrator:
-    """Base class of the ``softmax(W * phi(z) + b)`` family.
+@dataclass(frozen=True)
+class Integer:
+    """Option check: an integer (never a bool) ``>= minimum``."""
+
+    minimum: int | None = None
+
+    def __call__(self, name: str, value: Any) -> int:
+        return check_integer(name, value, minimum=self.minimum)
+
+
+@dataclass(frozen=True)
+class Positive:
+    """Option check: a finite number > 0 (or also 0, or also None)."""
+
+    allow_zero: bool = False
+    allow_none: bool = False
+
+    def __call__(self, name: str, value: Any):
+        return check_positive(name, value, allow_zero=self.allow_zero, allow_none=self.allow_none)
+
+
+class Calibrator(BaseEstimator):
+    """Base class: a map from logits to calibrated logits, and its softmax.
+
+    Class attributes of a subclass
+    ------------------------------
+    method : str
+        The name in :data:`calibrators.METHODS` and in ``to_params()``.
+    option_checks : dict of str to callable
+        One entry per ``__init__`` keyword, in signature order:
+        ``check(name, value) -> canonical value`` (the value stored in
+        ``to_params()["options"]``), raising CalibrationInputError.
+    fitted_arrays : dict of str to shape
+        The learned arrays, stored as attributes ``<name>_`` and as keys
+        ``<name>`` of ``to_params()`` (see :data:`Shape`).
+    preserves_argmax : bool
+        True when the calibrated argmax always equals the argmax of the logits.
+    onnx_graph_name : str
+        Name of the exported ONNX graph.
 
     Attributes set by :meth:`fit`
     -----------------------------
     n_classes_ : int
-    weight_ : float or ndarray of shape (K,) or (K, K)
-    bias_ : ndarray of shape (K,) or None
     fit_info_ : dict
         How the fit went (iterations, gradient, chosen penalties, ...).
     """
 
     method: ClassVar[str]
-    structure: ClassVar[Literal["scalar", "diagonal", "full"]]
-    has_bias: ClassVar[bool]
-    feature: ClassVar[Literal["logits", "log_softmax"]] = "logits"
+    option_checks: ClassVar[dict[str, Callable[[str, Any], Any]]] = {}
+    fitted_arrays: ClassVar[dict[str, Shape]] = {}
     preserves_argmax: ClassVar[bool] = False
+    onnx_graph_name: ClassVar[str] = "calibrator"
 
     # -- options ----------------------------------------------------------
-    def get_options(self) -> dict[str, Any]:
-        """The constructor options, as JSON-serialisable values."""
-        return dict(self._options)
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> Self:
+        """A new, unfitted calibrator with these options, checked.
 
-    def __repr__(self) -> str:
-        opts = ", ".join(f"{k}={v!r}" for k, v in self._options.items())
-        return f"{type(self).__name__}({opts})"
+        Parameters
+        ----------
+        options : mapping of str to value
+            Keyword options of the class; missing ones take their defaults.
+
+        Raises
+        ------
+        CalibrationInputError
+            ``options`` is not a mapping, names an unknown option (the message
+            lists the valid ones), or has an invalid value.
+        """
+        if not isinstance(options, Mapping):
+            raise CalibrationInputError(
+                f"options of {cls.method} must be a mapping of option names to values. "
+                f"Got {options!r}."
+            )
+        unknown = [name for name in options if name not in cls.option_checks]
+        if unknown:
+            raise CalibrationInputError(
+                f"options of {cls.method} must be among {', '.join(cls.option_checks)}. "
+                f"Got unknown {', '.join(repr(name) for name in unknown)}."
+            )
+        return cls(**options).check_params()
+
+    def get_options(self) -> dict[str, Any]:
+        """The options, checked, as ``to_params()["options"]`` stores them.
+
+        Every option of :meth:`get_params`, in signature order, in canonical
+        JSON-serialisable form (e.g. the ODIR grid sorted and without repeats).
+
+        Raises
+        ------
+        CalibrationInputError
+            An option is invalid.
+        """
+        return self._validate_params()
+
+    def _validate_params(self) -> dict[str, Any]:
+        """The options, checked, in canonical JSON-serialisable form.
+
+        Called at the start of :meth:`fit`, by :meth:`check_params` and by
+        :meth:`get_options`. A subclass with checks across options extends it.
+        """
+        params = self.get_params(deep=False)
+        if set(params) != set(self.option_checks):
+            raise TypeError(
+                f"{type(self).__name__}.option_checks must name every __init__ option: "
+                f"{sorted(params)}. Got {sorted(self.option_checks)}."
+            )
+        return {name: check(name, params[name]) for name, check in self.option_checks.items()}
+
+    def check_params(self):
+        """Raise CalibrationInputError if an option is invalid, without fitting.
+
+        Returns
+        -------
+        self
+        """
+        self._validate_params()
+        return self
 
     # -- fitting ----------------------------------------------------------
     def fit(self, scores, labels, *, kind: str = "logits", progress: Progress | None = None):
@@ -84,36 +210,84 @@ class Calibrator:
         -------
         self
         """
+        options = self._validate_params()
         x, y = as_scores_and_labels(scores, labels, kind)
-        self._fit(x, y, kind, progress or _no_progress)
+        fit_info = self._fit(x, y, kind=kind, options=options, progress=progress or _no_progress)
+        for name, shape in self.fitted_arrays.items():
+            if shape is None:
+                setattr(self, f"{name}_", None)
+        self._check_fitted_arrays(int(x.shape[1]), options)
+        self.fit_info_ = fit_info
         self.n_classes_ = int(x.shape[1])
         return self
 
-    def _fit(self, x: np.ndarray, y: np.ndarray, kind: str, progress: Progress) -> None:
-        """Learn ``weight_``, ``bias_`` and ``fit_info_`` from validated scores.
+    def _fit(
+        self, x: np.ndarray, y: np.ndarray, *, kind: str, options: dict[str, Any],
+        progress: Progress,
+    ) -> dict[str, Any]:
+        """Learn the fitted arrays from validated scores; return ``fit_info``.
 
-        ``x`` is the validated score array (float32 or float64, logits or
-        probabilities per ``kind``); turn row blocks of it into float64
-        logits with :func:`calibrators.validation.logits64`.
+        Parameters
+        ----------
+        x : ndarray of shape (n_samples, n_classes), float32 or float64
+            Validated scores, logits or probabilities per ``kind``: turn row
+            blocks of it into float64 logits with
+            :func:`calibrators.validation.logits64`.
+        y : ndarray of shape (n_samples,), int64
+        kind : {"logits", "probabilities"}
+        options : dict
+            The canonical options (:meth:`_validate_params`).
+        progress : callable
+
+        Returns
+        -------
+        dict
+            JSON-serialisable facts about the fit (becomes ``fit_info_``).
+        """
+        raise NotImplementedError
+
+    # -- the map, in numpy and in ONNX --------------------------------------
+    def _forward(self, z: np.ndarray) -> np.ndarray:
+        """Calibrated logits of a float64 block of logits.
+
+        Parameters
+        ----------
+        z : ndarray of shape (n_rows, n_classes), float64
+            Finite logits.
+
+        Returns
+        -------
+        ndarray of shape (n_rows, n_classes), float64
+            Unnormalised calibrated log-probabilities: their softmax is the output.
+        """
+        raise NotImplementedError
+
+    def _onnx_forward(self, graph: GraphBuilder, z: str) -> str:
+        """Append :meth:`_forward` as ONNX nodes to ``graph``; return the output's name.
+
+        Parameters
+        ----------
+        graph : calibrators.onnx_export.GraphBuilder
+        z : str
+            Name of the float64 logits, shape (N, K).
+
+        Returns
+        -------
+        str
+            Name of the float64 calibrated logits, shape (N, K).
         """
         raise NotImplementedError
 
     # -- prediction -------------------------------------------------------
+    def __sklearn_is_fitted__(self) -> bool:
+        return hasattr(self, "n_classes_")
+
     def _check_fitted(self) -> None:
-        if not hasattr(self, "n_classes_"):
+        if not self.__sklearn_is_fitted__():
             raise NotFittedError(
                 f"{type(self).__name__} is not fitted: call fit() or calibrators.from_params() "
                 "first. Got an unfitted instance."
             )
-
-    def decision_function(self, z: np.ndarray) -> np.ndarray:
-        """Calibrated logits ``W * phi(z) + b`` of a float64 block of validated logits."""
-        x = log_softmax(z) if self.feature == "log_softmax" else z
-        if self.structure == "scalar":
-            return x * self.weight_
-        if self.structure == "diagonal":
-            return x * self.weight_ + self.bias_
-        return x @ self.weight_.T + self.bias_
 
     def predict_proba(self, scores, *, kind: str = "logits") -> np.ndarray:
         """Calibrated probabilities.
@@ -130,77 +304,145 @@ class Calibrator:
         """
         self._check_fitted()
         x = as_scores(scores, kind, n_classes=self.n_classes_)
-        out = np.empty(x.shape, dtype=np.float64)
-        for rows in row_chunks(*x.shape):
-            out[rows] = softmax(self.decision_function(logits64(x[rows], kind)))
-        return out
+        return map_rows(lambda block: softmax(self._forward(logits64(block, kind))), x)
 
     # -- serialisation ----------------------------------------------------
     def to_params(self) -> dict[str, Any]:
-        """Everything needed to rebuild this fitted calibrator, as plain JSON values."""
+        """Everything needed to rebuild this fitted calibrator, as plain JSON values.
+
+        Returns
+        -------
+        dict
+            ``format`` (:data:`PARAMS_FORMAT`), ``method``, ``n_classes``,
+            ``options`` (canonical), one key per fitted array (a float, nested
+            lists, or None) and ``fit_info``.
+        """
         self._check_fitted()
-        weight = self.weight_
-        return {
+        out: dict[str, Any] = {
             "format": PARAMS_FORMAT,
             "method": self.method,
             "n_classes": self.n_classes_,
             "options": self.get_options(),
-            "weight": float(weight) if self.structure == "scalar" else weight.tolist(),
-            "bias": None if self.bias_ is None else self.bias_.tolist(),
-            "fit_info": self.fit_info_,
         }
+        for name, shape in self.fitted_arrays.items():
+            value = getattr(self, f"{name}_")
+            if shape is None:
+                out[name] = None
+            elif shape == ():
+                out[name] = float(value)
+            else:
+                out[name] = value.tolist()
+        out["fit_info"] = self.fit_info_
+        return out
 
-    def _load_params(self, params: dict[str, Any]) -> None:
+    def _shape(self, shape: Shape, n_classes: int, options: Mapping[str, Any]) -> tuple:
+        sizes = {"n_classes": n_classes, **options}
+        return tuple(sizes[d] if isinstance(d, str) else d for d in shape)
+
+    def _check_fitted_arrays(self, n_classes: int, options: Mapping[str, Any]) -> None:
+        """A subclass's ``_fit`` must set every declared array with its declared shape."""
+        for name, shape in self.fitted_arrays.items():
+            value = getattr(self, f"{name}_", None)
+            want = None if shape is None else self._shape(shape, n_classes, options)
+            got = None if value is None else np.shape(value)
+            if got != want:
+                raise TypeError(
+                    f"{type(self).__name__}._fit must set {name}_ with shape {want}. Got {got}."
+                )
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> Self:
+        """Rebuild a fitted calibrator of this class from :meth:`to_params` output.
+
+        :func:`calibrators.from_params` picks the class from ``params["method"]``.
+
+        Raises
+        ------
+        CalibrationInputError
+            Anything missing, malformed or of the wrong shape.
+        """
+        if not isinstance(params, Mapping):
+            raise CalibrationInputError(f"params must be a dict. Got {type(params).__name__}.")
+        fmt = params.get("format", PARAMS_FORMAT)
+        if fmt != PARAMS_FORMAT:
+            raise CalibrationInputError(f"params format must be {PARAMS_FORMAT!r}. Got {fmt!r}.")
+        if params.get("method") != cls.method:
+            raise CalibrationInputError(
+                f"params method must be {cls.method!r}. Got {params.get('method')!r}."
+            )
+        cal = cls.from_options(params.get("options") or {})
+        cal._load_params(params)
+        return cal
+
+    def _load_params(self, params: Mapping[str, Any]) -> None:
+        """Set the fitted state from :meth:`to_params` output (validated here)."""
+        required = [name for name, shape in self.fitted_arrays.items() if shape is not None]
+        missing = [key for key in ("method", "n_classes", *required) if key not in params]
+        if missing:
+            raise CalibrationInputError(
+                f"params must have keys {', '.join(('method', 'n_classes', *required))}. "
+                f"Got none for {missing}."
+            )
         k = params["n_classes"]
         if not isinstance(k, int) or isinstance(k, bool) or k < 2:
             raise CalibrationInputError(f"params n_classes must be an integer >= 2. Got {k!r}.")
-        shape = {"scalar": (), "diagonal": (k,), "full": (k, k)}[self.structure]
-        try:
-            weight = np.asarray(params["weight"], dtype=np.float64)
-            bias = None if params.get("bias") is None else np.asarray(params["bias"], np.float64)
-        except (TypeError, ValueError) as exc:
-            raise CalibrationInputError(f"params weight/bias must be numbers. Got {exc}.") from None
-        if weight.shape != shape:
-            raise CalibrationInputError(
-                f"params weight for {self.method} must have shape {shape}. Got {weight.shape}."
-            )
-        if self.has_bias != (bias is not None) or (bias is not None and bias.shape != (k,)):
-            want = f"shape ({k},)" if self.has_bias else "null"
-            got = None if bias is None else bias.shape
-            raise CalibrationInputError(f"params bias for {self.method} must be {want}. Got {got}.")
-        if not np.isfinite(weight).all() or (bias is not None and not np.isfinite(bias).all()):
-            raise CalibrationInputError("params weight/bias must be finite. Got NaN or Inf.")
-        self.weight_ = float(weight) if self.structure == "scalar" else weight
-        self.bias_ = bias
+        options = self._validate_params()
+        arrays = {}
+        for name, shape in self.fitted_arrays.items():
+            value = params.get(name)
+            if shape is None:
+                if value is not None:
+                    raise CalibrationInputError(
+                        f"params {name} for {self.method} must be null. Got {value!r}."
+                    )
+                arrays[name] = None
+                continue
+            want = self._shape(shape, k, options)
+            if value is None:
+                raise CalibrationInputError(
+                    f"params {name} for {self.method} must be numbers of shape {want}. Got None."
+                )
+            try:
+                arr = np.asarray(value, dtype=np.float64)
+            except (TypeError, ValueError) as exc:
+                raise CalibrationInputError(
+                    f"params {name} must be numbers. Got {exc}."
+                ) from None
+            if arr.shape != want:
+                raise CalibrationInputError(
+                    f"params {name} for {self.method} must have shape {want}. Got {arr.shape}."
+                )
+            if not np.isfinite(arr).all():
+                raise CalibrationInputError(f"params {name} must be finite. Got NaN or Inf.")
+            arrays[name] = float(arr) if want == () else arr
+        for name, value in arrays.items():
+            setattr(self, f"{name}_", value)
         self.fit_info_ = dict(params.get("fit_info") or {})
         self.n_classes_ = k
 
     # -- export -----------------------------------------------------------
     def to_onnx(self, *, metadata: dict[str, str] | None = None) -> bytes:
-        """This calibrator as a serialised ONNX model (see :mod:`calibrators.onnx_export`)."""
-        from calibrators.onnx_export import linear_softmax_onnx
+        """This calibrator as a serialised ONNX model.
+
+        Parameters
+        ----------
+        metadata : dict of str to str, optional
+            Added to the model's ``metadata_props`` (after ``method`` and ``n_classes``).
+
+        Returns
+        -------
+        bytes
+            A model with the interface of :func:`calibrators.onnx_export.softmax_model`.
+        """
+        from calibrators.onnx_export import softmax_model
 
         self._check_fitted()
         meta = {"method": self.method, "n_classes": str(self.n_classes_)}
         meta.update(metadata or {})
-        return linear_softmax_onnx(
+        return softmax_model(
             self.n_classes_,
-            weight=self.weight_,
-            bias=self.bias_,
-            feature=self.feature,
+            self._onnx_forward,
+            graph_name=self.onnx_graph_name,
             doc_string=f"welltempered {self.method} scaling",
             metadata=meta,
-        )
-
-
-def check_positive(name: str, value, *, allow_none: bool = False) -> None:
-    """Raise CalibrationInputError unless ``value`` is a finite number > 0."""
-    if value is None and allow_none:
-        return
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise CalibrationInputError(f"{name} must be a finite number > 0. Got {value!r}.")
+        ).SerializeToString()

@@ -16,10 +16,10 @@ Dirichlet scaling make the plain problem badly conditioned.
 
 When ``reg_lambda`` / ``reg_mu`` are not given they are chosen by k-fold
 cross-validation over a log-spaced grid: within each fold the grid is walked
-from the strongest penalty to the weakest in a snake order, each fit
-warm-started from its neighbour, which cuts the L-BFGS iterations several-fold.
-The final model is refitted on all rows at the chosen penalties. Everything is
-deterministic for a given ``seed``.
+from the strongest penalty to the weakest, each fit warm-started from its
+neighbour's solution (so it starts near its own optimum; ``bench/odir.py``
+measures what that saves). The final model is refitted on all rows at the
+chosen penalties. Everything is deterministic for a given ``seed``.
 
 References
 ----------
@@ -32,13 +32,21 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import ClassVar
 
 import numpy as np
 from scipy.optimize import minimize
 
-from calibrators.base import Calibrator, Progress, check_positive
-from calibrators.numerics import log_softmax, n_threads, row_chunks, single_threaded_blas
-from calibrators.validation import CalibrationInputError, logits64
+from calibrators.base import Integer, Positive, Progress
+from calibrators.linear_softmax import LinearSoftmax
+from calibrators.numerics import (
+    log_softmax,
+    map_rows,
+    n_threads,
+    single_threaded_blas,
+    softmax_terms,
+)
+from calibrators.validation import CalibrationInputError, check_positive, logits64
 
 #: Default penalty grid (both lam and mu), strongest first. The penalties are
 #: normalised by the number of entries, so useful values are large.
@@ -48,7 +56,7 @@ CV_TOL = 1e-6
 #: Stop walking the grid after this many candidates in a row worse than the best.
 PATIENCE = 2
 #: Full W (matrix, Dirichlet) up to this many classes is solved with per-class
-#: curvature blocks (see ``_Problem.solve``): 2 arrays of K (K+1)**2 floats, 34 MB
+#: curvature blocks (see ``_Problem.solve``): 2 arrays of K (K+1)**2 float64, 34 MB
 #: at K = 128; above it, with their diagonal + rank-1 approximation.
 MAX_BLOCK_CLASSES = 128
 #: L-BFGS iterations before the curvature blocks are first recomputed (doubled each time).
@@ -149,12 +157,9 @@ class _Problem:
         w, b = self.unpack(theta)
         x, y, n, k = self.x, self.y, self.n, self.k
         u = self.logits(theta, x)
-        u -= u.max(axis=1, keepdims=True)
         uy = u[np.arange(n), y]
-        np.exp(u, out=u)
-        s = u.sum(axis=1)
-        loss = float(np.mean(np.log(s) - uy))
-        u /= s[:, None]  # p
+        u, row_max, log_total = softmax_terms(u, overwrite=True)  # now u = p
+        loss = float(np.mean(log_total - (uy - row_max)))
         u[np.arange(n), y] -= 1.0  # p - onehot(y)
         u /= n
         gb = u.sum(axis=0)
@@ -237,9 +242,8 @@ class _Problem:
         L-BFGS runs on ``phi = theta / d`` with ``d = 1 / sqrt(1 + c)``, ``c``
         the curvature the ODIR penalty adds to each parameter (``2 lam /
         (K (K - 1))`` off the diagonal, ``2 mu / K`` on the bias, 0 on the
-        diagonal): it removes the ill-conditioning of the strongly penalised
-        fits (measured at 50,000 x 100: matrix search 194 s -> 37 s, final refit
-        471 -> 46 iterations, lower final loss; bench/odir.py).
+        diagonal): it removes the ill-conditioning that the penalty alone adds to
+        strongly penalised fits (``bench/odir.py`` measures the effect).
         """
         k = self.k
         if self.structure == "full":
@@ -264,7 +268,7 @@ class _Problem:
         ``q = p (1 - p)`` and ``x~ = [phi(z), 1]``, plus the ODIR penalty's
         curvature and a small damping (``DAMPING``). Estimated on at most
         ``BLOCK_ROWS`` rows, and each block only on the rows where ``q_ni``
-        outweighs the damping: at 33,000 x 100, 32 ms against 48 ms for one loss
+        outweighs the damping, so that it costs about as much as one loss
         evaluation.
         What makes Dirichlet features hard is visible here: log-probabilities
         share a large per-row offset, so the weighted moments are dominated by
@@ -275,6 +279,8 @@ class _Problem:
         k = self.k
         x = self.x[:: -(-self.n // BLOCK_ROWS)]
         n = len(x)
+        # p as exp(log_softmax): the fitted numbers are pinned to this rounding
+        # (tests/calibrators/test_reference_outputs.py), not to that of softmax().
         q = np.exp(log_softmax(self.logits(theta, x)))
         q *= 1.0 - q
         damping = DAMPING * float(q.mean())
@@ -332,12 +338,9 @@ class _Problem:
 
         With ``H_i = L_i L_i^T`` (:meth:`curvature_blocks`), class i's parameters
         are ``(W[i], b[i]) = L_i^-T v_i``, so the loss L-BFGS sees has a Hessian
-        close to the identity within each class. Measured at 10,000 x 100 from
-        the identity: Dirichlet 234 / 709 / 1,206 evaluations (lam = mu = 1e5 /
-        1e3 / 10, penalty scaling alone) -> 52 / 57 / 160, matrix 29 / 57 / 149
-        -> 26 / 37 / 104, each to an equal or lower loss. (With the ideal blocks,
-        those at the optimum, Dirichlet at 1e3 takes 44; the condition number at
-        K = 20 drops from 664 with penalty scaling to 29.)
+        close to the identity within each class: far fewer evaluations than
+        with the penalty scaling alone, to an equal or lower loss, above all for
+        Dirichlet features (``bench/odir.py``; figures in ``bench/README.md``).
         """
         return self._solve_whitened(
             theta0, lambda t: _Blocks(self.curvature_blocks(t)), max_iter=max_iter, tol=tol
@@ -346,11 +349,9 @@ class _Problem:
     def _solve_rank_one(self, theta0: np.ndarray, *, max_iter: int, tol: float):
         """L-BFGS-B whitened by diagonal + rank-1 blocks (:meth:`rank_one_factors`).
 
-        For K above ``MAX_BLOCK_CLASSES``. Measured: at 10,000 x 100, Dirichlet
-        64 / 64 / 139 evaluations (lam = mu = 1e5 / 1e3 / 10; full blocks 55 /
-        46 / 136), matrix 35 / 41 / 134; at 3,000 x 300 (Dirichlet, 1e3), within
-        1e-4 of the best loss after 142 evaluations, where penalty scaling alone
-        took 3,145 and a diagonal preconditioner 461.
+        For K above ``MAX_BLOCK_CLASSES``: nearly as few evaluations as the full
+        blocks, and far fewer than the penalty scaling alone or a diagonal
+        preconditioner (``bench/odir.py``; figures in ``bench/README.md``).
         """
         return self._solve_whitened(theta0, self.rank_one_factors, max_iter=max_iter, tol=tol)
 
@@ -421,21 +422,41 @@ class _Problem:
         return float(-np.mean(u[np.arange(len(y)), y]))
 
 
-class _LinearScaler(Calibrator):
+def check_grid(name: str, value) -> list[float]:
+    """The penalty grid as a list of distinct floats, strongest (largest) first.
+
+    Raises CalibrationInputError unless ``value`` is a non-empty list (or tuple,
+    or 1-D array) of finite numbers > 0.
+    """
+    if isinstance(value, str | bytes | dict) or not hasattr(value, "__iter__"):
+        raise CalibrationInputError(
+            f"{name} must be a non-empty list of finite numbers > 0. Got {value!r}."
+        )
+    values = [check_positive(f"{name} values", g) for g in value]
+    if not values:
+        raise CalibrationInputError(
+            f"{name} must be a non-empty list of finite numbers > 0. Got {value!r}."
+        )
+    return sorted({float(g) for g in values}, reverse=True)
+
+
+class _LinearScaler(LinearSoftmax):
     """Shared fitting of the vector/matrix/Dirichlet scalers (see module docstring).
 
     Parameters
     ----------
     reg_lambda : float, optional
-        Off-diagonal penalty weight; chosen by cross-validation when None.
-        Ignored by vector scaling (no off-diagonal).
+        Off-diagonal penalty weight, 0 or more; chosen by cross-validation when
+        None. Ignored by vector scaling (no off-diagonal).
     reg_mu : float, optional
-        Bias penalty weight; chosen by cross-validation when None.
+        Bias penalty weight, 0 or more; chosen by cross-validation when None.
     grid : sequence of float, default=DEFAULT_GRID
-        Candidate penalty weights for the cross-validation.
+        Candidate penalty weights for the cross-validation (stored in
+        ``to_params()`` sorted, strongest first, without repeats).
     n_folds : int, default=3
     seed : int, default=0
-        Seed of the fold assignment.
+        Seed of the fold assignment (``numpy.random.default_rng``: >= 0 when
+        a penalty is cross-validated).
     max_iter : int, default=1000
         L-BFGS iterations per fit.
     tol : float, default=1e-9
@@ -443,6 +464,15 @@ class _LinearScaler(Calibrator):
     """
 
     has_bias = True
+    option_checks: ClassVar[dict] = {
+        "reg_lambda": Positive(allow_zero=True, allow_none=True),
+        "reg_mu": Positive(allow_zero=True, allow_none=True),
+        "grid": check_grid,
+        "n_folds": Integer(minimum=2),
+        "seed": Integer(),
+        "max_iter": Integer(minimum=1),
+        "tol": Positive(),
+    }
 
     def __init__(
         self,
@@ -455,40 +485,30 @@ class _LinearScaler(Calibrator):
         max_iter: int = 1000,
         tol: float = 1e-9,
     ):
-        for name, value in (("reg_lambda", reg_lambda), ("reg_mu", reg_mu)):
-            if value is not None and value != 0:
-                check_positive(name, value)
-        try:
-            grid = sorted({float(g) for g in grid}, reverse=True)
-        except (TypeError, ValueError):
-            raise CalibrationInputError(f"grid must be a list of numbers. Got {grid!r}.") from None
-        if not grid:
-            raise CalibrationInputError(f"grid must not be empty. Got {grid!r}.")
-        for g in grid:
-            check_positive("grid values", g)
-        if not isinstance(n_folds, int) or n_folds < 2:
-            raise CalibrationInputError(f"n_folds must be an integer >= 2. Got {n_folds!r}.")
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise CalibrationInputError(f"seed must be an integer. Got {seed!r}.")
-        if not isinstance(max_iter, int) or max_iter < 1:
-            raise CalibrationInputError(f"max_iter must be an integer >= 1. Got {max_iter!r}.")
-        check_positive("tol", tol)
-        self._options = {
-            "reg_lambda": reg_lambda,
-            "reg_mu": reg_mu,
-            "grid": grid,
-            "n_folds": n_folds,
-            "seed": seed,
-            "max_iter": max_iter,
-            "tol": tol,
-        }
+        self.reg_lambda = reg_lambda
+        self.reg_mu = reg_mu
+        self.grid = grid
+        self.n_folds = n_folds
+        self.seed = seed
+        self.max_iter = max_iter
+        self.tol = tol
+
+    def _validate_params(self) -> dict:
+        options = super()._validate_params()
+        searched = options["reg_mu"] is None or (
+            self.structure == "full" and options["reg_lambda"] is None
+        )
+        if searched and options["seed"] < 0:
+            raise CalibrationInputError(
+                "seed must be an integer >= 0 when a penalty is chosen by cross-validation "
+                f"(reg_lambda or reg_mu None). Got {options['seed']!r}."
+            )
+        return options
 
     def _features(self, x: np.ndarray, kind: str) -> np.ndarray:
-        out = np.empty(x.shape, dtype=np.float64)
-        for rows in row_chunks(*x.shape):
-            block = logits64(x[rows], kind)
-            out[rows] = log_softmax(block) if self.feature == "log_softmax" else block
-        return out
+        if self.feature == "log_softmax":
+            return map_rows(lambda block: log_softmax(logits64(block, kind)), x)
+        return map_rows(lambda block: logits64(block, kind), x)
 
     def _cross_validate(self, feats, y, fold_of, candidates, warm, progress):
         """Mean held-out NLL of (lam, mu) candidates along a path, over the folds.
@@ -502,8 +522,8 @@ class _LinearScaler(Calibrator):
 
         Returns (CV NLL per candidate tried, per-fold solutions, evaluations).
         """
-        n_folds = self._options["n_folds"]
-        tol = max(self._options["tol"], CV_TOL)
+        n_folds = self.n_folds  # options as validated by fit
+        tol = max(self.tol, CV_TOL)
         splits = [(fold_of != f, fold_of == f) for f in range(n_folds)]
         thetas = list(warm)
         scores, solutions, evaluations = [], [], 0
@@ -513,7 +533,7 @@ class _LinearScaler(Calibrator):
             train, test = splits[fold]
             prob = _Problem(feats[train], y[train], self.structure, lam, mu)
             start = prob.initial() if thetas[fold] is None else thetas[fold]
-            res = prob.solve(start, max_iter=self._options["max_iter"], tol=tol)
+            res = prob.solve(start, max_iter=self.max_iter, tol=tol)
             return res.x, prob.nll(res.x, feats[test], y[test]), prob.evaluations
 
         with ThreadPoolExecutor(max_workers=min(n_folds, n_threads())) as pool:
@@ -529,15 +549,15 @@ class _LinearScaler(Calibrator):
                     break
         return scores, solutions, evaluations
 
-    def _fit(self, x: np.ndarray, y: np.ndarray, kind: str, progress: Progress) -> None:
+    def _fit(self, x: np.ndarray, y: np.ndarray, *, kind: str, options: dict,
+             progress: Progress) -> dict:
         with single_threaded_blas():
-            self._fit_penalised(x, y, kind, progress)
+            return self._fit_penalised(x, y, kind, options, progress)
 
-    def _fit_penalised(self, x, y, kind, progress) -> None:
+    def _fit_penalised(self, x, y, kind, opts, progress) -> dict:
         started = time.perf_counter()
         feats = self._features(x, kind)
         n, _ = feats.shape
-        opts = self._options
         grid = opts["grid"]
         full = self.structure == "full"
         lam = 0.0 if not full else opts["reg_lambda"]
@@ -596,7 +616,8 @@ class _LinearScaler(Calibrator):
         evaluations += prob.evaluations
         w, b = prob.unpack(res.x)
         self.weight_, self.bias_ = w.copy(), b.copy()
-        self.fit_info_ = {
+        progress(1.0)
+        return {
             "reg_lambda": lam if full else None,
             "reg_mu": mu,
             "converged": bool(res.success),
@@ -608,7 +629,6 @@ class _LinearScaler(Calibrator):
             "seconds": time.perf_counter() - started,
             "cross_validation": {"n_folds": opts["n_folds"], "candidates": cv} if cv else None,
         }
-        progress(1.0)
 
 
 class VectorScaler(_LinearScaler):
@@ -623,7 +643,22 @@ class VectorScaler(_LinearScaler):
 
 
 class MatrixScaler(_LinearScaler):
-    """Matrix scaling: ``softmax(W z + b)`` with a full ``W``, ODIR-regularised."""
+    """Matrix scaling: ``softmax(W z + b)`` with a full ``W``, ODIR-regularised.
+
+    Parameters are those of the shared ODIR fit (see :mod:`calibrators.linear`).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> z = rng.normal(size=(200, 3))
+    >>> y = (z.argmax(axis=1) + 1) % 3  # the model is always one class off
+    >>> cal = MatrixScaler(reg_lambda=0.1, reg_mu=0.1).fit(z, y)
+    >>> cal.weight_.shape, cal.fit_info_["converged"]
+    ((3, 3), True)
+    >>> float((cal.predict_proba(z).argmax(axis=1) == y).mean()) > 0.9
+    True
+    """
 
     method = "matrix"
     structure = "full"

@@ -16,18 +16,21 @@ the monotone function, with a geometric bisection of the bracket whenever a
 step leaves it. ``beta > 0`` holds at every iterate, so the argmax never
 changes. Each pass is one sweep over the data in float64 row chunks.
 
-A Newton start from a strided subsample of the rows makes the full-data
-iteration converge (quadratically) in 3-4 passes.
+The iteration on the full data starts from the root for a strided subsample of
+the rows, already close to the full-data root, so that the full data are swept
+only a few times (``bench/README.md`` counts the passes).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
-from calibrators.base import Calibrator, Progress, check_positive
+from calibrators.base import Integer, Positive, Progress
+from calibrators.linear_softmax import LinearSoftmax
 from calibrators.numerics import map_chunks
 from calibrators.validation import CalibrationInputError, logits64
 
@@ -91,8 +94,8 @@ def _safeguarded_newton(f, lo, hi, x, *, tol, max_passes, increasing):
     """Root of a monotone ``f`` in ``[lo, hi]`` by Halley/Newton steps with bisection fallback.
 
     ``f(x)`` returns ``(value, derivative, second_derivative, extra)``. A
-    Halley step (cubic convergence: a 1% start is exact to 1e-18 after two
-    steps, which saves a full pass over the data against Newton) is taken
+    Halley step (cubic convergence: the relative error e becomes O(e**3), where a
+    Newton step gives O(e**2), so fewer passes over the data) is taken
     when its denominator is sound, else a Newton step; a step that leaves the
     bracket is replaced by a geometric bisection. Returns
     ``(x, value, extra, passes, reason)``; reason is "converged" or
@@ -124,7 +127,7 @@ def _safeguarded_newton(f, lo, hi, x, *, tol, max_passes, increasing):
         x = x_new
 
 
-class TemperatureScaler(Calibrator):
+class TemperatureScaler(LinearSoftmax):
     """Temperature scaling ``softmax(beta * z)`` with the exact optimal ``beta``.
 
     Parameters
@@ -163,15 +166,17 @@ class TemperatureScaler(Calibrator):
     structure = "scalar"
     has_bias = False
     preserves_argmax = True
+    option_checks: ClassVar[dict] = {
+        "target_entropy": Positive(allow_none=True),
+        "tol": Positive(),
+        "max_passes": Integer(minimum=1),
+    }
 
     def __init__(self, *, target_entropy: float | None = None, tol: float = 1e-10,
                  max_passes: int = 50):
-        check_positive("target_entropy", target_entropy, allow_none=True)
-        check_positive("tol", tol)
-        if not isinstance(max_passes, int) or isinstance(max_passes, bool) or max_passes < 1:
-            raise CalibrationInputError(f"max_passes must be an integer >= 1. Got {max_passes!r}.")
-        self._options = {"target_entropy": target_entropy, "tol": tol, "max_passes": max_passes}
-        self.bias_ = None
+        self.target_entropy = target_entropy
+        self.tol = tol
+        self.max_passes = max_passes
 
     @property
     def beta_(self) -> float:
@@ -182,9 +187,10 @@ class TemperatureScaler(Calibrator):
     def temperature_(self) -> float:
         return 1.0 / self.beta_
 
-    def _fit(self, z: np.ndarray, y: np.ndarray, kind: str, progress: Progress) -> None:
+    def _fit(self, z: np.ndarray, y: np.ndarray, *, kind: str, options: dict,
+             progress: Progress) -> dict:
         n, k = z.shape
-        target = self._options["target_entropy"]
+        target = options["target_entropy"]
         if target is not None and not 0 < target < math.log(k):
             raise CalibrationInputError(
                 f"target_entropy must lie in (0, log K) = (0, {math.log(k):.6g}) nats for "
@@ -208,11 +214,10 @@ class TemperatureScaler(Calibrator):
                 )
             # Every beta gives the same (uniform) prediction: keep beta = 1.
             self.weight_ = 1.0
-            self.fit_info_ = self._info(first, 1.0, 1, "converged", target)
-            return
+            return self._info(first, 1.0, 1, "converged", target)
         lo, hi = BETA_MIN / first.spread, BETA_MAX / first.spread
-        tol = self._options["tol"]
-        max_passes = self._options["max_passes"]
+        tol = options["tol"]
+        max_passes = options["max_passes"]
 
         if target is None:
             # dNLL/dbeta and its derivatives, in units of the logits' spread (so
@@ -244,8 +249,8 @@ class TemperatureScaler(Calibrator):
                 f"{r.entropy:.6g} nats (rows with tied top scores). Got {target!r}."
             )
         self.weight_ = float(beta)
-        self.fit_info_ = self._info(r, beta, passes, reason, target)
         progress(1.0)
+        return self._info(r, beta, passes, reason, target)
 
     @staticmethod
     def _info(r: _Pass, beta, passes, reason, target) -> dict:

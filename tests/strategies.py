@@ -20,12 +20,22 @@ def logits_and_labels(draw, *, min_rows=1, max_rows=40, min_classes=2, max_class
 
 
 @st.composite
-def fitted_linear_params(draw, k: int, structure: str):
-    """Random (weight, bias) of a given structure for K classes."""
-    w_el = st.floats(-3, 3, allow_nan=False, width=32)
-    if structure == "scalar":
-        return draw(st.floats(0.05, 20.0)), None
-    shape = (k,) if structure == "diagonal" else (k, k)
-    weight = draw(hnp.arrays(np.float64, shape, elements=w_el))
-    bias = draw(hnp.arrays(np.float64, (k,), elements=w_el))
-    return weight, bias
+def calibrator_params(draw, cls, *, min_classes=3, max_classes=8):
+    """``to_params()``-shaped params of calibrator class ``cls`` with random fitted arrays.
+
+    Arrays follow ``cls.fitted_arrays``: a float (shape ``()``) in [0.05, 20], other
+    shapes with entries in [-3, 3], absent ones None. Default options.
+    """
+    k = draw(st.integers(min_classes, max_classes))
+    sizes = {"n_classes": k, **cls().get_options()}
+    params = {"method": cls.method, "n_classes": k}
+    for name, shape in cls.fitted_arrays.items():
+        if shape is None:
+            params[name] = None
+        elif shape == ():
+            params[name] = draw(st.floats(0.05, 20.0))
+        else:
+            dims = tuple(sizes[d] if isinstance(d, str) else d for d in shape)
+            elements = st.floats(-3, 3, allow_nan=False, width=32)
+            params[name] = draw(hnp.arrays(np.float64, dims, elements=elements)).tolist()
+    return params

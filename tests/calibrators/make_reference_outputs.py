@@ -68,20 +68,11 @@ def dataset() -> dict[str, np.ndarray]:
     return {"logits": logits, "labels": labels, "probabilities": probabilities}
 
 
-def _onnx_outputs(model: bytes, fed: np.ndarray) -> list[np.ndarray]:
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.inter_op_num_threads = 1
-    session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-    return session.run(None, {"logits": fed})
-
-
 def compute(name: str, method: str, kind: str, options: dict,
             data: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Everything recorded for one case, keyed ``<name>/<what>``, with the current code."""
     import calibrators
+    from tests.calibrators.helpers import onnx_outputs
 
     scores = data[kind]
     fit_scores, held = scores[:N_FIT], scores[N_FIT:]
@@ -94,7 +85,7 @@ def compute(name: str, method: str, kind: str, options: dict,
             fed = np.log(held.astype(np.float32))
     else:
         fed = held.astype(np.float32)
-    probs, confidence, label, entropy = _onnx_outputs(cal.to_onnx(), fed)
+    probs, confidence, label, entropy = onnx_outputs(cal.to_onnx(), fed).values()
     out = {
         "weight": np.asarray(params["weight"], dtype=np.float64),
         "bias": np.asarray([] if params["bias"] is None else params["bias"], dtype=np.float64),

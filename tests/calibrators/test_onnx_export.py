@@ -12,7 +12,6 @@ import inspect
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -20,14 +19,19 @@ from onnx import TensorProto, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from calibrators import onnx_export
-from calibrators.onnx_export import linear_softmax_model, linear_softmax_onnx
+from calibrators.onnx_export import (
+    OUTPUT_NAMES,
+    linear_softmax_model,
+    linear_softmax_onnx,
+    softmax_model,
+)
 from calibrators.validation import LOG_FLOOR, PROBABILITY_FLOOR, CalibrationInputError
+from tests.calibrators.helpers import onnx_outputs, onnx_session
 
 #: Largest allowed |ONNX - numpy| on probabilities, confidence and entropy.
 ATOL = 1e-6
 STRUCTURES = ("scalar", "diagonal", "full")
 FEATURES = ("logits", "log_softmax")
-OUTPUTS = ("probabilities", "confidence", "label", "entropy")
 
 
 # -- oracle and helpers -------------------------------------------------------
@@ -53,19 +57,6 @@ def _reference(z64: np.ndarray, weight, bias, feature: str) -> dict[str, np.ndar
         "label": u.argmax(axis=1),
         "entropy": -plogp.sum(axis=1),
     }
-
-
-def _session(model: bytes | onnx.ModelProto) -> ort.InferenceSession:
-    if isinstance(model, onnx.ModelProto):
-        model = model.SerializeToString()
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.inter_op_num_threads = 1
-    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-
-
-def _run(runner, z32: np.ndarray) -> dict[str, np.ndarray]:
-    return dict(zip(OUTPUTS, runner.run(list(OUTPUTS), {"logits": z32}), strict=True))
 
 
 def _errors(got: dict, want: dict) -> dict[str, float]:
@@ -151,7 +142,7 @@ def test_graph_interface_metadata_and_checker(structure):
         assert got == shape
 
     # ONNX Runtime sees the same interface.
-    sess = _session(model)
+    sess = onnx_session(model)
     assert [(i.name, i.type, i.shape) for i in sess.get_inputs()] == [
         ("logits", "tensor(float)", ["N", k])
     ]
@@ -245,9 +236,9 @@ def test_parity_with_numpy(structure, feature, with_bias):
     n, k = 9, 5
     weight, bias = _params(rng, structure, k, 1.5, with_bias)
     z32 = (4.0 * rng.normal(size=(n, k))).astype(np.float32)
-    sess = _session(linear_softmax_onnx(k, weight=weight, bias=bias, feature=feature))
+    sess = onnx_session(linear_softmax_onnx(k, weight=weight, bias=bias, feature=feature))
     want = _reference(z32.astype(np.float64), weight, bias, feature)
-    _assert_parity(_run(sess, z32), want, n, k)
+    _assert_parity(onnx_outputs(sess, z32), want, n, k)
 
 
 @pytest.mark.parametrize("structure", STRUCTURES)
@@ -261,10 +252,10 @@ def test_reference_evaluator_agrees(structure, feature):
     p[0, 1] = 0.0  # a -inf input
     fed, z64 = _logits_of_probabilities(p)
     want = _reference(z64, weight, bias, feature)
-    got_ref = _run(ReferenceEvaluator(model), fed)
+    got_ref = onnx_outputs(ReferenceEvaluator(model), fed)
     _assert_parity(got_ref, want, n, k)
-    got_ort = _run(_session(model), fed)
-    for name in OUTPUTS:
+    got_ort = onnx_outputs(onnx_session(model), fed)
+    for name in OUTPUT_NAMES:
         np.testing.assert_allclose(got_ort[name], got_ref[name], rtol=0, atol=ATOL)
 
 
@@ -272,24 +263,24 @@ def test_reference_evaluator_agrees(structure, feature):
 def test_ties_resolve_to_the_first_class(structure):
     k = 6
     weight = 0.7 if structure == "scalar" else np.full(k, 0.7)
-    sess = _session(linear_softmax_onnx(k, weight=weight))
+    sess = onnx_session(linear_softmax_onnx(k, weight=weight))
     z32 = np.zeros((3, k), dtype=np.float32)
     z32[1, [2, 4]] = 5.0
-    got = _run(sess, z32)
+    got = onnx_outputs(sess, z32)
     np.testing.assert_array_equal(got["label"], [0, 2, 0])
     np.testing.assert_allclose(got["probabilities"][0], np.full(k, 1 / k), atol=ATOL)
     np.testing.assert_allclose(got["entropy"][0], np.log(k), atol=ATOL)
 
 
-def test_dynamic_batch_size_one_session():
+def test_dynamic_batch_size_oneonnx_session():
     rng = np.random.default_rng(5)
     k = 10
     weight, bias = _params(rng, "full", k, 1.0, True)
-    sess = _session(linear_softmax_onnx(k, weight=weight, bias=bias, feature="log_softmax"))
+    sess = onnx_session(linear_softmax_onnx(k, weight=weight, bias=bias, feature="log_softmax"))
     for n in (1, 4096, 1):
         z32 = (3.0 * rng.normal(size=(n, k))).astype(np.float32)
         want = _reference(z32.astype(np.float64), weight, bias, "log_softmax")
-        _assert_parity(_run(sess, z32), want, n, k)
+        _assert_parity(onnx_outputs(sess, z32), want, n, k)
 
 
 @pytest.mark.parametrize("feature", FEATURES)
@@ -299,10 +290,10 @@ def test_parity_on_real_classifier_outputs(shared, feature):
     rng = np.random.default_rng(6)
     weight = np.eye(k) + 0.1 * rng.normal(size=(k, k))
     bias = 0.1 * rng.normal(size=k)
-    sess = _session(linear_softmax_onnx(k, weight=weight, bias=bias, feature=feature))
+    sess = onnx_session(linear_softmax_onnx(k, weight=weight, bias=bias, feature=feature))
     fed, z64 = _logits_of_probabilities(probs)
     want = _reference(z64, weight, bias, feature)
-    _assert_parity(_run(sess, fed), want, n, k)
+    _assert_parity(onnx_outputs(sess, fed), want, n, k)
 
 
 # -- parity: properties ---------------------------------------------------------
@@ -327,8 +318,8 @@ def test_parity_property(n, k, structure, feature, with_bias, logit_scale, weigh
     rng = np.random.default_rng(seed)
     weight, bias = _params(rng, structure, k, weight_scale, with_bias)
     z32 = (logit_scale * rng.normal(size=(n, k))).astype(np.float32)
-    sess = _session(linear_softmax_onnx(k, weight=weight, bias=bias, feature=feature))
-    got = _run(sess, z32)
+    sess = onnx_session(linear_softmax_onnx(k, weight=weight, bias=bias, feature=feature))
+    got = onnx_outputs(sess, z32)
     _assert_parity(got, _reference(z32.astype(np.float64), weight, bias, feature), n, k)
     # Invariants of the outputs themselves.
     assert np.all(np.abs(got["probabilities"].sum(axis=1, dtype=np.float64) - 1.0) <= 1e-5)
@@ -358,5 +349,20 @@ def test_parity_on_probabilities_with_exact_zeros(n, k, structure, feature, zero
     fed, z64 = _logits_of_probabilities(p32)
     assert np.isneginf(fed).any() == bool((p32 == 0).any())
     np.testing.assert_array_equal(z64[p32 == 0], LOG_FLOOR)
-    sess = _session(linear_softmax_onnx(k, weight=weight, bias=bias, feature=feature))
-    _assert_parity(_run(sess, fed), _reference(z64, weight, bias, feature), n, k)
+    sess = onnx_session(linear_softmax_onnx(k, weight=weight, bias=bias, feature=feature))
+    _assert_parity(onnx_outputs(sess, fed), _reference(z64, weight, bias, feature), n, k)
+
+
+# -- the generic wrapper --------------------------------------------------------
+def test_a_subgraph_that_asks_for_the_wrappers_names_gets_fresh_ones():
+    def forward(graph, z):
+        doubled = graph.node("Mul", [z, graph.constant(2.0, "log_floor")], "probabilities")
+        return graph.node("Identity", [doubled], "s")
+
+    model = softmax_model(4, forward, graph_name="doubling")
+    names = [out for node in model.graph.node for out in node.output]
+    assert len(names) == len(set(names))
+    z32 = np.random.default_rng(7).normal(size=(9, 4)).astype(np.float32)
+    want = _reference(2.0 * z32.astype(np.float64), 1.0, None, "logits")
+    _assert_parity(onnx_outputs(model, z32), want, 9, 4)
+    _assert_parity(onnx_outputs(ReferenceEvaluator(model), z32), want, 9, 4)

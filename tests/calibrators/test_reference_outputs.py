@@ -9,9 +9,12 @@ outputs of ``to_onnx()``.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
+import calibrators
 from tests.calibrators import make_reference_outputs as reference
 
 
@@ -36,7 +39,14 @@ def test_outputs_are_bit_identical_to_the_frozen_ones(frozen, case):
         assert value.tobytes() == frozen[key].tobytes(), key  # bit for bit (-0.0 too)
 
 
-def test_the_frozen_methods_still_exist():
-    import calibrators
+@pytest.mark.parametrize("case", reference.CASES, ids=[c[0] for c in reference.CASES])
+def test_params_stored_before_the_refactor_still_load_and_predict_the_same(frozen, case):
+    name, _, kind, _ = case
+    params = json.loads(str(frozen[f"{name}/params_json"]))
+    held = reference.dataset()[kind][reference.N_FIT :]
+    probs = calibrators.from_params(params).predict_proba(held, kind=kind)
+    assert probs.tobytes() == frozen[f"{name}/predict_proba"].tobytes()
 
+
+def test_the_frozen_methods_still_exist():
     assert {c[1] for c in reference.CASES} <= set(calibrators.METHODS)

@@ -1,0 +1,154 @@
+"""Helpers shared by the calibrator tests (never import one test module from another).
+
+* :data:`FIT_OPTIONS`: per method, options that make a fit quick and deterministic;
+  one row per method of :data:`calibrators.METHODS` (a test checks that).
+* :func:`onnx_outputs`: the four outputs of an ONNX model on ONNX Runtime's CPU provider.
+* :func:`from_arrays`, :func:`random_calibrator`: fitted calibrators without a fit.
+* :func:`assert_estimator_contract`: the scikit-learn contract every calibrator keeps,
+  run on every registered method and on the extension calibrator of
+  ``test_extension.py``.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from sklearn.base import clone
+
+import calibrators
+from calibrators import CALIBRATORS, CalibrationInputError, NotFittedError
+from calibrators.base import Calibrator, Integer, Positive
+from calibrators.linear_softmax import LinearSoftmax
+from calibrators.onnx_export import INPUT_NAME, OUTPUT_NAMES
+
+#: Quick fits with non-default options (explicit penalties skip the cross-validated
+#: search; the grid is deliberately unsorted, with a repeat).
+FIT_OPTIONS: dict[str, dict] = {
+    "temperature": {"tol": 1e-9, "max_passes": 40},
+    "vector": {"reg_lambda": 1.0, "reg_mu": 1.0, "grid": [1.0, 10.0, 1.0]},
+    "matrix": {"reg_lambda": 1.0, "reg_mu": 1.0, "grid": [1.0, 10.0, 1.0]},
+    "dirichlet": {"reg_lambda": 1.0, "reg_mu": 1.0, "grid": [1.0, 10.0, 1.0]},
+}
+
+
+def labelled_logits(n: int = 60, k: int = 4, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Informative logits (N, K) and labels (N,); defaults keep K >= 3 and N != K."""
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, k, n)
+    z = rng.normal(size=(n, k)) * 2.0
+    z[np.arange(n), y] += 1.5
+    return z, y
+
+
+def held_out_nll(probs: np.ndarray, labels: np.ndarray) -> float:
+    return float(-np.mean(np.log(np.maximum(probs[np.arange(len(labels)), labels], 1e-300))))
+
+
+def onnx_session(model: bytes | onnx.ModelProto) -> ort.InferenceSession:
+    """A one-thread CPU session (deterministic reductions)."""
+    if isinstance(model, onnx.ModelProto):
+        model = model.SerializeToString()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def onnx_outputs(model, z32: np.ndarray) -> dict[str, np.ndarray]:
+    """Outputs by name of a model (bytes, ModelProto, or anything with ``run``) on ``z32``."""
+    runner = model if hasattr(model, "run") else onnx_session(model)
+    return dict(zip(OUTPUT_NAMES, runner.run(list(OUTPUT_NAMES), {INPUT_NAME: z32}), strict=True))
+
+
+def from_arrays(method: str, k: int, **arrays) -> Calibrator:
+    """A fitted calibrator of ``method`` with the given arrays, through from_params."""
+    params = {"method": method, "n_classes": k}
+    for name, value in arrays.items():
+        params[name] = value if value is None or np.isscalar(value) else np.asarray(value).tolist()
+    return calibrators.from_params(params)
+
+
+#: The methods of the ``softmax(W * phi(z) + b)`` family, from the registry.
+LINEAR_METHODS: tuple[str, ...] = tuple(
+    method for method, cls in CALIBRATORS.items() if issubclass(cls, LinearSoftmax)
+)
+
+
+def random_calibrator(method: str, k: int, rng: np.random.Generator) -> LinearSoftmax:
+    """A calibrator of the linear family with random parameters near the identity."""
+    cls = CALIBRATORS[method]
+    if cls.structure == "scalar":
+        weight = float(rng.uniform(0.2, 5))
+    elif cls.structure == "diagonal":
+        weight = 1.0 + 0.3 * rng.normal(size=k)
+    else:
+        weight = np.eye(k) + 0.3 * rng.normal(size=(k, k))
+    bias = rng.normal(size=k) if cls.has_bias else None
+    return from_arrays(method, k, weight=weight, bias=bias)
+
+
+def _bad_values(check) -> list:
+    """Values every option checked by ``check`` must refuse."""
+    if isinstance(check, Integer):
+        return [True, False, 2.5, "3", None]
+    if isinstance(check, Positive):
+        bad = [True, float("nan"), float("inf"), -1.0, "1"]
+        if not check.allow_zero:
+            bad.append(0.0)
+        if not check.allow_none:
+            bad.append(None)
+        return bad
+    return []
+
+
+def assert_estimator_contract(cls: type[Calibrator], options: dict, z, y) -> None:
+    """The estimator contract of one calibrator class (see the module docstring).
+
+    ``options``: valid, non-default options of ``cls``; ``z, y``: a small
+    labelled set (logits) it can be fitted on.
+    """
+    # __init__ stores every keyword unchanged (the same object), and nothing else.
+    cal = cls(**options)
+    signature = [
+        p.name for p in inspect.signature(cls.__init__).parameters.values() if p.name != "self"
+    ]
+    assert list(cls.option_checks) == signature  # one check per option, in signature order
+    assert set(vars(cal)) == set(signature)
+    for name, value in options.items():
+        assert getattr(cal, name) is value, name
+    # get_params / set_params round trip; clone copies the options, not the fit.
+    params = cal.get_params()
+    assert set(params) == set(signature)
+    assert cls().set_params(**params).get_params() == params
+    fitted = cal.fit(z, y)
+    assert fitted is cal  # fit returns self
+    assert set(cal.get_params()) == set(signature) and cal.get_params() == params
+    twin = clone(cal)
+    assert type(twin) is cls and twin is not cal and twin.get_params() == params
+    assert not hasattr(twin, "n_classes_")
+    with pytest.raises(NotFittedError, match="not fitted"):
+        twin.predict_proba(z)
+    with pytest.raises(NotFittedError, match="not fitted"):
+        twin.to_params()
+    with pytest.raises(NotFittedError, match="not fitted"):
+        twin.to_onnx()
+    # Learned state ends in "_"; to_params stores the canonical options.
+    learned = set(vars(cal)) - set(signature)
+    assert learned and all(name.endswith("_") for name in learned), learned
+    assert cal.to_params()["options"] == cal.get_options()
+    # Every invalid value of an integer or positive option is refused by check_params,
+    # by fit and by create, with a message that ends with "Got <value>.".
+    for name, check in cls.option_checks.items():
+        for bad in _bad_values(check):
+            broken = clone(cal).set_params(**{name: bad})
+            with pytest.raises(CalibrationInputError, match=name) as info:
+                broken.check_params()
+            assert str(info.value).endswith(f"Got {bad!r}."), str(info.value)
+            with pytest.raises(CalibrationInputError, match=name):
+                broken.fit(z, y)
+            with pytest.raises(CalibrationInputError, match=name):
+                cls.from_options({**options, name: bad})
