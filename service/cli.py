@@ -26,7 +26,7 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--demo",
         action="store_true",
-        help="start with model 'digits-mlp' calibrated and aliased 'production' "
+        help="start with model 'digits-mlp' calibrated and given the default alias "
         "(own SQLite file and data folder under ./welltempered-data/demo)",
     )
     p.add_argument("--log-level", default="info")

@@ -2,35 +2,36 @@
 
 A small MLP is trained on a fifth of scikit-learn's bundled 8x8 digits; its
 pre-softmax outputs (logits) on the rest (1,438 images) are uploaded as a dataset,
-temperature scaling is fitted synchronously and aliased "production". The demo
+temperature scaling is fitted synchronously and given the default alias. The demo
 has its own SQLite file and data folder, and every step is skipped when
 already done, so restarts are idempotent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import warnings
 from pathlib import Path
 
 import numpy as np
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine
 from sqlalchemy.orm import sessionmaker
 
+from calibrators.holdout import DEFAULT_HOLDOUT
 from service.api.ingest import validated
-from service.api.schemas import FitRequest, ModelCreate
+from service.errors import NotFound
 from service.jobs.fitting import WorkerConfig, dispose_engine, run_fit
 from service.settings import Settings
 from service.storage import registry
 from service.storage.arrays import ArrayStore
-from service.storage.db import DEFAULT_NAMESPACE, Alias, CalibratorVersion, Model
+from service.vocabulary import DEFAULT_ALIAS, DEFAULT_ARGMAX_POLICY, DEFAULT_NAMESPACE
 
 log = logging.getLogger("welltempered.demo")
 
 DEMO_DIR = Path("welltempered-data") / "demo"
 MODEL = "digits-mlp"
-ALIAS = "production"
 
 
 def demo_settings(base: Settings) -> Settings:
@@ -72,40 +73,32 @@ def _logits(clf, x: np.ndarray) -> np.ndarray:
 
 
 def install(settings: Settings, engine: Engine) -> int:
-    """Create whatever of the demo is missing; returns the version aliased 'production'."""
+    """Create whatever of the demo is missing; returns the version of the default alias."""
     sessions = sessionmaker(engine, expire_on_commit=False)
     with sessions() as s:
-        model = s.scalar(
-            select(Model).where(Model.namespace == DEFAULT_NAMESPACE, Model.name == MODEL)
-        )
-        if model is not None:
-            aliased = s.scalar(
-                select(CalibratorVersion.version)
-                .join(Alias, Alias.version_id == CalibratorVersion.id)
-                .where(Alias.model_id == model.id, Alias.alias == ALIAS)
-            )
-            if aliased is not None:
-                log.info("demo: %s is ready (version %d is %r)", MODEL, aliased, ALIAS)
-                return aliased
+        model = None
+        with contextlib.suppress(NotFound):
+            model = registry.find_model(s, MODEL, DEFAULT_NAMESPACE)
+            aliased = registry.find_alias(s, model, DEFAULT_ALIAS)[1].version
+            log.info("demo: %s is ready (version %d is %r)", MODEL, aliased, DEFAULT_ALIAS)
+            return aliased
         log.info("demo: training a small MLP on scikit-learn's digits...")
         _, _, logits, labels = digits_logits()
         if model is None:
             model = registry.create_model(
                 s,
-                ModelCreate(
-                    name=MODEL,
-                    num_classes=10,
-                    class_names=[str(d) for d in range(10)],
-                    argmax_policy="require",
-                ),
                 DEFAULT_NAMESPACE,
+                MODEL,
+                num_classes=10,
+                class_names=[str(d) for d in range(10)],
+                argmax_policy=DEFAULT_ARGMAX_POLICY,
             )
         arrays = ArrayStore(settings.data_dir)
         arrays.ensure()
         data = validated(logits, labels, "logits", model.num_classes, model.name)
-        dataset, _ = registry.add_dataset(s, model, data, arrays)
+        dataset, _ = registry.add_dataset(s, model, arrays, data.scores, data.labels, data.kind)
         row = registry.create_version(
-            s, model, dataset, FitRequest(dataset_id=dataset.id, method="temperature")
+            s, model, dataset, method="temperature", holdout=DEFAULT_HOLDOUT, seed=0, options={}
         )
         config = WorkerConfig(settings.database_url, str(settings.data_dir), 1.0)
         try:
@@ -115,6 +108,6 @@ def install(settings: Settings, engine: Engine) -> int:
         if status != "succeeded":
             raise RuntimeError(f"demo: the temperature fit ended {status}")
         s.refresh(row)
-        registry.set_alias(s, model, ALIAS, row)
-        log.info("demo: %s version %d fitted and aliased %r", MODEL, row.version, ALIAS)
+        registry.set_alias(s, model, DEFAULT_ALIAS, row)
+        log.info("demo: %s version %d fitted and aliased %r", MODEL, row.version, DEFAULT_ALIAS)
         return row.version

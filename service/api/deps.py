@@ -2,12 +2,13 @@
 
 ``SessionDep`` is a database session; ``ModelDep``, ``DatasetDep``,
 ``VersionDep`` and ``AliasDep`` are the looked-up rows, each one validating
-dependency reused by every route that names the object in its path.
+dependency reused by every route that names the object in its path. The lookups
+themselves (and their 404s) are :mod:`service.storage.registry`'s, also used
+where a body names the object (a fit's dataset, an alias's version).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated
@@ -16,8 +17,6 @@ from fastapi import Depends, Path, Request
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.api.problems import NotFound
-from service.api.schemas import ALIAS_PATTERN, MAX_ID
 from service.jobs.fitting import FitRunner
 from service.observe.metrics import ServiceMetrics
 from service.security.auth import PrincipalDep
@@ -26,8 +25,7 @@ from service.settings import Settings
 from service.storage import registry
 from service.storage.arrays import ArrayStore
 from service.storage.db import Alias, CalibratorVersion, Dataset, Model
-
-_ALIAS = re.compile(ALIAS_PATTERN)
+from service.vocabulary import MAX_ID
 
 
 @dataclass
@@ -74,17 +72,10 @@ def get_model(
 ModelDep = Annotated[Model, Depends(get_model)]
 
 
-def find_dataset(session: Session, model: Model, dataset_id: int) -> Dataset:
-    row = session.get(Dataset, dataset_id)
-    if row is None or row.model_id != model.id:
-        raise NotFound(f"Model {model.name!r} has no dataset {dataset_id}.")
-    return row
-
-
 def get_dataset(
     session: SessionDep, model: ModelDep, dataset_id: Annotated[int, Path(ge=1, le=MAX_ID)]
 ) -> Dataset:
-    return find_dataset(session, model, dataset_id)
+    return registry.find_dataset(session, model, dataset_id)
 
 
 DatasetDep = Annotated[Dataset, Depends(get_dataset)]
@@ -99,11 +90,11 @@ def get_version(
 VersionDep = Annotated[CalibratorVersion, Depends(get_version)]
 
 
-def get_alias(session: SessionDep, model: ModelDep, alias: str) -> Alias:
-    row = session.get(Alias, (model.id, alias)) if _ALIAS.match(alias) else None
-    if row is None:
-        raise NotFound(f"Model {model.name!r} has no alias {alias!r}.")
-    return row
+def get_alias(
+    session: SessionDep, model: ModelDep, alias: str
+) -> tuple[Alias, CalibratorVersion]:
+    """The alias and the version it points at."""
+    return registry.find_alias(session, model, alias)
 
 
-AliasDep = Annotated[Alias, Depends(get_alias)]
+AliasDep = Annotated[tuple[Alias, CalibratorVersion], Depends(get_alias)]

@@ -20,13 +20,15 @@ import numpy as np
 import orjson
 
 from calibrators.validation import as_labels, as_scores
-from service.api.problems import InvalidInput, MalformedBody, MalformedJSON
+from service.errors import InvalidInput, MalformedBody, MalformedJSON
+from service.vocabulary import KINDS
 
 #: Accepted names of the score array, and the kind each one means. ``predictions``
 #: is the name used by the shared CIFAR files (softmax probabilities).
 SCORE_KEYS = {"logits": "logits", "probabilities": "probabilities", "predictions": "probabilities"}
 LABEL_KEYS = ("labels", "ground_truth")
-JSON_SCORE_KEYS = ("logits", "probabilities")
+#: A JSON body names its score array by its kind.
+JSON_SCORE_KEYS = KINDS
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,8 @@ def validated(scores: Any, labels: Any, kind: str, num_classes: int, model: str)
     return Labelled(arr, as_labels(labels, arr.shape[0], arr.shape[1]), kind)
 
 
-def _score_key(obj: dict, allowed: tuple[str, ...]) -> str:
+def score_key(obj: dict, allowed: tuple[str, ...]) -> str:
+    """The one key of ``allowed`` that ``obj`` holds (422 for none or several)."""
     present = [k for k in allowed if k in obj]
     if len(present) != 1:
         raise InvalidInput(
@@ -72,7 +75,8 @@ def _score_key(obj: dict, allowed: tuple[str, ...]) -> str:
     return present[0]
 
 
-def _json_object(body: bytes, allowed_keys: set[str]) -> dict:
+def json_object(body: bytes, allowed_keys: set[str]) -> dict:
+    """The body as a JSON object with no keys but ``allowed_keys`` (400 if not JSON, else 422)."""
     obj = decode_json(body)
     if not isinstance(obj, dict):
         raise InvalidInput(f"The body must be a JSON object. Got a {type(obj).__name__}.")
@@ -86,8 +90,8 @@ def _json_object(body: bytes, allowed_keys: set[str]) -> dict:
 
 def labelled_from_json(body: bytes, num_classes: int, model: str) -> Labelled:
     """``{"logits" | "probabilities": [[...]], "labels": [...]}``."""
-    obj = _json_object(body, {*JSON_SCORE_KEYS, "labels"})
-    key = _score_key(obj, JSON_SCORE_KEYS)
+    obj = json_object(body, {*JSON_SCORE_KEYS, "labels"})
+    key = score_key(obj, JSON_SCORE_KEYS)
     if "labels" not in obj:
         raise InvalidInput("The body must hold 'labels', one class index per row.")
     return validated(obj[key], obj["labels"], key, num_classes, model)
@@ -95,8 +99,8 @@ def labelled_from_json(body: bytes, num_classes: int, model: str) -> Labelled:
 
 def scores_from_json(body: bytes, num_classes: int, model: str) -> tuple[np.ndarray, str]:
     """``{"logits" | "probabilities": [[...]]}`` for predict."""
-    obj = _json_object(body, set(JSON_SCORE_KEYS))
-    key = _score_key(obj, JSON_SCORE_KEYS)
+    obj = json_object(body, set(JSON_SCORE_KEYS))
+    key = score_key(obj, JSON_SCORE_KEYS)
     return validated_scores(obj[key], key, num_classes, model), key
 
 

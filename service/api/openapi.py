@@ -18,6 +18,7 @@ from fastapi.openapi.utils import get_openapi
 
 from service.api.problems import PROBLEM_JSON
 from service.security.auth import OPEN_PATHS, required_scope
+from service.vocabulary import KINDS
 
 PROBLEM_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -33,7 +34,6 @@ PROBLEM_SCHEMA: dict[str, Any] = {
     "additionalProperties": True,
 }
 
-#: Errors any /v1 operation may answer, and why.
 #: JSON schema of a score matrix (rows of numbers), shared by the request
 #: bodies of datasets, predict and feedback.
 SCORE_MATRIX: dict[str, Any] = {
@@ -41,10 +41,11 @@ SCORE_MATRIX: dict[str, Any] = {
     "items": {"type": "array", "items": {"type": "number"}},
 }
 #: ``{"logits" | "probabilities": [[...]]}`` properties of those bodies.
-SCORE_PROPERTIES: dict[str, Any] = {"logits": SCORE_MATRIX, "probabilities": SCORE_MATRIX}
+SCORE_PROPERTIES: dict[str, Any] = dict.fromkeys(KINDS, SCORE_MATRIX)
 LABELS: dict[str, Any] = {"type": "array", "items": {"type": "integer"}}
 
 
+#: Errors any /v1 operation may answer, and why.
 ERRORS = {
     "400": "Malformed body (JSON, .npz, .npy, multipart).",
     "401": "Missing, unknown, revoked or expired API key.",

@@ -1,15 +1,18 @@
 """Every error the API returns, as RFC 9457 ``application/problem+json``.
 
-The one module that maps exceptions to HTTP: the service's own
-:class:`Problem` subclasses, ``calibrators.CalibrationInputError`` (bad numbers:
-422), FastAPI's request validation (400 for malformed JSON, 422 otherwise) and
-Starlette's HTTP errors (unknown route, wrong method). Handlers raise; they
-never build error responses themselves.
+The one module that maps exceptions to HTTP: the service's domain errors
+(:mod:`service.errors`) and ``calibrators.CalibrationInputError`` (bad numbers:
+422) through one table, :data:`PROBLEM_TYPES`; FastAPI's request validation (400
+for malformed JSON, 422 otherwise) and Starlette's HTTP errors (unknown route,
+wrong method). Handlers and the layers below raise; they never build error
+responses themselves.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -20,78 +23,74 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from calibrators import CalibrationInputError
+from service.errors import (
+    ArgmaxChanged,
+    Conflict,
+    ContentTooLarge,
+    Forbidden,
+    InvalidInput,
+    MalformedBody,
+    MalformedJSON,
+    NotFound,
+    NotReady,
+    ServiceError,
+    TooManyRequests,
+    Unauthorized,
+    UnsupportedMediaType,
+)
 
 PROBLEM_JSON = "application/problem+json"
 log = logging.getLogger("welltempered.service")
 
 
-class Problem(Exception):
-    """An error with an HTTP status; extra keyword arguments become extension members."""
+@dataclass(frozen=True)
+class ProblemType:
+    """The HTTP face of an error class: status, ``/problems/<slug>`` type, title, and
+    the headers an error of the class adds (RFC 6750's ``WWW-Authenticate`` on a 401,
+    ``Retry-After`` on a 429)."""
 
-    status = 400
-    slug = "bad-request"
-    title = "Bad request"
-    headers: dict[str, str] | None = None
-
-    def __init__(self, detail: str, *, headers: dict[str, str] | None = None, **extensions: Any):
-        super().__init__(detail)
-        self.detail = detail
-        self.extensions = extensions
-        if headers is not None:
-            self.headers = headers
+    status: int
+    slug: str
+    title: str
+    headers: Callable[[Any], dict[str, str]] | None = None
 
 
-class MalformedBody(Problem):
-    status, slug, title = 400, "malformed-body", "Malformed request body"
+def _bearer_challenge(exc: Unauthorized) -> dict[str, str]:
+    return {"WWW-Authenticate": 'Bearer realm="welltempered"'}
 
 
-class MalformedJSON(MalformedBody):
-    slug, title = "malformed-json", "Malformed JSON"
+def _retry_after(exc: TooManyRequests) -> dict[str, str]:
+    return {"Retry-After": str(exc.retry_after)}
 
 
-class Unauthorized(Problem):
-    """No key, an unknown, revoked or expired key (RFC 6750: WWW-Authenticate: Bearer)."""
+INVALID_INPUT = ProblemType(422, "invalid-input", "Invalid input")
 
-    status, slug, title = 401, "unauthorized", "Unauthorized"
-    headers = {"WWW-Authenticate": 'Bearer realm="welltempered"'}  # noqa: RUF012
-
-
-class Forbidden(Problem):
-    """A valid key whose scope does not allow the operation."""
-
-    status, slug, title = 403, "forbidden", "Forbidden"
-
-
-class TooManyRequests(Problem):
-    status, slug, title = 429, "too-many-requests", "Too many requests"
-
-
-class NotFound(Problem):
-    status, slug, title = 404, "not-found", "Not found"
-
-
-class Conflict(Problem):
-    status, slug, title = 409, "conflict", "Conflict"
+#: Error class -> problem. An error takes the entry of its nearest class in this
+#: table (its own, else its bases' in method resolution order).
+PROBLEM_TYPES: dict[type[Exception], ProblemType] = {
+    ServiceError: ProblemType(400, "bad-request", "Bad request"),
+    MalformedBody: ProblemType(400, "malformed-body", "Malformed request body"),
+    MalformedJSON: ProblemType(400, "malformed-json", "Malformed JSON"),
+    Unauthorized: ProblemType(401, "unauthorized", "Unauthorized", _bearer_challenge),
+    Forbidden: ProblemType(403, "forbidden", "Forbidden"),
+    NotFound: ProblemType(404, "not-found", "Not found"),
+    Conflict: ProblemType(409, "conflict", "Conflict"),
+    ArgmaxChanged: ProblemType(409, "argmax-changed", "Calibration changed held-out predictions"),
+    NotReady: ProblemType(409, "not-ready", "Calibrator version is not usable"),
+    ContentTooLarge: ProblemType(413, "content-too-large", "Content too large"),
+    UnsupportedMediaType: ProblemType(415, "unsupported-media-type", "Unsupported media type"),
+    InvalidInput: INVALID_INPUT,
+    CalibrationInputError: INVALID_INPUT,
+    TooManyRequests: ProblemType(429, "too-many-requests", "Too many requests", _retry_after),
+}
 
 
-class ArgmaxChanged(Conflict):
-    slug, title = "argmax-changed", "Calibration changed held-out predictions"
-
-
-class NotReady(Conflict):
-    slug, title = "not-ready", "Calibrator version is not usable"
-
-
-class ContentTooLarge(Problem):
-    status, slug, title = 413, "content-too-large", "Content too large"
-
-
-class UnsupportedMediaType(Problem):
-    status, slug, title = 415, "unsupported-media-type", "Unsupported media type"
-
-
-class InvalidInput(Problem):
-    status, slug, title = 422, "invalid-input", "Invalid input"
+def problem_type(exc: ServiceError | CalibrationInputError) -> ProblemType:
+    """The entry of :data:`PROBLEM_TYPES` for ``exc``."""
+    for cls in type(exc).__mro__:
+        if cls in PROBLEM_TYPES:
+            return PROBLEM_TYPES[cls]
+    raise LookupError(f"{type(exc).__name__} is not an error of the problem table.")
 
 
 def problem_response(
@@ -119,14 +118,25 @@ def problem_response(
     )
 
 
-async def _problem(request: Request, exc: Problem) -> Response:
+def error_response(
+    request: Request,
+    exc: ServiceError | CalibrationInputError,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    """The problem of a domain error (``headers`` are added to the class's own)."""
+    kind = problem_type(exc)
+    all_headers = {**(kind.headers(exc) if kind.headers else {}), **(headers or {})}
+    if isinstance(exc, ServiceError):
+        detail, extra = exc.detail, exc.extra
+    else:
+        detail, extra = str(exc), {}
     return problem_response(
-        request, exc.status, exc.slug, exc.title, exc.detail, headers=exc.headers, **exc.extensions
+        request, kind.status, kind.slug, kind.title, detail, all_headers or None, **extra
     )
 
 
-async def _calibration_input(request: Request, exc: CalibrationInputError) -> Response:
-    return problem_response(request, 422, InvalidInput.slug, InvalidInput.title, str(exc))
+async def _domain_error(request: Request, exc: ServiceError | CalibrationInputError) -> Response:
+    return error_response(request, exc)
 
 
 def _loc(loc) -> str:
@@ -138,13 +148,8 @@ async def _request_validation(request: Request, exc: RequestValidationError) -> 
     if any(e.get("type") == "json_invalid" for e in errors):
         e = errors[0]
         reason = (e.get("ctx") or {}).get("error", "invalid JSON")
-        return problem_response(
-            request,
-            400,
-            MalformedJSON.slug,
-            MalformedJSON.title,
-            f"The body is not valid JSON: {reason} (at {_loc(e.get('loc', ()))}).",
-        )
+        detail = f"The body is not valid JSON: {reason} (at {_loc(e.get('loc', ()))})."
+        return error_response(request, MalformedJSON(detail))
     simple = [
         {"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg")), "type": e.get("type")}
         for e in errors
@@ -180,8 +185,8 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 
 def install(app: FastAPI) -> None:
-    app.add_exception_handler(Problem, _problem)
-    app.add_exception_handler(CalibrationInputError, _calibration_input)
+    app.add_exception_handler(ServiceError, _domain_error)
+    app.add_exception_handler(CalibrationInputError, _domain_error)
     app.add_exception_handler(RequestValidationError, _request_validation)
     app.add_exception_handler(StarletteHTTPException, _http_exception)
     app.add_exception_handler(Exception, _unexpected)

@@ -2,29 +2,37 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 
 from calibrators.holdout import DEFAULT_HOLDOUT
+from service.storage.db import as_utc
+from service.vocabulary import (
+    ARGMAX_POLICIES,
+    AUTO,
+    DEFAULT_ARGMAX_POLICY,
+    KINDS,
+    MAX_ID,
+    METHODS,
+    NAME_PATTERN,
+    STATUSES,
+)
 
-Method = Literal["temperature", "vector", "matrix", "dirichlet", "auto"]
-Status = Literal["queued", "running", "succeeded", "rejected", "failed"]
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-ALIAS_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
-#: Ids and version numbers are 32-bit integers in the database: bound them at the
-#: edge, or a huge number would become a driver error instead of a 404/422.
-MAX_ID = 2**31 - 1
+# The closed lists of service.vocabulary as types: Literal[("a", "b")] is Literal["a", "b"].
+Method = Literal[METHODS]  # type: ignore[valid-type]
+Status = Literal[STATUSES]  # type: ignore[valid-type]
+Kind = Literal[KINDS]  # type: ignore[valid-type]
+ArgmaxPolicy = Literal[ARGMAX_POLICIES]  # type: ignore[valid-type]
 
 
-class _Out(BaseModel):
+class Out(BaseModel):
+    """Base of the response bodies: datetimes go out in UTC."""
+
     @field_serializer("*", when_used="json", check_fields=False)
     def _utc(self, value: Any) -> Any:
-        # SQLite gives naive datetimes back; every stored time is UTC.
-        if isinstance(value, datetime) and value.tzinfo is None:
-            return value.replace(tzinfo=UTC)
-        return value
+        return as_utc(value) if isinstance(value, datetime) else value
 
 
 class ModelCreate(BaseModel):
@@ -33,8 +41,8 @@ class ModelCreate(BaseModel):
     name: str = Field(pattern=NAME_PATTERN, description="URL-safe, unique.")
     num_classes: int = Field(ge=2, le=1_000_000)
     class_names: list[str] | None = Field(None, description="One per class, in order.")
-    argmax_policy: Literal["require", "warn", "off"] = Field(
-        "require",
+    argmax_policy: ArgmaxPolicy = Field(
+        DEFAULT_ARGMAX_POLICY,
         description="require: a calibrator that changes any held-out predicted class is "
         "stored 'rejected' and cannot be aliased; warn: allowed with a warning; off: allowed.",
     )
@@ -52,7 +60,7 @@ class ModelCreate(BaseModel):
         return self
 
 
-class ModelOut(_Out):
+class ModelOut(Out):
     name: str
     num_classes: int
     class_names: list[str] | None
@@ -64,12 +72,12 @@ class ModelList(BaseModel):
     models: list[ModelOut]
 
 
-class DatasetOut(_Out):
+class DatasetOut(Out):
     id: int
     model: str
     n: int = Field(description="Rows (N).")
     k: int = Field(description="Classes (K).")
-    kind: Literal["logits", "probabilities"]
+    kind: Kind
     dtype: str
     sha256: str = Field(description="sha256 over the kind and the stored .npy arrays.")
     created_at: datetime
@@ -86,7 +94,7 @@ class FitRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     dataset_id: int = Field(ge=1, le=MAX_ID)
-    method: Method = "auto"
+    method: Method = AUTO
     holdout: float = Field(
         DEFAULT_HOLDOUT, gt=0, lt=1,
         description="Share of rows held out to evaluate (and police argmax)."
@@ -106,7 +114,7 @@ class FitAccepted(BaseModel):
     status_url: str
 
 
-class VersionOut(_Out):
+class VersionOut(Out):
     model: str
     version: int
     status: Status
@@ -133,7 +141,7 @@ class VersionOut(_Out):
     finished_at: datetime | None = None
 
 
-class VersionSummary(_Out):
+class VersionSummary(Out):
     version: int
     status: Status
     method: str
@@ -153,7 +161,7 @@ class AliasPut(BaseModel):
     version: int = Field(ge=1, le=MAX_ID)
 
 
-class AliasOut(_Out):
+class AliasOut(Out):
     model: str
     alias: str
     version: int

@@ -20,13 +20,8 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api.problems import (
-    ContentTooLarge,
-    InvalidInput,
-    MalformedBody,
-    UnsupportedMediaType,
-    problem_response,
-)
+from service.api.problems import error_response
+from service.errors import ContentTooLarge, InvalidInput, MalformedBody, UnsupportedMediaType
 
 _FLUSH_BYTES = 1 << 20
 
@@ -86,14 +81,8 @@ class BodyLimitMiddleware:
                 except ValueError:
                     declared = None
         if declared is not None and declared > limit:
-            exc = _too_large(limit)
-            response = problem_response(
-                Request(scope),
-                exc.status,
-                exc.slug,
-                exc.title,
-                exc.detail,
-                headers={"Connection": "close"},
+            response = error_response(
+                Request(scope), _too_large(limit), headers={"Connection": "close"}
             )
             await response(scope, receive, send)
             return
@@ -119,11 +108,9 @@ class BodyLimitMiddleware:
                 if total > limit:
                     if started:
                         raise _too_large(limit)
-                    exc = _too_large(limit)
-                    response = problem_response(
-                        Request(scope), exc.status, exc.slug, exc.title, exc.detail,
-                        headers={"Connection": "close"},
-                    )  # fmt: skip
+                    response = error_response(
+                        Request(scope), _too_large(limit), headers={"Connection": "close"}
+                    )
                     refused = True
                     await response(scope, receive, send)
                     return {"type": "http.disconnect"}

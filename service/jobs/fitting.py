@@ -29,19 +29,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Engine, update
+from sqlalchemy import Engine
 from sqlalchemy.orm import sessionmaker
 
 import calibrators
 from calibrators import checks, metrics
 from calibrators.holdout import split_indices
 from calibrators.validation import to_probabilities
+from service.storage import fits
 from service.storage.arrays import ArrayStore
-from service.storage.db import CalibratorVersion, Dataset, Model, make_engine, utcnow
+from service.storage.db import make_engine
+from service.vocabulary import AUTO
 
 log = logging.getLogger("welltempered.fits")
-
-AUTO = "auto"
 
 
 def check_fit_request(method: str, options: dict[str, Any]) -> None:
@@ -191,35 +191,12 @@ def dispose_engine(url: str) -> None:
         engine.dispose()
 
 
-def _finish(session_factory, version_id: int, **columns: Any) -> bool:
-    with session_factory() as s, s.begin():
-        res = s.execute(
-            update(CalibratorVersion)
-            .where(CalibratorVersion.id == version_id, CalibratorVersion.status == "running")
-            .values(finished_at=utcnow(), **columns)
-        )
-        return res.rowcount == 1
-
-
 def run_fit(version_id: int, config: WorkerConfig) -> str:
     """The job: runs in a worker process (or thread). Returns the final status."""
     factory = sessionmaker(_engine(config.database_url))
-    with factory() as s, s.begin():
-        row = s.get(CalibratorVersion, version_id)
-        if row is None or row.status != "queued":
-            return row.status if row is not None else "missing"
-        ds = s.get(Dataset, row.dataset_id)
-        policy = s.get(Model, row.model_id).argmax_policy
-        row.status, row.started_at, row.progress = "running", utcnow(), 0.0
-        spec = {
-            "kind": ds.kind,
-            "method": row.method,
-            "holdout": row.holdout,
-            "seed": row.seed,
-            "options": dict(row.options or {}),
-            "argmax_policy": policy,
-        }
-        shas = (ds.scores_sha256, ds.labels_sha256)
+    task = fits.claim(factory, version_id)
+    if isinstance(task, str):  # not queued (any more): its status
+        return task
 
     last = [0.0]
 
@@ -229,40 +206,24 @@ def run_fit(version_id: int, config: WorkerConfig) -> str:
             return
         last[0] = now
         try:
-            with factory() as s, s.begin():
-                s.execute(
-                    update(CalibratorVersion)
-                    .where(
-                        CalibratorVersion.id == version_id,
-                        CalibratorVersion.status == "running",
-                    )
-                    .values(progress=round(float(p), 4))
-                )
+            fits.record_progress(factory, version_id, round(float(p), 4))
         except Exception:  # progress is advisory: never fail a fit for it
             log.warning("could not record progress of version id %s", version_id, exc_info=True)
 
     try:
         store = ArrayStore(Path(config.data_dir))
-        scores, labels = store.load(shas[0]), store.load(shas[1])
-        result = fit_job(scores, labels, progress=progress, **spec)
+        scores, labels = store.load(task.scores_sha256), store.load(task.labels_sha256)
+        result = fit_job(scores, labels, progress=progress, **task.spec)
     except Exception as exc:  # the job's outcome: recorded, not raised into the pool
         log.info("fit of version id %s failed: %s", version_id, exc)
-        _finish(factory, version_id, status="failed", error=f"{type(exc).__name__}: {exc}")
+        fits.finish(factory, version_id, status="failed", error=f"{type(exc).__name__}: {exc}")
         return "failed"
-    _finish(factory, version_id, progress=1.0, error=None, **result)
+    fits.finish(factory, version_id, progress=1.0, error=None, **result)
     return result["status"]
 
 
 def mark_failed(session_factory, version_id: int, error: str) -> None:
-    with session_factory() as s, s.begin():
-        s.execute(
-            update(CalibratorVersion)
-            .where(
-                CalibratorVersion.id == version_id,
-                CalibratorVersion.status.in_(("queued", "running")),
-            )
-            .values(status="failed", error=error, finished_at=utcnow())
-        )
+    fits.fail_unfinished(session_factory, error, version_id)
 
 
 def recover(session_factory) -> int:
@@ -271,17 +232,10 @@ def recover(session_factory) -> int:
     Called once when ``serve`` starts, before any worker exists: nothing can be
     legitimately running then (one ``serve`` per database, see the README).
     """
-    with session_factory() as s, s.begin():
-        res = s.execute(
-            update(CalibratorVersion)
-            .where(CalibratorVersion.status.in_(("queued", "running")))
-            .values(
-                status="failed",
-                error="interrupted: the server stopped before this fit finished; submit it again",
-                finished_at=utcnow(),
-            )
-        )
-        return res.rowcount
+    return fits.fail_unfinished(
+        session_factory,
+        "interrupted: the server stopped before this fit finished; submit it again",
+    )
 
 
 class FitRunner:

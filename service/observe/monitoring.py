@@ -23,38 +23,31 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 from scipy.special import entr
-from sqlalchemy import func, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from calibrators import drift, metrics
 from calibrators.validation import PROBABILITY_FLOOR
-from service.api.problems import InvalidInput, NotFound, NotReady
+from service.errors import InvalidInput, NotReady
 from service.observe import metrics as obs
-from service.storage import registry
-from service.storage.db import STATUSES, Alias, CalibratorVersion, FeedbackBin, Model
+from service.storage import fits, quality, registry
+from service.storage.db import CalibratorVersion, Model
+from service.storage.quality import SUMS
+from service.vocabulary import FITTED, STATUSES, format_duration, parse_duration
 
 log = logging.getLogger("welltempered.monitoring")
 
 N_BINS = metrics.DEFAULT_N_BINS
 EDGES = metrics.bin_edges(N_BINS)
-#: The summed columns of ``feedback_bins``, in the order of :func:`feedback_statistics`.
-SUMS = ("count", "correct_count", "confidence_sum", "nll_sum", "entropy_sum", "brier_sum")
 #: Keys of ``calibrators.metrics.report`` that need the rows, not their sums: ``None``
 #: in a live report.
 NOT_FROM_AGGREGATES = ("nll_median", "nll_p95", "ece_quantile", "classwise_ece")
-DEFAULT_ALIAS = "production"
-
-_WINDOW = re.compile(r"^([1-9][0-9]{0,6})([smhdw])$")
-_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
 MAX_WINDOW_SECONDS = 366 * 86_400
 
 
@@ -63,18 +56,16 @@ MAX_WINDOW_SECONDS = 366 * 86_400
 
 
 def parse_window(text: str) -> int:
-    """``"30m"``, ``"1h"``, ``"7d"`` ... as seconds (units s, m, h, d, w; at most 366 days).
+    """``"30m"``, ``"1h"``, ``"7d"`` ... as seconds (:func:`service.vocabulary.parse_duration`,
+    at most 366 days).
 
     >>> parse_window("90m"), parse_window("7d")
     (5400, 604800)
     """
-    match = _WINDOW.match(text) if isinstance(text, str) else None
-    if match is None:
-        raise InvalidInput(
-            "window must be a positive integer followed by one unit of s, m, h, d, w "
-            f"(e.g. 30m, 1h, 7d). Got {text!r}."
-        )
-    seconds = int(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+    try:
+        seconds = parse_duration(text)
+    except ValueError as exc:
+        raise InvalidInput(f"window: {exc}") from None
     if seconds > MAX_WINDOW_SECONDS:
         raise InvalidInput(f"window must be at most 366d. Got {text!r}.")
     return seconds
@@ -86,10 +77,7 @@ def format_window(seconds: int) -> str:
     >>> format_window(3600), format_window(5400), format_window(61)
     ('1h', '90m', '61s')
     """
-    for unit in ("w", "d", "h", "m"):
-        if seconds % _UNIT_SECONDS[unit] == 0:
-            return f"{seconds // _UNIT_SECONDS[unit]}{unit}"
-    return f"{seconds}s"
+    return format_duration(seconds)
 
 
 def bucket_start(timestamp: float, width: int) -> int:
@@ -151,13 +139,8 @@ def feedback_statistics(probs: np.ndarray, labels: np.ndarray) -> dict[str, np.n
 def record_feedback(
     session: Session, version_id: int, stats: Mapping[str, np.ndarray], bucket: int
 ) -> None:
-    """Add ``stats`` to the (version, bucket) rows: one atomic UPSERT, in bin order.
-
-    ``SET x = x + excluded.x`` is evaluated by the database under the row's lock
-    (PostgreSQL) or the write lock (SQLite), so concurrent feedback from several
-    processes adds up; the rows are sent in bin order so two writers on PostgreSQL
-    lock them in the same order (no deadlock). Commits.
-    """
+    """Add ``stats`` to the (version, bucket) rows: one atomic UPSERT, in bin order
+    (:func:`service.storage.quality.add_feedback`). Commits."""
     rows = [
         {
             "version_id": version_id,
@@ -172,17 +155,7 @@ def record_feedback(
         }
         for b in np.flatnonzero(stats["count"])
     ]
-    if not rows:
-        return
-    dialect = session.get_bind().dialect.name
-    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    stmt = insert(FeedbackBin).values(rows)
-    stmt = stmt.on_conflict_do_update(
-        index_elements=[FeedbackBin.version_id, FeedbackBin.bucket_start, FeedbackBin.bin_index],
-        set_={name: getattr(FeedbackBin, name) + getattr(stmt.excluded, name) for name in SUMS},
-    )
-    session.execute(stmt)
-    session.commit()
+    quality.add_feedback(session, rows)
 
 
 def empty_statistics() -> dict[str, np.ndarray]:
@@ -196,19 +169,8 @@ def window_statistics(
     session: Session, since: int, version_ids: Iterable[int] | None = None
 ) -> dict[int, dict[str, np.ndarray]]:
     """Per-bin sums over the buckets starting at or after ``since``, per version id."""
-    query = (
-        select(
-            FeedbackBin.version_id,
-            FeedbackBin.bin_index,
-            *(func.sum(getattr(FeedbackBin, name)) for name in SUMS),
-        )
-        .where(FeedbackBin.bucket_start >= since)
-        .group_by(FeedbackBin.version_id, FeedbackBin.bin_index)
-    )
-    if version_ids is not None:
-        query = query.where(FeedbackBin.version_id.in_(list(version_ids)))
     out: dict[int, dict[str, np.ndarray]] = {}
-    for version_id, bin_index, *sums in session.execute(query):
+    for version_id, bin_index, *sums in quality.window_sums(session, since, version_ids):
         stats = out.setdefault(version_id, empty_statistics())
         for name, value in zip(SUMS, sums, strict=True):
             stats[name][bin_index] = value
@@ -258,7 +220,7 @@ def live_report(stats: Mapping[str, np.ndarray], n_classes: int) -> dict[str, An
 
 def check_fitted(row: CalibratorVersion, model: Model) -> None:
     """409 unless the version was fitted (it has hold-out metrics to compare with)."""
-    if row.status not in ("succeeded", "rejected") or not row.metrics_after:
+    if row.status not in FITTED or not row.metrics_after:
         raise NotReady(
             f"Version {row.version} of {model.name!r} is {row.status}: only a fitted version "
             "has hold-out figures to monitor against.",
@@ -282,20 +244,8 @@ def drift_verdict(holdout_bins: Mapping, stats: Mapping[str, np.ndarray]) -> dic
 
 
 def monitored_version(session: Session, model: Model, version: int | None) -> CalibratorVersion:
-    """``version`` of ``model``, or the one its ``production`` alias points at (404 if none)."""
-    if version is not None:
-        return registry.find_version(session, model, version)
-    row = session.scalar(
-        select(CalibratorVersion)
-        .join(Alias, Alias.version_id == CalibratorVersion.id)
-        .where(Alias.model_id == model.id, Alias.alias == DEFAULT_ALIAS)
-    )
-    if row is None:
-        raise NotFound(
-            f"Model {model.name!r} has no alias {DEFAULT_ALIAS!r}: PUT /v1/models/{model.name}"
-            f"/aliases/{DEFAULT_ALIAS} with a version first, or pass version."
-        )
-    return row
+    """``version`` of ``model``, or the one its default alias points at (404 if none)."""
+    return registry.served_version(session, model, version=version)
 
 
 # ---------------------------------------------------------------------------
@@ -312,41 +262,10 @@ def snapshot(sessions: sessionmaker, window_seconds: int, bucket_seconds: int) -
     namespace only).
     """
     with sessions() as session:
-        jobs = dict(
-            session.execute(
-                select(CalibratorVersion.status, func.count()).group_by(CalibratorVersion.status)
-            ).all()
-        )
-        aliased = session.execute(
-            select(
-                Model.namespace,
-                Model.name,
-                CalibratorVersion.version,
-                Alias.alias,
-                CalibratorVersion.metrics_after,
-                CalibratorVersion.argmax,
-            )
-            .join(CalibratorVersion, CalibratorVersion.id == Alias.version_id)
-            .join(Model, Model.id == Alias.model_id)
-            .order_by(Model.namespace, Model.name, Alias.alias)
-        ).all()
+        jobs = quality.fits_by_status(session)
+        aliased = quality.aliased_holdout(session)
         live = window_statistics(session, window_start(window_seconds, bucket_seconds))
-        versions = (
-            session.execute(
-                select(
-                    CalibratorVersion.id,
-                    Model.namespace,
-                    Model.name,
-                    Model.num_classes,
-                    CalibratorVersion.version,
-                    CalibratorVersion.metrics_after,
-                )
-                .join(Model, Model.id == CalibratorVersion.model_id)
-                .where(CalibratorVersion.id.in_(list(live)))
-            ).all()
-            if live
-            else []
-        )
+        versions = quality.version_labels(session, live)
     snap: dict[str, list] = {key: [] for key in obs.DB_GAUGES}
     snap["fit_jobs"] = [({"status": s}, jobs.get(s, 0)) for s in STATUSES]
     snap["live_window_seconds"] = [({}, window_seconds)]
@@ -380,17 +299,12 @@ def observe_finished_fit(
     process, whose metrics nobody scrapes).
     """
     try:
-        with session_factory() as session:
-            row = session.execute(
-                select(CalibratorVersion.method, CalibratorVersion.fit_seconds).where(
-                    CalibratorVersion.id == version_id
-                )
-            ).one_or_none()
+        timed = fits.fit_duration(session_factory, version_id)
     except Exception:
         log.exception("metrics: could not read fit %s to observe its duration", version_id)
         return
-    if row is not None and row.fit_seconds is not None:
-        metrics.observe_fit(row.method, row.fit_seconds)
+    if timed is not None:
+        metrics.observe_fit(*timed)
 
 
 # ---------------------------------------------------------------------------

@@ -54,12 +54,13 @@ from typing import Annotated
 
 import anyio.to_thread
 from fastapi import Depends, FastAPI, Request
-from sqlalchemy import select
 
-from service.api.problems import Forbidden, Unauthorized
+from service.errors import Forbidden, Unauthorized
 from service.security.limits import RateLimiter
 from service.settings import Settings
-from service.storage.db import DEFAULT_NAMESPACE, SCOPES, ApiKey
+from service.storage import keys as key_rows
+from service.storage.db import as_utc
+from service.vocabulary import DEFAULT_NAMESPACE, SCOPES
 
 KEY_PREFIX = "wt_"
 #: Characters of a key shown by ``keys list`` and in errors: "wt_" + 8 random ones.
@@ -116,13 +117,6 @@ def required_scope(method: str, route: str) -> str | None:
     return "write"
 
 
-def _aware(moment: datetime | None) -> datetime | None:
-    # SQLite gives naive datetimes back; every stored time is UTC.
-    if moment is not None and moment.tzinfo is None:
-        return moment.replace(tzinfo=UTC)
-    return moment
-
-
 @dataclass(frozen=True)
 class _Entry:
     digest: str
@@ -158,13 +152,11 @@ class KeyCache:
 
 def _lookup(sessions, digest: str) -> _Entry | None:
     with sessions() as session:
-        row = session.scalar(
-            select(ApiKey).where(ApiKey.key_sha256 == digest, ApiKey.revoked_at.is_(None))
-        )
+        row = key_rows.live_key(session, digest)
         if row is None or not hmac.compare_digest(row.key_sha256, digest):
             return None
         principal = Principal(row.namespace, row.scope, row.id, row.prefix)
-        return _Entry(digest, principal, _aware(row.expires_at))
+        return _Entry(digest, principal, as_utc(row.expires_at))
 
 
 def _bearer(request: Request) -> str:

@@ -1,7 +1,8 @@
 """API key management: create (the key is shown once), list (never the key), revoke.
 
 Used by ``welltempered keys ...`` (same settings, hence same database, as
-``serve``) and by the admin routes in :mod:`service.api.routers.keys`.
+``serve``) and by the admin routes in :mod:`service.api.routers.keys`. The rows
+are read and written by :mod:`service.storage.keys`.
 """
 
 from __future__ import annotations
@@ -11,34 +12,21 @@ import re
 import sys
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import select, update
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
-from service.api.schemas import NAME_PATTERN
+from service.errors import NotFound
 from service.security.auth import SHOWN_CHARS, key_digest, new_key
-from service.storage.db import SCOPES, ApiKey, utcnow
+from service.settings import Settings
+from service.storage import keys as key_rows
+from service.storage import migrate
+from service.storage.db import ApiKey, as_utc, make_engine, utcnow
+from service.vocabulary import NAMESPACE_PATTERN, SCOPES, parse_duration
 
-_DURATION = re.compile(r"^\s*(\d+)\s*([smhdw])\s*$")
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_NAMESPACE = re.compile(NAME_PATTERN)
-
-
-def parse_duration(text: str) -> timedelta:
-    """``30d``, ``12h``, ``90m``, ``3600s``, ``2w`` -> timedelta.
-
-    >>> parse_duration("30d")
-    datetime.timedelta(days=30)
-    """
-    match = _DURATION.match(text)
-    if match is None or int(match.group(1)) == 0:
-        raise ValueError(
-            f"a duration is a positive number and a unit s, m, h, d or w (e.g. 30d). Got {text!r}."
-        )
-    return timedelta(seconds=int(match.group(1)) * _UNITS[match.group(2)])
+_NAMESPACE = re.compile(NAMESPACE_PATTERN)
 
 
 def check_namespace(namespace: str) -> str:
-    if not _NAMESPACE.match(namespace) or len(namespace) > 64:
+    if not _NAMESPACE.match(namespace):
         raise ValueError(
             "a namespace is 1-64 characters A-Z a-z 0-9 . _ -, starting with a letter or "
             f"digit. Got {namespace!r}."
@@ -58,42 +46,22 @@ def create_key(
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {', '.join(SCOPES)}. Got {scope!r}.")
     key = new_key()
-    row = ApiKey(
+    row = key_rows.add_key(
+        session,
         prefix=key[:SHOWN_CHARS],
-        key_sha256=key_digest(key),
+        digest=key_digest(key),
         namespace=namespace,
         scope=scope,
         description=description,
-        created_at=utcnow(),
         expires_at=(utcnow() + expires_in) if expires_in is not None else None,
     )
-    session.add(row)
-    session.commit()
     return row, key
 
 
-def list_keys(session: Session, namespace: str | None = None) -> list[ApiKey]:
-    query = select(ApiKey).order_by(ApiKey.id)
-    if namespace is not None:
-        query = query.where(ApiKey.namespace == namespace)
-    return list(session.scalars(query))
-
-
-def revoke_key(session: Session, key_id: int, namespace: str | None = None) -> bool:
-    """Mark the key revoked (kept for the record); False if no such live key."""
-    stmt = update(ApiKey).where(ApiKey.id == key_id, ApiKey.revoked_at.is_(None))
-    if namespace is not None:
-        stmt = stmt.where(ApiKey.namespace == namespace)
-    res = session.execute(stmt.values(revoked_at=utcnow()))
-    session.commit()
-    return res.rowcount == 1
-
-
 def key_state(row: ApiKey, now: datetime | None = None) -> str:
+    """One of :data:`service.vocabulary.KEY_STATES`."""
     now = now or datetime.now(UTC)
-    expires = row.expires_at
-    if expires is not None and expires.tzinfo is None:
-        expires = expires.replace(tzinfo=UTC)
+    expires = as_utc(row.expires_at)
     if row.revoked_at is not None:
         return "revoked"
     if expires is not None and expires <= now:
@@ -118,12 +86,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sqlalchemy.orm import sessionmaker
-
-    from service.settings import Settings
-    from service.storage import migrate
-    from service.storage.db import make_engine
-
     settings = Settings()
     engine = make_engine(settings.database_url)
     try:
@@ -141,14 +103,12 @@ def run(args: argparse.Namespace) -> int:
 def _when(moment: datetime | None) -> str:
     if moment is None:
         return "never"
-    if moment.tzinfo is None:  # SQLite gives naive datetimes back; every stored time is UTC
-        moment = moment.replace(tzinfo=UTC)
-    return moment.isoformat(timespec="seconds")
+    return as_utc(moment).isoformat(timespec="seconds")
 
 
 def _create(session: Session, args: argparse.Namespace) -> int:
     try:
-        expires = parse_duration(args.expires) if args.expires else None
+        expires = timedelta(seconds=parse_duration(args.expires)) if args.expires else None
         row, key = create_key(session, args.namespace, args.scope, expires, args.description)
     except ValueError as exc:
         print(f"welltempered keys create: {exc}", file=sys.stderr)
@@ -165,7 +125,7 @@ def _create(session: Session, args: argparse.Namespace) -> int:
 
 def _list(session: Session, args: argparse.Namespace) -> int:
     print(f"{'id':>5}  {'prefix':<14} {'namespace':<20} {'scope':<8} {'state':<8} expires")
-    for row in list_keys(session, args.namespace):
+    for row in key_rows.list_keys(session, args.namespace):
         until = _when(row.expires_at)
         print(
             f"{row.id:>5}  {row.prefix + '...':<14} {row.namespace:<20} {row.scope:<8} "
@@ -175,8 +135,10 @@ def _list(session: Session, args: argparse.Namespace) -> int:
 
 
 def _revoke(session: Session, args: argparse.Namespace) -> int:
-    if not revoke_key(session, args.id):
-        print(f"welltempered keys revoke: no active key with id {args.id}.", file=sys.stderr)
+    try:
+        key_rows.revoke_key(session, args.id)
+    except NotFound as exc:
+        print(f"welltempered keys revoke: {exc.detail}", file=sys.stderr)
         return 1
     print(f"key {args.id} revoked (servers stop accepting it within KEY_CACHE_SECONDS)")
     return 0

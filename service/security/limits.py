@@ -49,11 +49,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service.api.problems import ContentTooLarge, InvalidInput, TooManyRequests
-from service.storage.db import CalibratorVersion
+from service.errors import ContentTooLarge, InvalidInput, TooManyRequests
+from service.storage import fits
 
 #: Seconds a client is told to wait when the fit queue is full.
 FIT_RETRY_AFTER_SECONDS = 30
@@ -80,16 +79,12 @@ def check_classes(num_classes: int, limit: int) -> None:
 
 def check_fit_queue(session: Session, limit: int) -> None:
     """429 when ``limit`` fits are already queued or running (all namespaces)."""
-    busy = session.scalar(
-        select(func.count())
-        .select_from(CalibratorVersion)
-        .where(CalibratorVersion.status.in_(("queued", "running")))
-    )
+    busy = fits.count_unfinished(session)
     if busy >= limit:
         raise TooManyRequests(
             f"{busy} fits are queued or running, the limit (WELLTEMPERED_MAX_QUEUED_FITS) is "
             f"{limit}: try again later.",
-            headers={"Retry-After": str(FIT_RETRY_AFTER_SECONDS)},
+            retry_after=FIT_RETRY_AFTER_SECONDS,
         )
 
 
@@ -185,7 +180,7 @@ class RateLimiter:
             f"The API key {prefix}... is over its rate limit of {self.rate:g}/s "
             f"with bursts of {self.burst} (WELLTEMPERED_RATE_LIMIT_PER_SECOND, "
             f"WELLTEMPERED_RATE_LIMIT_BURST; per worker process): retry in {retry} s.",
-            headers={"Retry-After": str(retry)},
+            retry_after=retry,
             rate_limit_per_second=self.rate,
             rate_limit_burst=self.burst,
         )

@@ -1,11 +1,14 @@
 """The registry's tables (SQLAlchemy 2.0 typed models) and the engine factory.
 
-Five tables: ``models`` (a classifier to calibrate), ``datasets`` (immutable
+Six tables: ``models`` (a classifier to calibrate), ``datasets`` (immutable
 labelled scores; the arrays are content-addressed files, see
-:mod:`service.storage`), ``calibrator_versions`` (one immutable fit per row,
+:mod:`service.storage.arrays`), ``calibrator_versions`` (one immutable fit per row,
 numbered per model; the row is also the background job), ``aliases``
-((model, alias) -> version, moved in one UPDATE) and ``feedback_bins``
-(time-bucketed reliability sums of labelled feedback, for live calibration).
+((model, alias) -> version, moved in one UPDATE), ``feedback_bins``
+(time-bucketed reliability sums of labelled feedback, for live calibration) and
+``api_keys`` (the sha256 of each key, its namespace and scope). The closed lists
+the CHECK constraints name come from :mod:`service.vocabulary`; the queries live in
+the other modules of this package.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from sqlalchemy import (
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from service.vocabulary import ARGMAX_POLICIES, DEFAULT_NAMESPACE, KINDS, SCOPES, STATUSES
+
 #: Deterministic constraint names, so migrations can refer to them (and SQLite
 #: batch mode can recreate tables) on every backend.
 NAMING_CONVENTION = {
@@ -44,20 +49,21 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-ARGMAX_POLICIES = ("require", "warn", "off")
-KINDS = ("logits", "probabilities")
-STATUSES = ("queued", "running", "succeeded", "rejected", "failed")
-FINISHED = ("succeeded", "rejected", "failed")
-SCOPES = ("predict", "write", "admin")
-#: The namespace of models created before namespaces existed, and with auth off.
-DEFAULT_NAMESPACE = "default"
-
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def as_utc(moment: datetime | None) -> datetime | None:
+    """A stored time as an aware datetime: SQLite gives naive ones back; every stored
+    time is UTC."""
+    if moment is not None and moment.tzinfo is None:
+        return moment.replace(tzinfo=UTC)
+    return moment
+
+
 def _in(column: str, values: tuple[str, ...]) -> str:
+    # The CHECK of a closed list of service.vocabulary (a changed list needs a migration).
     return f"{column} IN ({', '.join(repr(v) for v in values)})"
 
 

@@ -1,14 +1,19 @@
-"""The registry's operations on the database: each function is one transaction's worth.
+"""The model registry's queries: models, datasets, calibrator versions and aliases.
 
-Routers call these with a session from :mod:`service.api.deps`; nothing here knows
-about HTTP except the :mod:`service.api.problems` it raises.
+Each function that writes is one transaction (it commits); each lookup by name
+or number raises :class:`service.errors.NotFound` when the row is missing, so
+the API turns it into a 404 without a check of its own. A name that cannot
+exist (it fails the pattern of :mod:`service.vocabulary`) is not looked up: a
+NUL byte would be a driver error, not a 404.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+from typing import Any
 
+import numpy as np
 from sqlalchemy import select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
@@ -16,31 +21,64 @@ from sqlalchemy.orm import Session
 
 from calibrators import metrics
 from calibrators.validation import to_probabilities
-from service.api.ingest import Labelled
-from service.api.problems import ArgmaxChanged, Conflict, InvalidInput, NotFound, NotReady
-from service.api.schemas import ALIAS_PATTERN, NAME_PATTERN, FitRequest, ModelCreate
+from service.errors import ArgmaxChanged, Conflict, InvalidInput, NotFound, NotReady
 from service.storage.arrays import ArrayStore
 from service.storage.db import Alias, CalibratorVersion, Dataset, Model, utcnow
+from service.vocabulary import ALIAS_PATTERN, DEFAULT_ALIAS, NAME_PATTERN
 
 _NAME = re.compile(NAME_PATTERN)
 _ALIAS = re.compile(ALIAS_PATTERN)
 
 
-def create_model(session: Session, body: ModelCreate, namespace: str) -> Model:
+# ---------------------------------------------------------------------------
+# models
+
+
+def create_model(
+    session: Session,
+    namespace: str,
+    name: str,
+    num_classes: int,
+    class_names: list[str] | None,
+    argmax_policy: str,
+) -> Model:
+    """A new model of ``namespace``; 409 if the namespace has one of that name."""
     model = Model(
         namespace=namespace,
-        name=body.name,
-        num_classes=body.num_classes,
-        class_names=body.class_names,
-        argmax_policy=body.argmax_policy,
+        name=name,
+        num_classes=num_classes,
+        class_names=class_names,
+        argmax_policy=argmax_policy,
     )
     session.add(model)
     try:
         session.commit()
     except IntegrityError:
         session.rollback()
-        raise Conflict(f"A model named {body.name!r} already exists.") from None
+        raise Conflict(f"A model named {name!r} already exists.") from None
     return model
+
+
+def list_models(session: Session, namespace: str) -> list[Model]:
+    return list(
+        session.scalars(select(Model).where(Model.namespace == namespace).order_by(Model.name))
+    )
+
+
+def find_model(session: Session, name: str, namespace: str) -> Model:
+    """The model ``name`` of ``namespace``; another namespace's model is exactly as missing."""
+    row = (
+        session.scalar(select(Model).where(Model.namespace == namespace, Model.name == name))
+        if _NAME.match(name)
+        else None
+    )
+    if row is None:
+        raise NotFound(f"No model named {name!r}; GET /v1/models lists them.")
+    return row
+
+
+# ---------------------------------------------------------------------------
+# datasets
 
 
 def dataset_sha256(kind: str, scores_sha: str, labels_sha: str) -> str:
@@ -48,48 +86,79 @@ def dataset_sha256(kind: str, scores_sha: str, labels_sha: str) -> str:
 
 
 def add_dataset(
-    session: Session, model: Model, data: Labelled, arrays: ArrayStore
+    session: Session,
+    model: Model,
+    arrays: ArrayStore,
+    scores: np.ndarray,
+    labels: np.ndarray,
+    kind: str,
 ) -> tuple[Dataset, bool]:
-    """Store the arrays (files first, fsynced), then commit the row; dedupe by content.
+    """Store validated arrays (files first, fsynced), then commit the row; dedupe by content.
 
     Returns the dataset and whether it is new.
     """
-    scores_sha = arrays.put(data.scores)
-    labels_sha = arrays.put(data.labels)
-    sha = dataset_sha256(data.kind, scores_sha, labels_sha)
-    existing = session.scalar(
-        select(Dataset).where(Dataset.model_id == model.id, Dataset.sha256 == sha)
-    )
+    scores_sha = arrays.put(scores)
+    labels_sha = arrays.put(labels)
+    sha = dataset_sha256(kind, scores_sha, labels_sha)
+    existing = _dataset_by_sha(session, model, sha)
     if existing is not None:
         return existing, False
-    report = metrics.report(to_probabilities(data.scores, data.kind), data.labels)
     dataset = Dataset(
         model_id=model.id,
         sha256=sha,
-        kind=data.kind,
-        n_rows=int(data.scores.shape[0]),
-        n_classes=int(data.scores.shape[1]),
-        dtype=str(data.scores.dtype),
+        kind=kind,
+        n_rows=int(scores.shape[0]),
+        n_classes=int(scores.shape[1]),
+        dtype=str(scores.dtype),
         scores_sha256=scores_sha,
         labels_sha256=labels_sha,
-        metrics=report,
+        metrics=metrics.report(to_probabilities(scores, kind), labels),
     )
     session.add(dataset)
     try:
         session.commit()
     except IntegrityError:  # the same content, uploaded concurrently
         session.rollback()
-        existing = session.scalar(
-            select(Dataset).where(Dataset.model_id == model.id, Dataset.sha256 == sha)
-        )
+        existing = _dataset_by_sha(session, model, sha)
         if existing is None:
             raise
         return existing, False
     return dataset, True
 
 
+def _dataset_by_sha(session: Session, model: Model, sha: str) -> Dataset | None:
+    return session.scalar(
+        select(Dataset).where(Dataset.model_id == model.id, Dataset.sha256 == sha)
+    )
+
+
+def list_datasets(session: Session, model: Model) -> list[Dataset]:
+    return list(
+        session.scalars(select(Dataset).where(Dataset.model_id == model.id).order_by(Dataset.id))
+    )
+
+
+def find_dataset(session: Session, model: Model, dataset_id: int) -> Dataset:
+    """Dataset ``dataset_id`` of ``model`` (another model's is a 404 like a missing one)."""
+    row = session.get(Dataset, dataset_id)
+    if row is None or row.model_id != model.id:
+        raise NotFound(f"Model {model.name!r} has no dataset {dataset_id}.")
+    return row
+
+
+# ---------------------------------------------------------------------------
+# calibrator versions
+
+
 def create_version(
-    session: Session, model: Model, dataset: Dataset, body: FitRequest
+    session: Session,
+    model: Model,
+    dataset: Dataset,
+    *,
+    method: str,
+    holdout: float,
+    seed: int,
+    options: dict[str, Any],
 ) -> CalibratorVersion:
     """A queued version with the next number of this model (atomic UPDATE ... RETURNING)."""
     number = (
@@ -105,10 +174,10 @@ def create_version(
         model_id=model.id,
         version=number,
         dataset_id=dataset.id,
-        method=body.method,
-        holdout=body.holdout,
-        seed=body.seed,
-        options=body.options,
+        method=method,
+        holdout=holdout,
+        seed=seed,
+        options=options,
         status="queued",
         progress=0.0,
     )
@@ -127,31 +196,15 @@ def list_versions(session: Session, model: Model) -> list[CalibratorVersion]:
     )
 
 
-def set_alias(session: Session, model: Model, alias: str, version: CalibratorVersion) -> Alias:
-    """Point ``alias`` at ``version``: one INSERT ... ON CONFLICT DO UPDATE, one transaction."""
-    dialect = session.get_bind().dialect.name
-    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    now = utcnow()
-    stmt = insert(Alias).values(
-        model_id=model.id, alias=alias, version_id=version.id, updated_at=now
+def find_version(session: Session, model: Model, version: int) -> CalibratorVersion:
+    row = session.scalar(
+        select(CalibratorVersion).where(
+            CalibratorVersion.model_id == model.id, CalibratorVersion.version == version
+        )
     )
-    stmt = stmt.on_conflict_do_update(
-        index_elements=[Alias.model_id, Alias.alias],
-        set_={"version_id": stmt.excluded.version_id, "updated_at": stmt.excluded.updated_at},
-    )
-    session.execute(stmt)
-    session.commit()
-    return session.get(Alias, (model.id, alias), populate_existing=True)
-
-
-def list_aliases(session: Session, model: Model) -> list[tuple[Alias, int]]:
-    rows = session.execute(
-        select(Alias, CalibratorVersion.version)
-        .join(CalibratorVersion, CalibratorVersion.id == Alias.version_id)
-        .where(Alias.model_id == model.id)
-        .order_by(Alias.alias)
-    )
-    return [(a, v) for a, v in rows]
+    if row is None:
+        raise NotFound(f"Model {model.name!r} has no calibrator version {version}.")
+    return row
 
 
 def check_servable(row: CalibratorVersion, model: Model) -> None:
@@ -171,54 +224,74 @@ def check_servable(row: CalibratorVersion, model: Model) -> None:
         )
 
 
-def find_model(session: Session, name: str, namespace: str) -> Model:
-    """The model ``name`` of ``namespace``; another namespace's model is exactly as missing."""
-    # A name that cannot exist is not looked up (a NUL byte would be a driver error).
+# ---------------------------------------------------------------------------
+# aliases
+
+
+def set_alias(session: Session, model: Model, alias: str, version: CalibratorVersion) -> Alias:
+    """Point ``alias`` at ``version``: one INSERT ... ON CONFLICT DO UPDATE, one transaction."""
+    dialect = session.get_bind().dialect.name
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    now = utcnow()
+    stmt = insert(Alias).values(
+        model_id=model.id, alias=alias, version_id=version.id, updated_at=now
+    )
+    stmt = stmt.on_conflict_do_update(
+        index_elements=[Alias.model_id, Alias.alias],
+        set_={"version_id": stmt.excluded.version_id, "updated_at": stmt.excluded.updated_at},
+    )
+    session.execute(stmt)
+    session.commit()
+    return session.get(Alias, (model.id, alias), populate_existing=True)
+
+
+def list_aliases(session: Session, model: Model) -> list[tuple[Alias, CalibratorVersion]]:
+    """Every alias of ``model`` (by name), each with the version it points at."""
+    rows = session.execute(
+        select(Alias, CalibratorVersion)
+        .join(CalibratorVersion, CalibratorVersion.id == Alias.version_id)
+        .where(Alias.model_id == model.id)
+        .order_by(Alias.alias)
+    )
+    return [(a, v) for a, v in rows]
+
+
+def find_alias(session: Session, model: Model, alias: str) -> tuple[Alias, CalibratorVersion]:
+    """``alias`` of ``model`` and the version it points at: the one alias -> version lookup."""
     row = (
-        session.scalar(select(Model).where(Model.namespace == namespace, Model.name == name))
-        if _NAME.match(name)
+        session.execute(
+            select(Alias, CalibratorVersion)
+            .join(CalibratorVersion, CalibratorVersion.id == Alias.version_id)
+            .where(Alias.model_id == model.id, Alias.alias == alias)
+        ).one_or_none()
+        if _ALIAS.match(alias)
         else None
     )
     if row is None:
-        raise NotFound(f"No model named {name!r}; GET /v1/models lists them.")
-    return row
-
-
-def find_version(session: Session, model: Model, version: int) -> CalibratorVersion:
-    row = session.scalar(
-        select(CalibratorVersion).where(
-            CalibratorVersion.model_id == model.id, CalibratorVersion.version == version
+        raise NotFound(
+            f"Model {model.name!r} has no alias {alias!r}: PUT /v1/models/{model.name}"
+            f"/aliases/{alias} with a version first."
         )
-    )
-    if row is None:
-        raise NotFound(f"Model {model.name!r} has no calibrator version {version}.")
-    return row
+    return row[0], row[1]
+
+
+def served_version(
+    session: Session, model: Model, alias: str | None = None, version: int | None = None
+) -> CalibratorVersion:
+    """The version a request names: ``version`` if given, else the one ``alias`` (default:
+    :data:`service.vocabulary.DEFAULT_ALIAS`) points at. 404 if missing, 422 if both given."""
+    if alias is not None and version is not None:
+        raise InvalidInput("Give either ?alias= or ?version=, not both.")
+    if version is not None:
+        return find_version(session, model, version)
+    return find_alias(session, model, alias or DEFAULT_ALIAS)[1]
 
 
 def resolve_served(
     session: Session, name: str, alias: str | None, version: int | None, namespace: str
 ) -> tuple[Model, CalibratorVersion]:
-    """The version predict serves: ``version`` if given, else ``alias`` (default production)."""
+    """The model and version predict serves (:func:`served_version`), 409 unless servable."""
     model = find_model(session, name, namespace)
-    if alias is not None and version is not None:
-        raise InvalidInput("Give either ?alias= or ?version=, not both.")
-    if version is not None:
-        row = find_version(session, model, version)
-    else:
-        alias = alias or "production"
-        row = (
-            session.scalar(
-                select(CalibratorVersion)
-                .join(Alias, Alias.version_id == CalibratorVersion.id)
-                .where(Alias.model_id == model.id, Alias.alias == alias)
-            )
-            if _ALIAS.match(alias)
-            else None
-        )
-        if row is None:
-            raise NotFound(
-                f"Model {model.name!r} has no alias {alias!r}: PUT /v1/models/{model.name}"
-                f"/aliases/{alias} with a version first, or pass ?version=N."
-            )
+    row = served_version(session, model, alias, version)
     check_servable(row, model)
     return model, row

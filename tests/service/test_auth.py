@@ -7,14 +7,14 @@ from datetime import timedelta
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import select
 from sqlalchemy.orm import sessionmaker
 
 from service import cli
 from service.api.app import create_app
 from service.security import keys
 from service.security.auth import key_digest, required_scope
-from service.storage.db import ApiKey, make_engine
+from service.storage import keys as key_rows
+from service.storage.db import make_engine
 from tests.service.helpers import (
     Clock,
     assert_problem,
@@ -137,8 +137,7 @@ def test_expired_and_revoked_keys_are_401(app_client, make_key, sessions):
     live = make_key("team-a", "admin", expires=timedelta(days=1))
     assert app_client.get("/v1/models", headers=bearer(live)).status_code == 200
     with sessions() as s:
-        row = s.scalar(select(ApiKey).where(ApiKey.key_sha256 == key_digest(live)))
-        assert keys.revoke_key(s, row.id)
+        key_rows.revoke_key(s, key_rows.live_key(s, key_digest(live)).id)
     assert_problem(app_client.get("/v1/models", headers=bearer(live)), 401, "revoked")
 
 
@@ -156,7 +155,7 @@ def test_admin_manages_keys_of_its_namespace_over_http(app_client, make_key, ses
     assert app_client.delete(f"/v1/keys/{new['id']}", headers=bearer(admin)).status_code == 204
     assert_problem(app_client.get("/v1/models", headers=bearer(new["key"])), 401)
     with sessions() as s:  # only the digest is stored
-        stored = {(r.key_sha256, r.prefix) for r in keys.list_keys(s)}
+        stored = {(r.key_sha256, r.prefix) for r in key_rows.list_keys(s)}
     assert all(new["key"] not in "".join(pair) for pair in stored)
 
 

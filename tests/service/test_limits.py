@@ -11,9 +11,11 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import given
 from hypothesis import strategies as st
+from starlette.requests import Request
 
 from service.api.app import create_app
-from service.api.problems import TooManyRequests
+from service.api.problems import error_response, problem_type
+from service.errors import TooManyRequests
 from service.security.limits import RateLimiter
 from tests.service.helpers import (
     Clock,
@@ -140,21 +142,24 @@ def test_refusal_is_a_429_with_retry_after_rounded_up():
     limiter.check(*key)
     with pytest.raises(TooManyRequests) as refused:
         limiter.check(*key)
-    assert refused.value.status == 429
-    assert refused.value.headers == {"Retry-After": "4"}  # 1 token / 0.25 per second
+    assert refused.value.retry_after == 4  # 1 token / 0.25 per second
+    assert problem_type(refused.value).status == 429
+    request = Request({"type": "http", "path": "/v1/models", "headers": []})
+    response = error_response(request, refused.value)
+    assert response.status_code == 429 and response.headers["retry-after"] == "4"
     detail = refused.value.detail
     assert "wt_abcdefgh..." in detail and "rate limit of 0.25/s" in detail
     assert "bursts of 1" in detail and "WELLTEMPERED_RATE_LIMIT_BURST" in detail
     clock.now += 1.5  # 0.375 of a token: 2.5 s to go, rounded up
     with pytest.raises(TooManyRequests) as refused:
         limiter.check(*key)
-    assert refused.value.headers == {"Retry-After": "3"}
+    assert refused.value.retry_after == 3
     assert counted == ["bucket-unit-test"] * 2
     fast = RateLimiter(rate=10.0, burst=1, clock=clock)  # 0.1 s to wait: at least 1
     fast.check(*key)
     with pytest.raises(TooManyRequests) as refused:
         fast.check(*key)
-    assert refused.value.headers == {"Retry-After": "1"}
+    assert refused.value.retry_after == 1
 
 
 def test_idle_buckets_are_dropped_a_few_per_request():

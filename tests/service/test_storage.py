@@ -10,10 +10,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import sessionmaker
 
 from service.api.app import create_app
-from service.api.schemas import FitRequest
 from service.storage import registry
 from service.storage.arrays import ArrayStore
-from service.storage.db import Dataset, make_engine
+from service.storage.db import make_engine
+from service.vocabulary import DEFAULT_NAMESPACE
 from tests.service.helpers import create_model, logits_data, upload
 
 
@@ -53,12 +53,10 @@ def test_start_up_fails_jobs_left_by_a_dead_process(settings):
     engine = make_engine(settings.database_url)
     try:
         with sessionmaker(engine, expire_on_commit=False)() as s:
-            model = registry.find_model(s, "m", "default")
+            model = registry.find_model(s, "m", DEFAULT_NAMESPACE)
+            dataset = registry.find_dataset(s, model, ds["id"])
             row = registry.create_version(
-                s,
-                model,
-                s.get(Dataset, ds["id"]),
-                FitRequest(dataset_id=ds["id"], method="temperature"),
+                s, model, dataset, method="temperature", holdout=0.2, seed=0, options={}
             )
             assert row.status == "queued"
     finally:

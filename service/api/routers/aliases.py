@@ -1,4 +1,4 @@
-"""/v1/models/{model}/aliases: movable names (e.g. "production") for versions."""
+"""/v1/models/{model}/aliases: movable names for versions (predict serves the default alias)."""
 
 from __future__ import annotations
 
@@ -7,17 +7,18 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path
 
 from service.api.deps import AliasDep, ModelDep, SessionDep, StateDep
-from service.api.schemas import ALIAS_PATTERN, AliasList, AliasOut, AliasPut
+from service.api.schemas import AliasList, AliasOut, AliasPut
 from service.api.uploads import require_json
 from service.storage import registry
 from service.storage.db import Alias, CalibratorVersion, Model
+from service.vocabulary import ALIAS_PATTERN
 
 router = APIRouter(prefix="/v1/models/{model}/aliases", tags=["aliases"])
 
 
-def alias_out(alias: Alias, model: Model, version: int) -> AliasOut:
+def alias_out(alias: Alias, model: Model, version: CalibratorVersion) -> AliasOut:
     return AliasOut(
-        model=model.name, alias=alias.alias, version=version, updated_at=alias.updated_at
+        model=model.name, alias=alias.alias, version=version.version, updated_at=alias.updated_at
     )
 
 
@@ -34,7 +35,7 @@ def put_alias(
     registry.check_servable(row, model)
     saved = registry.set_alias(session, model, alias, row)
     state.serving.invalidate(model.name, model.namespace)
-    return alias_out(saved, model, row.version)
+    return alias_out(saved, model, row)
 
 
 @router.get("", response_model=AliasList)
@@ -45,6 +46,6 @@ def list_aliases(model: ModelDep, session: SessionDep) -> AliasList:
 
 
 @router.get("/{alias}", response_model=AliasOut)
-def get_alias(alias: AliasDep, model: ModelDep, session: SessionDep) -> AliasOut:
-    version = session.get(CalibratorVersion, alias.version_id)
-    return alias_out(alias, model, version.version)
+def get_alias(alias: AliasDep, model: ModelDep) -> AliasOut:
+    row, version = alias
+    return alias_out(row, model, version)

@@ -5,15 +5,16 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Response
 
 from calibrators.holdout import split_indices
-from service.api.deps import ModelDep, SessionDep, StateDep, VersionDep, find_dataset
-from service.api.problems import NotReady
+from service.api.deps import ModelDep, SessionDep, StateDep, VersionDep
 from service.api.schemas import FitAccepted, FitRequest, VersionList, VersionOut, VersionSummary
 from service.api.uploads import require_json
+from service.errors import NotReady
 from service.jobs.fitting import check_fit_request
 from service.security import limits
 from service.serving.inference import onnx_bytes
 from service.storage import registry
 from service.storage.db import CalibratorVersion, Model
+from service.vocabulary import FITTED
 
 router = APIRouter(prefix="/v1/models/{model}/calibrators", tags=["calibrators"])
 
@@ -23,7 +24,7 @@ def version_url(model: Model, version: int) -> str:
 
 
 def version_out(row: CalibratorVersion, model: Model) -> VersionOut:
-    fitted = row.status in ("succeeded", "rejected")
+    fitted = row.status in FITTED
     return VersionOut(
         model=model.name,
         version=row.version,
@@ -53,11 +54,19 @@ def start_fit(
     body: FitRequest, model: ModelDep, session: SessionDep, state: StateDep, response: Response
 ) -> FitAccepted:
     """Queue a fit; it runs in the background. Poll the status URL."""
-    dataset = find_dataset(session, model, body.dataset_id)
+    dataset = registry.find_dataset(session, model, body.dataset_id)
     split_indices(dataset.n_rows, body.holdout, body.seed)  # 422 now if a part would be empty
     check_fit_request(body.method, body.options)  # 422 now for unknown options
     limits.check_fit_queue(session, state.settings.max_queued_fits)
-    row = registry.create_version(session, model, dataset, body)
+    row = registry.create_version(
+        session,
+        model,
+        dataset,
+        method=body.method,
+        holdout=body.holdout,
+        seed=body.seed,
+        options=body.options,
+    )
     state.fits.submit(row.id)
     url = version_url(model, row.version)
     response.headers["Location"] = url
@@ -85,7 +94,7 @@ def get_version(model: ModelDep, version: VersionDep) -> VersionOut:
     responses={200: {"content": {"application/octet-stream": {}}, "description": "ONNX model"}},
 )
 def get_onnx(model: ModelDep, version: VersionDep) -> Response:
-    if version.status not in ("succeeded", "rejected"):
+    if version.status not in FITTED:
         raise NotReady(
             f"Version {version.version} of {model.name!r} is {version.status}: only a fitted "
             "version has an ONNX model.",

@@ -6,7 +6,6 @@ from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
-from sqlalchemy import select
 
 from service.api import ingest
 from service.api.deps import DatasetDep, ModelDep, SessionDep, StateDep
@@ -98,7 +97,9 @@ def upload_dataset(
             upload.npz, model.num_classes, model.name, state.settings.max_body_bytes
         )
     limits.check_rows(data.scores.shape[0], state.settings.max_dataset_rows, "dataset")
-    dataset, created = registry.add_dataset(session, model, data, state.arrays)
+    dataset, created = registry.add_dataset(
+        session, model, state.arrays, data.scores, data.labels, data.kind
+    )
     response.status_code = 201 if created else 200
     response.headers["Location"] = f"/v1/models/{model.name}/datasets/{dataset.id}"
     return dataset_out(dataset, model)
@@ -106,7 +107,7 @@ def upload_dataset(
 
 @router.get("", response_model=DatasetList)
 def list_datasets(model: ModelDep, session: SessionDep) -> DatasetList:
-    rows = session.scalars(select(Dataset).where(Dataset.model_id == model.id).order_by(Dataset.id))
+    rows = registry.list_datasets(session, model)
     return DatasetList(datasets=[dataset_out(d, model, with_metrics=False) for d in rows])
 
 

@@ -9,12 +9,13 @@ from fastapi import APIRouter, Depends, Path, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.api.deps import SessionDep
-from service.api.problems import NotFound
-from service.api.schemas import MAX_ID, _Out
+from service.api.schemas import Out
 from service.api.uploads import require_json
 from service.security import keys
 from service.security.auth import PrincipalDep
+from service.storage import keys as key_rows
 from service.storage.db import ApiKey
+from service.vocabulary import KEY_STATES, MAX_ID, SCOPES
 
 router = APIRouter(prefix="/v1/keys", tags=["keys"])
 
@@ -22,19 +23,19 @@ router = APIRouter(prefix="/v1/keys", tags=["keys"])
 class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    scope: Literal["predict", "write", "admin"]
+    scope: Literal[SCOPES]  # type: ignore[valid-type]
     expires_in_seconds: int | None = Field(
         None, ge=1, le=10 * 365 * 86400, description="Lifetime; none: never expires."
     )
     description: str | None = Field(None, max_length=256)
 
 
-class KeyOut(_Out):
+class KeyOut(Out):
     id: int
     prefix: str = Field(description="The key's first characters: enough to recognise it.")
     namespace: str
     scope: str
-    state: Literal["active", "expired", "revoked"]
+    state: Literal[KEY_STATES]  # type: ignore[valid-type]
     description: str | None
     created_at: datetime
     expires_at: datetime | None
@@ -72,7 +73,7 @@ def create_key(body: KeyCreate, principal: PrincipalDep, session: SessionDep) ->
 @router.get("", response_model=KeyList)
 def list_keys(principal: PrincipalDep, session: SessionDep) -> KeyList:
     return KeyList(
-        keys=[KeyOut(**key_out(r)) for r in keys.list_keys(session, principal.namespace)]
+        keys=[KeyOut(**key_out(r)) for r in key_rows.list_keys(session, principal.namespace)]
     )
 
 
@@ -84,7 +85,6 @@ def revoke_key(
     request: Request,
 ) -> Response:
     """Revoke: at once in this process, within KEY_CACHE_SECONDS in the others."""
-    if not keys.revoke_key(session, key_id, principal.namespace):
-        raise NotFound(f"No active key with id {key_id} in this namespace.")
+    key_rows.revoke_key(session, key_id, principal.namespace)
     request.app.state.welltempered_auth.cache.clear()
     return Response(status_code=204)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Response
-from sqlalchemy import select
 
 from service.api.deps import ModelDep, SessionDep, StateDep
 from service.api.schemas import ModelCreate, ModelList, ModelOut
@@ -29,16 +28,21 @@ def create_model(
     response: Response,
 ) -> ModelOut:
     limits.check_classes(body.num_classes, state.settings.max_classes)
-    model = registry.create_model(session, body, principal.namespace)
+    model = registry.create_model(
+        session,
+        principal.namespace,
+        body.name,
+        body.num_classes,
+        body.class_names,
+        body.argmax_policy,
+    )
     response.headers["Location"] = f"/v1/models/{model.name}"
     return model_out(model)
 
 
 @router.get("", response_model=ModelList)
 def list_models(session: SessionDep, principal: PrincipalDep) -> ModelList:
-    rows = session.scalars(
-        select(Model).where(Model.namespace == principal.namespace).order_by(Model.name)
-    )
+    rows = registry.list_models(session, principal.namespace)
     return ModelList(models=[model_out(m) for m in rows])
 
 

@@ -16,9 +16,8 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from service.api import ingest
 from service.api.deps import ModelDep, SessionDep, StateDep, VersionDep
 from service.api.openapi import LABELS, SCORE_PROPERTIES
-from service.api.problems import InvalidInput
-from service.api.schemas import MAX_ID
 from service.api.uploads import NPZ_TYPES, Upload, labelled_body
+from service.errors import InvalidInput
 from service.observe import metrics as obs
 from service.observe import monitoring
 from service.observe.svg import CONTENT_TYPE as SVG
@@ -27,6 +26,7 @@ from service.security import limits
 from service.serving import inference
 from service.storage import registry
 from service.storage.db import CalibratorVersion, Model
+from service.vocabulary import DEFAULT_ALIAS, MAX_ID
 
 router = APIRouter(tags=["monitoring"])
 
@@ -44,16 +44,20 @@ WindowQuery = Annotated[
 ]
 VersionQuery = Annotated[
     int | None,
-    Query(ge=1, le=MAX_ID, description="A version number (default: the 'production' alias)."),
+    Query(ge=1, le=MAX_ID, description=f"A version number (default: the {DEFAULT_ALIAS!r} alias)."),
 ]
 
 
-def window_seconds(window: str | None, state: StateDep) -> int:
+def window_seconds(state: StateDep, window: WindowQuery = None) -> int:
+    """``?window=`` in seconds (422 if malformed), or the server's monitoring window."""
     return (
         state.settings.monitoring_window_seconds
         if window is None
         else monitoring.parse_window(window)
     )
+
+
+WindowDep = Annotated[int, Depends(window_seconds)]
 
 
 # ---------------------------------------------------------------------------
@@ -87,7 +91,7 @@ FeedbackVersionQuery = Annotated[
     Query(
         ge=1,
         le=MAX_ID,
-        description="The version that served the rows (default: the 'production' alias). "
+        description=f"The version that served the rows (default: the {DEFAULT_ALIAS!r} alias). "
         "A JSON body may give it as its 'version' field instead.",
     ),
 ]
@@ -113,8 +117,8 @@ FeedbackBodyDep = Annotated[Upload, Depends(feedback_body)]
 
 def parse_feedback(body: bytes) -> tuple[dict, str, int | None]:
     """``{"logits" | "probabilities": [[...]], "labels": [...], "version"?: N}``."""
-    obj = ingest._json_object(body, {*ingest.JSON_SCORE_KEYS, "labels", "version"})
-    key = ingest._score_key(obj, ingest.JSON_SCORE_KEYS)
+    obj = ingest.json_object(body, {*ingest.JSON_SCORE_KEYS, "labels", "version"})
+    key = ingest.score_key(obj, ingest.JSON_SCORE_KEYS)
     if "labels" not in obj:
         raise InvalidInput("The body must hold 'labels', one class index per row.")
     version = obj.get("version")
@@ -186,7 +190,7 @@ def post_feedback(
     version: FeedbackVersionQuery = None,
 ) -> dict[str, Any]:
     """Labels for rows served earlier: calibrated by the version that served them (default:
-    the 'production' alias), folded into the time-bucketed reliability statistics.
+    the default alias), folded into the time-bucketed reliability statistics.
 
     The body is JSON or a .npz (the arrays a dataset upload accepts); at most
     ``max_feedback_rows`` rows, else 413 and nothing is recorded."""
@@ -230,19 +234,29 @@ def _live(session, state: StateDep, row: CalibratorVersion, seconds: int) -> tup
     return window, stats
 
 
+def get_monitored(
+    session: SessionDep, model: ModelDep, version: VersionQuery = None
+) -> CalibratorVersion:
+    """The version a monitoring route reads: ``?version=`` or the default alias's; 404 if
+    missing, 409 unless fitted."""
+    row = monitoring.monitored_version(session, model, version)
+    monitoring.check_fitted(row, model)
+    return row
+
+
+MonitoredDep = Annotated[CalibratorVersion, Depends(get_monitored)]
+
+
 @router.get(f"{_MODEL}/monitoring")
 def get_monitoring(
     model: ModelDep,
+    seconds: WindowDep,
+    row: MonitoredDep,
     session: SessionDep,
     state: StateDep,
-    window: WindowQuery = None,
-    version: VersionQuery = None,
 ) -> dict[str, Any]:
     """Live calibration of a version over a window, its hold-out figures, and the drift
     verdict (``calibrators.drift.detect_drift``: method, bound, p-value)."""
-    seconds = window_seconds(window, state)
-    row = monitoring.monitored_version(session, model, version)
-    monitoring.check_fitted(row, model)
     info, stats = _live(session, state, row, seconds)
     holdout = monitoring.holdout_report(row)
     return {
@@ -260,15 +274,12 @@ def get_monitoring(
 )
 def live_reliability_svg(
     model: ModelDep,
+    seconds: WindowDep,
+    row: MonitoredDep,
     session: SessionDep,
     state: StateDep,
-    window: WindowQuery = None,
-    version: VersionQuery = None,
 ) -> Response:
     """Reliability diagram of the live window next to the version's hold-out."""
-    seconds = window_seconds(window, state)
-    row = monitoring.monitored_version(session, model, version)
-    monitoring.check_fitted(row, model)
     info, stats = _live(session, state, row, seconds)
     live = monitoring.live_report(stats, model.num_classes)
     after = row.metrics_after

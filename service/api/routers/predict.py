@@ -11,8 +11,6 @@ stalls the loop.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import anyio.to_thread
 import orjson
 from fastapi import FastAPI, Request, Response
@@ -22,14 +20,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from service.api import ingest
 from service.api.deps import AppState, get_app_state
 from service.api.openapi import SCORE_PROPERTIES
-from service.api.problems import UnsupportedMediaType
-from service.api.schemas import MAX_ID
+from service.api.schemas import Kind
 from service.api.uploads import media_type, read_body
+from service.errors import UnsupportedMediaType
 from service.observe.metrics import ServiceMetrics
 from service.security import limits
 from service.security.auth import authorize
 from service.serving import inference
 from service.serving.inference import Served
+from service.vocabulary import DEFAULT_ALIAS, MAX_ID
 
 PATH = "/v1/models/{model}/predict"
 
@@ -55,13 +54,11 @@ class Target(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    alias: str | None = Field(None, description="Alias to serve (default 'production').")
+    alias: str | None = Field(None, description=f"Alias to serve (default {DEFAULT_ALIAS!r}).")
     version: int | None = Field(
         None, ge=1, le=MAX_ID, description="A version number instead of an alias."
     )
-    kind: Literal["logits", "probabilities"] = Field(
-        "logits", description="What a .npy body holds."
-    )
+    kind: Kind = Field("logits", description="What a .npy body holds.")
 
 
 def target(request: Request) -> Target:

@@ -1,0 +1,84 @@
+"""The service's domain errors: what went wrong, in the service's own words.
+
+Storage, jobs, security and the body parsers raise these; they know nothing of
+HTTP. :mod:`service.api.problems` is the one place that maps each class (and
+``calibrators.CalibrationInputError``) to an RFC 9457 problem: its status, type
+and title, and the headers some of them need.
+
+Every error has a ``detail`` (one sentence for the caller, saying what was
+expected and what was got) and ``extra``: the members a problem adds to its body
+(``argmax`` for a rejected version, ``max_rows`` for too many rows...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ServiceError(Exception):
+    """Base class: ``detail`` for the caller, ``extra`` keyword arguments for the problem body."""
+
+    def __init__(self, detail: str, **extra: Any):
+        super().__init__(detail)
+        self.detail = detail
+        self.extra = extra
+
+
+class MalformedBody(ServiceError):
+    """A body that cannot be decoded at all (a corrupt .npz, a truncated multipart)."""
+
+
+class MalformedJSON(MalformedBody):
+    """A body that is not JSON."""
+
+
+class InvalidInput(ServiceError):
+    """Decoded, but not what the operation takes (a shape, a field, a window)."""
+
+
+class UnsupportedMediaType(ServiceError):
+    """A body in a format the operation does not read."""
+
+
+class ContentTooLarge(ServiceError):
+    """A body, or rows in it, over a configured limit."""
+
+
+class NotFound(ServiceError):
+    """No such model, dataset, version, alias or key (or another namespace's)."""
+
+
+class Conflict(ServiceError):
+    """The operation clashes with the registry's state (a duplicate name...)."""
+
+
+class NotReady(Conflict):
+    """A version whose status does not allow the operation (not fitted, not succeeded)."""
+
+    def __init__(self, detail: str, *, version_status: str):
+        super().__init__(detail, version_status=version_status)
+        self.version_status = version_status
+
+
+class ArgmaxChanged(Conflict):
+    """A rejected version: its calibration changed held-out predicted classes."""
+
+    def __init__(self, detail: str, *, argmax: dict[str, Any] | None):
+        super().__init__(detail, argmax=argmax)
+        self.argmax = argmax
+
+
+class Unauthorized(ServiceError):
+    """No API key, or an unknown, revoked or expired one."""
+
+
+class Forbidden(ServiceError):
+    """A valid key whose scope does not allow the operation."""
+
+
+class TooManyRequests(ServiceError):
+    """Over a rate: the caller may retry after ``retry_after`` whole seconds."""
+
+    def __init__(self, detail: str, *, retry_after: int, **extra: Any):
+        super().__init__(detail, **extra)
+        self.retry_after = retry_after

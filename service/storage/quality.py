@@ -1,0 +1,110 @@
+"""The queries behind live calibration and the /metrics gauges: the ``feedback_bins``
+sums, and the registry figures :mod:`service.observe.monitoring` turns into gauges.
+
+The numerics (what a bin's sums mean, reports, drift) are the observe package's;
+this module only reads and adds rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sqlalchemy import Row, func, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from service.storage.db import Alias, CalibratorVersion, FeedbackBin, Model
+
+#: The summed columns of ``feedback_bins``, in the order :func:`window_sums` returns them.
+SUMS = ("count", "correct_count", "confidence_sum", "nll_sum", "entropy_sum", "brier_sum")
+
+
+def add_feedback(session: Session, rows: Sequence[dict[str, Any]]) -> None:
+    """Add each row's :data:`SUMS` to its (version_id, bucket_start, bin_index) row: one
+    ``INSERT ... ON CONFLICT DO UPDATE SET x = x + excluded.x``, in the order given. Commits.
+
+    The increment is evaluated by the database under the row's lock (PostgreSQL) or
+    the write lock (SQLite), so concurrent writers add up; give the rows in bin order,
+    so that two writers on PostgreSQL lock them in the same order (no deadlock).
+    """
+    if not rows:
+        return
+    dialect = session.get_bind().dialect.name
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    stmt = insert(FeedbackBin).values(list(rows))
+    stmt = stmt.on_conflict_do_update(
+        index_elements=[FeedbackBin.version_id, FeedbackBin.bucket_start, FeedbackBin.bin_index],
+        set_={name: getattr(FeedbackBin, name) + getattr(stmt.excluded, name) for name in SUMS},
+    )
+    session.execute(stmt)
+    session.commit()
+
+
+def window_sums(
+    session: Session, since: int, version_ids: Iterable[int] | None = None
+) -> list[Row]:
+    """``(version_id, bin_index, *SUMS)`` summed over the buckets starting at or after
+    ``since``, for ``version_ids`` (every version if None)."""
+    query = (
+        select(
+            FeedbackBin.version_id,
+            FeedbackBin.bin_index,
+            *(func.sum(getattr(FeedbackBin, name)) for name in SUMS),
+        )
+        .where(FeedbackBin.bucket_start >= since)
+        .group_by(FeedbackBin.version_id, FeedbackBin.bin_index)
+    )
+    if version_ids is not None:
+        query = query.where(FeedbackBin.version_id.in_(list(version_ids)))
+    return list(session.execute(query))
+
+
+def fits_by_status(session: Session) -> dict[str, int]:
+    """Calibrator versions per status (statuses with none are absent)."""
+    return dict(
+        session.execute(
+            select(CalibratorVersion.status, func.count()).group_by(CalibratorVersion.status)
+        ).all()
+    )
+
+
+def aliased_holdout(session: Session) -> list[Row]:
+    """``(namespace, model, version, alias, metrics_after, argmax)`` of every alias, by
+    namespace, model and alias."""
+    return list(
+        session.execute(
+            select(
+                Model.namespace,
+                Model.name,
+                CalibratorVersion.version,
+                Alias.alias,
+                CalibratorVersion.metrics_after,
+                CalibratorVersion.argmax,
+            )
+            .join(CalibratorVersion, CalibratorVersion.id == Alias.version_id)
+            .join(Model, Model.id == Alias.model_id)
+            .order_by(Model.namespace, Model.name, Alias.alias)
+        ).all()
+    )
+
+
+def version_labels(session: Session, version_ids: Iterable[int]) -> list[Row]:
+    """``(id, namespace, model, num_classes, version, metrics_after)`` of the versions."""
+    ids = list(version_ids)
+    if not ids:
+        return []
+    return list(
+        session.execute(
+            select(
+                CalibratorVersion.id,
+                Model.namespace,
+                Model.name,
+                Model.num_classes,
+                CalibratorVersion.version,
+                CalibratorVersion.metrics_after,
+            )
+            .join(Model, Model.id == CalibratorVersion.model_id)
+            .where(CalibratorVersion.id.in_(ids))
+        ).all()
+    )
