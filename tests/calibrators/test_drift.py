@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import doctest
 import json
 
 import numpy as np
 import pytest
 
-from calibrators import CalibrationInputError, TemperatureScaler, drift, metrics
-from calibrators.drift import METHOD, VERDICTS, as_bin_statistics, detect_drift
+from calibrators import CalibrationInputError, TemperatureScaler, metrics
+from calibrators.drift import METHOD, as_bin_statistics, detect_drift
 
 
 def _statistics(probs: np.ndarray, labels: np.ndarray) -> dict:
@@ -79,7 +78,7 @@ def test_deterministic_and_json_serialisable(cifar10):
     first = detect_drift(holdout["bins"], live)
     assert detect_drift(holdout["bins"], live) == first
     assert json.loads(json.dumps(first, allow_nan=False)) == first
-    assert first["verdict"] in VERDICTS
+    assert first["verdict"] == "ok"  # the unshifted stream (see the first test)
     assert detect_drift(holdout["bins"], live, seed=1)["bound"] != first["bound"]
 
 
@@ -166,8 +165,3 @@ def test_bad_input_raises(holdout, live, kwargs, message):
     with pytest.raises(CalibrationInputError, match=message) as info:
         detect_drift(holdout, live, **kwargs)
     assert "Got" in str(info.value)
-
-
-def test_docstring_examples():
-    result = doctest.testmod(drift)
-    assert result.attempted > 0 and result.failed == 0

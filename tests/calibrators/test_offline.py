@@ -230,7 +230,7 @@ def test_not_an_npz(tmp_path, capsys):
     garbage.write_bytes(b"this is not a zip archive")
     assert "cannot read" in _error(capsys, [garbage])
     npy = tmp_path / "array.npy"
-    np.save(npy, np.zeros((3, 3)))
+    np.save(npy, np.zeros((4, 3)))
     assert "not a .npz archive" in _error(capsys, [npy])
 
 
@@ -256,7 +256,7 @@ def test_bad_holdout(holdout, logits_npz, capsys):
 
 def test_holdout_leaving_an_empty_part(tmp_path, capsys):
     path = tmp_path / "tiny.npz"
-    np.savez(path, logits=np.eye(3), labels=np.arange(3))
+    np.savez(path, logits=np.eye(4, 3), labels=np.arange(4) % 3)
     line = _error(capsys, [path, "--holdout", "0.1"])
     assert "both parts need rows" in line
 
