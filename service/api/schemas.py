@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, model_validator
 
 from calibrators.holdout import DEFAULT_HOLDOUT
 from service.storage.db import as_utc
@@ -13,10 +13,12 @@ from service.vocabulary import (
     ARGMAX_POLICIES,
     AUTO,
     DEFAULT_ARGMAX_POLICY,
+    KEY_STATES,
     KINDS,
     MAX_ID,
     METHODS,
     NAME_PATTERN,
+    SCOPES,
     STATUSES,
 )
 
@@ -25,14 +27,12 @@ Method = Literal[METHODS]  # type: ignore[valid-type]
 Status = Literal[STATUSES]  # type: ignore[valid-type]
 Kind = Literal[KINDS]  # type: ignore[valid-type]
 ArgmaxPolicy = Literal[ARGMAX_POLICIES]  # type: ignore[valid-type]
+Scope = Literal[SCOPES]  # type: ignore[valid-type]
+KeyState = Literal[KEY_STATES]  # type: ignore[valid-type]
 
 
-class Out(BaseModel):
-    """Base of the response bodies: datetimes go out in UTC."""
-
-    @field_serializer("*", when_used="json", check_fields=False)
-    def _utc(self, value: Any) -> Any:
-        return as_utc(value) if isinstance(value, datetime) else value
+#: A stored time: ISO 8601 in UTC on the wire (SQLite gives naive datetimes back).
+Timestamp = Annotated[datetime, PlainSerializer(as_utc, return_type=datetime, when_used="json")]
 
 
 class ModelCreate(BaseModel):
@@ -60,19 +60,19 @@ class ModelCreate(BaseModel):
         return self
 
 
-class ModelOut(Out):
+class ModelOut(BaseModel):
     name: str
     num_classes: int
     class_names: list[str] | None
-    argmax_policy: str
-    created_at: datetime
+    argmax_policy: ArgmaxPolicy
+    created_at: Timestamp
 
 
 class ModelList(BaseModel):
     models: list[ModelOut]
 
 
-class DatasetOut(Out):
+class DatasetOut(BaseModel):
     id: int
     model: str
     n: int = Field(description="Rows (N).")
@@ -80,7 +80,7 @@ class DatasetOut(Out):
     kind: Kind
     dtype: str
     sha256: str = Field(description="sha256 over the kind and the stored .npy arrays.")
-    created_at: datetime
+    created_at: Timestamp
     metrics: dict[str, Any] | None = Field(
         None, description="calibrators.metrics.report of the raw scores."
     )
@@ -114,7 +114,7 @@ class FitAccepted(BaseModel):
     status_url: str
 
 
-class VersionOut(Out):
+class VersionOut(BaseModel):
     model: str
     version: int
     status: Status
@@ -136,19 +136,19 @@ class VersionOut(Out):
     warning: str | None = None
     error: str | None = None
     fit_seconds: float | None = None
-    created_at: datetime
-    started_at: datetime | None = None
-    finished_at: datetime | None = None
+    created_at: Timestamp
+    started_at: Timestamp | None = None
+    finished_at: Timestamp | None = None
 
 
-class VersionSummary(Out):
+class VersionSummary(BaseModel):
     version: int
     status: Status
     method: str
     chosen_method: str | None
     dataset_id: int
-    created_at: datetime
-    finished_at: datetime | None
+    created_at: Timestamp
+    finished_at: Timestamp | None
 
 
 class VersionList(BaseModel):
@@ -161,12 +161,41 @@ class AliasPut(BaseModel):
     version: int = Field(ge=1, le=MAX_ID)
 
 
-class AliasOut(Out):
+class AliasOut(BaseModel):
     model: str
     alias: str
     version: int
-    updated_at: datetime
+    updated_at: Timestamp
 
 
 class AliasList(BaseModel):
     aliases: list[AliasOut]
+
+
+class KeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    scope: Scope
+    expires_in_seconds: int | None = Field(
+        None, ge=1, le=10 * 365 * 86400, description="Lifetime; none: never expires."
+    )
+    description: str | None = Field(None, max_length=256)
+
+
+class KeyOut(BaseModel):
+    id: int
+    prefix: str = Field(description="The key's first characters: enough to recognise it.")
+    namespace: str
+    scope: Scope
+    state: KeyState
+    description: str | None
+    created_at: Timestamp
+    expires_at: Timestamp | None
+
+
+class KeyCreated(KeyOut):
+    key: str = Field(description="The key itself: shown in this response only.")
+
+
+class KeyList(BaseModel):
+    keys: list[KeyOut]

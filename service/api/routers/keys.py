@@ -2,51 +2,21 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
-from typing import Annotated, Literal
+from datetime import timedelta
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
 
 from service.api.deps import SessionDep
-from service.api.schemas import Out
+from service.api.schemas import KeyCreate, KeyCreated, KeyList, KeyOut
 from service.api.uploads import require_json
 from service.security import keys
 from service.security.auth import PrincipalDep
 from service.storage import keys as key_rows
 from service.storage.db import ApiKey
-from service.vocabulary import KEY_STATES, MAX_ID, SCOPES
+from service.vocabulary import MAX_ID
 
 router = APIRouter(prefix="/v1/keys", tags=["keys"])
-
-
-class KeyCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    scope: Literal[SCOPES]  # type: ignore[valid-type]
-    expires_in_seconds: int | None = Field(
-        None, ge=1, le=10 * 365 * 86400, description="Lifetime; none: never expires."
-    )
-    description: str | None = Field(None, max_length=256)
-
-
-class KeyOut(Out):
-    id: int
-    prefix: str = Field(description="The key's first characters: enough to recognise it.")
-    namespace: str
-    scope: str
-    state: Literal[KEY_STATES]  # type: ignore[valid-type]
-    description: str | None
-    created_at: datetime
-    expires_at: datetime | None
-
-
-class KeyCreated(KeyOut):
-    key: str = Field(description="The key itself: shown in this response only.")
-
-
-class KeyList(BaseModel):
-    keys: list[KeyOut]
 
 
 def key_out(row: ApiKey) -> dict:
