@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import calibrators
+from service.vocabulary import DEFAULT_ALIAS
 from tests.service.helpers import (
     assert_problem,
     create_model,
@@ -135,9 +136,9 @@ def test_fit_lifecycle_alias_predict(client):
     assert_problem(
         client.post("/v1/models/m/predict", json={"logits": logits[:2].tolist()}), 404, "alias"
     )
-    r = client.put("/v1/models/m/aliases/production", json={"version": 2})
+    r = client.put(f"/v1/models/m/aliases/{DEFAULT_ALIAS}", json={"version": 2})
     assert r.status_code == 200 and r.json()["version"] == 2
-    assert client.get("/v1/models/m/aliases").json()["aliases"][0]["alias"] == "production"
+    assert client.get("/v1/models/m/aliases").json()["aliases"][0]["alias"] == DEFAULT_ALIAS
 
     x = logits[:5]
     r = client.post("/v1/models/m/predict", json={"logits": x.tolist()})
@@ -174,9 +175,9 @@ def test_fit_lifecycle_alias_predict(client):
     assert r.json()["version"] == 1
 
     # moving the alias is seen by the next request
-    client.put("/v1/models/m/aliases/production", json={"version": 1})
+    client.put(f"/v1/models/m/aliases/{DEFAULT_ALIAS}", json={"version": 1})
     assert client.post("/v1/models/m/predict", json={"logits": x.tolist()}).json()["version"] == 1
-    r = client.post("/v1/models/m/predict?alias=production", json={"logits": x.tolist()})
+    r = client.post(f"/v1/models/m/predict?alias={DEFAULT_ALIAS}", json={"logits": x.tolist()})
     assert r.json()["version"] == 1
 
     onnx = client.get("/v1/models/m/calibrators/2/onnx")
@@ -189,7 +190,7 @@ def test_require_policy_rejects_and_409(client):
     ds = upload(client, "strict", logits, labels)
     v = fit(client, "strict", ds["id"], "matrix")
     assert v["status"] == "rejected" and v["argmax"]["changed"] > 0 and v["params"] is not None
-    r = client.put("/v1/models/strict/aliases/production", json={"version": v["version"]})
+    r = client.put(f"/v1/models/strict/aliases/{DEFAULT_ALIAS}", json={"version": v["version"]})
     body = assert_problem(r, 409, "argmax")
     assert body["argmax"]["changed"] == v["argmax"]["changed"]
     assert_problem(
@@ -216,7 +217,7 @@ def test_warn_policy_allows_with_warning(client):
     v = fit(client, "lenient", ds["id"], "matrix")
     assert v["status"] == "succeeded" and v["argmax"]["changed"] > 0
     assert "changed the predicted class" in v["warning"]
-    r = client.put("/v1/models/lenient/aliases/production", json={"version": v["version"]})
+    r = client.put(f"/v1/models/lenient/aliases/{DEFAULT_ALIAS}", json={"version": v["version"]})
     assert r.status_code == 200
 
 
@@ -230,6 +231,8 @@ def test_failed_fit_records_the_error(client, settings):
     v = fit(client, "m", ds["id"])
     assert v["status"] == "failed" and "missing" in v["error"] and v["params"] is None
     assert_problem(
-        client.put("/v1/models/m/aliases/production", json={"version": v["version"]}), 409, "failed"
+        client.put(f"/v1/models/m/aliases/{DEFAULT_ALIAS}", json={"version": v["version"]}),
+        409,
+        "failed",
     )
     assert_problem(client.get(f"/v1/models/m/calibrators/{v['version']}/onnx"), 409)

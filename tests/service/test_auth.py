@@ -15,6 +15,7 @@ from service.security import keys
 from service.security.auth import key_digest, required_scope
 from service.storage import keys as key_rows
 from service.storage.db import make_engine
+from service.vocabulary import DEFAULT_ALIAS, SCOPES
 from tests.service.helpers import (
     Clock,
     assert_problem,
@@ -71,7 +72,7 @@ def test_scope_rules_cover_every_route(tmp_path):
             if route.path in ("/healthz", "/readyz", "/metrics"):
                 assert need is None
             elif route.path.startswith("/v1/"):
-                assert need in ("predict", "write", "admin"), (method, route.path)
+                assert need in SCOPES, (method, route.path)
 
 
 def test_missing_invalid_and_malformed_keys_are_401(app_client):
@@ -87,7 +88,7 @@ def test_open_routes_need_no_key(app_client):
 
 
 def test_scopes_are_hierarchical(app_client, make_key):
-    predict, write, admin = (make_key("team-a", s) for s in ("predict", "write", "admin"))
+    predict, write, admin = (make_key("team-a", s) for s in SCOPES)
     body = {"name": "m", "num_classes": 3}
     body_403 = assert_problem(
         app_client.post("/v1/models", json=body, headers=bearer(predict)), 403
@@ -108,15 +109,15 @@ def test_namespaces_are_isolated_and_foreign_models_look_missing(app_client, mak
     app_client.headers.update(bearer(a))
     r = app_client.post("/v1/models/m/datasets", json={"logits": z.tolist(), "labels": y.tolist()})
     v = fit(app_client, "m", r.json()["id"])
-    assert app_client.put("/v1/models/m/aliases/production", json={"version": v["version"]})
+    assert app_client.put(f"/v1/models/m/aliases/{DEFAULT_ALIAS}", json={"version": v["version"]})
     app_client.headers.pop("Authorization")
     paths = [
         ("GET", "/v1/models/m", None),
         ("GET", "/v1/models/m/datasets/1", None),
         ("GET", "/v1/models/m/calibrators/1", None),
-        ("GET", "/v1/models/m/aliases/production", None),
+        ("GET", f"/v1/models/m/aliases/{DEFAULT_ALIAS}", None),
         ("POST", "/v1/models/m/predict", {"logits": z[:2].tolist()}),
-        ("PUT", "/v1/models/m/aliases/production", {"version": 1}),
+        ("PUT", f"/v1/models/m/aliases/{DEFAULT_ALIAS}", {"version": 1}),
     ]
     for method, path, json in paths:
         foreign = app_client.request(method, path, json=json, headers=bearer(b))

@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 
 import calibrators
 from service.api.app import create_app
+from service.vocabulary import DEFAULT_ALIAS
 from tests.helpers import DATA_DIR
 from tests.service.helpers import create_model, make_settings, wait_for
 
@@ -61,7 +62,7 @@ def test_upload_auto_promote_predict(cifar100, database_url, tmp_path):
         assert v["metrics"]["after"]["nll"] < v["metrics"]["before"]["nll"]
         assert v["metrics"]["before"]["n"] == 2000
 
-        r = c.put("/v1/models/wrn/aliases/production", json={"version": v["version"]})
+        r = c.put(f"/v1/models/wrn/aliases/{DEFAULT_ALIAS}", json={"version": v["version"]})
         assert r.status_code == 200, r.text
 
         probs, _ = cifar100.test

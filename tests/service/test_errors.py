@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import ast
 import io
+from pathlib import Path
 
 import numpy as np
+import orjson
 import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from starlette.requests import Request
 
+from calibrators import CalibrationInputError
+from service import errors
+from service.api import problems
 from service.api.app import create_app
+from service.vocabulary import DEFAULT_ALIAS, KINDS
 from tests.service.helpers import (
     assert_problem,
     bodies,
@@ -23,16 +31,20 @@ from tests.service.helpers import (
     upload,
 )
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 @pytest.fixture
 def served(client):
-    """Model 'm' (4 classes) with dataset 1 and version 1 aliased 'production'."""
+    """Model 'm' (4 classes) with dataset 1 and version 1 given the default alias."""
     create_model(client, "m", 4)
     logits, labels = logits_data()
     ds = upload(client, "m", logits, labels)
     v = fit(client, "m", ds["id"])
     assert (
-        client.put("/v1/models/m/aliases/production", json={"version": v["version"]}).status_code
+        client.put(
+            f"/v1/models/m/aliases/{DEFAULT_ALIAS}", json={"version": v["version"]}
+        ).status_code
         == 200
     )
     return client
@@ -170,7 +182,9 @@ def test_fit_and_alias_errors(served):
     assert_problem(c.get(f"{fit_url}/7"), 404, "version 7")
     assert_problem(c.get(f"{fit_url}/abc"), 422)
     assert_problem(c.get(f"{fit_url}/7/onnx"), 404)
-    assert_problem(c.put("/v1/models/m/aliases/production", json={"version": 7}), 404, "version 7")
+    assert_problem(
+        c.put(f"/v1/models/m/aliases/{DEFAULT_ALIAS}", json={"version": 7}), 404, "version 7"
+    )
     assert_problem(c.put("/v1/models/m/aliases/bad%20name", json={"version": 1}), 422, "alias")
     assert_problem(c.put("/v1/models/m/aliases/x", json={"version": "one"}), 422, "version")
     assert_problem(c.get("/v1/models/m/aliases/nope"), 404, "nope")
@@ -201,7 +215,9 @@ def test_predict_errors(served):
     assert_problem(c.post(url, content=npy(np.zeros((2, 3))), headers=npy_h), 422, "4 columns")
     assert_problem(c.post(url, content=b"\x93NUMPY garbage", headers=npy_h), 400, "npy")
     assert_problem(c.post(url, content=npy(np.zeros((2, 4)))[:-8], headers=npy_h), 400, "truncated")
-    assert_problem(c.post(f"{url}?alias=production&version=1", json={"logits": x}), 422, "either")
+    assert_problem(
+        c.post(f"{url}?alias={DEFAULT_ALIAS}&version=1", json={"logits": x}), 422, "either"
+    )
     assert_problem(c.post(f"{url}?alias=canary", json={"logits": x}), 404, "canary")
     assert_problem(c.post(f"{url}?version=9", json={"logits": x}), 404, "version 9")
     assert_problem(c.post(f"{url}?version=0", json={"logits": x}), 422)
@@ -226,7 +242,7 @@ def test_predict_parameters_are_documented(client):
     assert params["path", "model"]["required"]
     version = params["query", "version"]["schema"]["anyOf"][0]
     assert (version["type"], version["minimum"]) == ("integer", 1)
-    assert params["query", "kind"]["schema"]["enum"] == ["logits", "probabilities"]
+    assert params["query", "kind"]["schema"]["enum"] == list(KINDS)
     assert op["security"] == [{"bearer": []}]
 
 
@@ -274,7 +290,7 @@ targets = st.sampled_from(
         ("POST", "/v1/models"),
         ("POST", "/v1/models/m/datasets"),
         ("POST", "/v1/models/m/calibrators"),
-        ("PUT", "/v1/models/m/aliases/production"),
+        ("PUT", f"/v1/models/m/aliases/{DEFAULT_ALIAS}"),
         ("POST", "/v1/models/m/predict"),
         ("POST", "/v1/models/m/predict?kind=probabilities"),
         ("POST", "/v1/models/m/predict?version=1"),
@@ -298,3 +314,99 @@ def test_garbage_never_500(served, target, body):
     if r.status_code >= 400:
         assert r.headers["content-type"] == "application/problem+json", r.headers
         assert r.json()["detail"]
+
+
+# ---------------------------------------------------------------------------
+# the one mapping of domain errors to problems
+
+
+def _defined_errors() -> list[type[Exception]]:
+    return [
+        cls
+        for cls in vars(errors).values()
+        if isinstance(cls, type) and issubclass(cls, errors.ServiceError)
+    ]
+
+
+def test_every_domain_error_has_its_own_problem_type():
+    """A new error class gets its own row of the table, not silently its base's status."""
+    missing = [cls.__name__ for cls in _defined_errors() if cls not in problems.PROBLEM_TYPES]
+    assert missing == []
+    assert problems.problem_type(CalibrationInputError("bad")).status == 422
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "slug", "headers", "extra"),
+    [
+        (errors.NotFound("gone"), 404, "not-found", {}, {}),
+        (
+            errors.ArgmaxChanged("flipped", argmax={"changed": 3}),
+            409,
+            "argmax-changed",
+            {},
+            {"argmax": {"changed": 3}},
+        ),
+        (
+            errors.NotReady("later", version_status="queued"),
+            409,
+            "not-ready",
+            {},
+            {"version_status": "queued"},
+        ),
+        (
+            errors.Unauthorized("who"),
+            401,
+            "unauthorized",
+            {"www-authenticate": 'Bearer realm="welltempered"'},
+            {},
+        ),
+        (
+            errors.TooManyRequests("slow down", retry_after=7, rate_limit_burst=2),
+            429,
+            "too-many-requests",
+            {"retry-after": "7"},
+            {"rate_limit_burst": 2},
+        ),
+        (errors.MalformedJSON("{"), 400, "malformed-json", {}, {}),
+        (CalibrationInputError("NaN"), 422, "invalid-input", {}, {}),
+    ],
+)
+def test_error_response_is_the_wire_format(error, status, slug, headers, extra):
+    request = Request({"type": "http", "method": "GET", "path": "/v1/x", "headers": []})
+    r = problems.error_response(request, error, headers={"Connection": "close"})
+    assert r.status_code == status and r.media_type == problems.PROBLEM_JSON
+    body = orjson.loads(r.body)
+    detail = error.detail if isinstance(error, errors.ServiceError) else str(error)
+    assert body == {
+        "type": f"/problems/{slug}",
+        "title": problems.PROBLEM_TYPES[type(error)].title,
+        "status": status,
+        "detail": detail,
+        "instance": "/v1/x",
+        **extra,
+    }
+    assert {k: r.headers[k] for k in headers} == headers and r.headers["connection"] == "close"
+    assert "retry_after" not in body  # a header, not a member
+
+
+NO_HTTP = ["service/errors.py", "service/vocabulary.py", "service/settings.py", "service/storage"]
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(
+        p
+        for name in NO_HTTP
+        for p in ([ROOT / name] if name.endswith(".py") else (ROOT / name).glob("*.py"))
+    ),
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_the_layers_below_the_api_know_no_http(path):
+    """Domain errors and storage raise their own errors; only the api maps them to HTTP."""
+    packages = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            packages |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            packages.add(node.module.split(".")[0])
+    assert not packages & {"fastapi", "starlette"}

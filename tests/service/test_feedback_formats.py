@@ -20,6 +20,7 @@ import service.api.routers.monitoring
 import service.observe.monitoring
 from service.api.app import create_app
 from service.storage.db import FeedbackBin
+from service.vocabulary import DEFAULT_ALIAS
 from tests.service.helpers import (
     assert_problem,
     create_model,
@@ -44,7 +45,7 @@ def softmax(z: np.ndarray) -> np.ndarray:
 
 
 def promoted(client: TestClient) -> TestClient:
-    """Model 'm' (4 classes), version 1 fitted on synthetic logits and aliased production."""
+    """Model 'm' (4 classes), version 1 fitted on synthetic logits and given the default alias."""
     logits, labels = logits_data(300, k=4)
     create_model(client, "m")
     promote(client, "m", upload(client, "m", logits, labels)["id"])
@@ -164,10 +165,11 @@ def test_npz_feedback_equals_json(served, monkeypatch, kind):
 
 
 def test_npz_feedback_names_its_version_in_the_query(served):
-    """Version 2 (not aliased) gets the .npz rows of ?version=2; production gets none."""
+    """Version 2 (not aliased) gets the .npz rows of ?version=2; the aliased version
+    gets none."""
     logits, labels = logits_data(300, k=4)
-    promote(served, "m", 1, seed=1)  # version 2 is production now
-    served.put("/v1/models/m/aliases/production", json={"version": 1})
+    promote(served, "m", 1, seed=1)  # version 2 has the default alias now
+    served.put(f"/v1/models/m/aliases/{DEFAULT_ALIAS}", json={"version": 1})
     rows = npz(logits=logits[:40], labels=labels[:40])
     r = served.post(f"{URL}?version=2", content=rows, headers=X_NPZ)
     assert r.status_code == 200, r.text

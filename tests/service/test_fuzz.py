@@ -17,6 +17,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from service.api.app import create_app
 from service.security import keys
+from service.vocabulary import DEFAULT_ALIAS
 from tests.service.helpers import (
     BACKENDS,
     create_model,
@@ -45,7 +46,7 @@ def fuzz_app(request, tmp_path_factory):
             create_model(c, "m", 3, argmax_policy="off")
             z, y = logits_data(200, 3)
             v = fit(c, "m", upload(c, "m", z, y)["id"])
-            c.put("/v1/models/m/aliases/production", json={"version": v["version"]})
+            c.put(f"/v1/models/m/aliases/{DEFAULT_ALIAS}", json={"version": v["version"]})
             yield app
 
 

@@ -17,6 +17,7 @@ from service.api.app import create_app
 from service.api.problems import error_response, problem_type
 from service.errors import TooManyRequests
 from service.security.limits import RateLimiter
+from service.vocabulary import DEFAULT_ALIAS
 from tests.service.helpers import (
     Clock,
     assert_problem,
@@ -52,7 +53,7 @@ def test_rows_classes_and_fit_queue(limited):
     assert_problem(r, 413, "500 rows")
     ds = upload(c, "m", z[:300], y[:300])
     v = fit(c, "m", ds["id"])
-    c.put("/v1/models/m/aliases/production", json={"version": v["version"]})
+    c.put(f"/v1/models/m/aliases/{DEFAULT_ALIAS}", json={"version": v["version"]})
     assert c.post("/v1/models/m/predict", json={"logits": z[:10].tolist()}).status_code == 200
     assert_problem(c.post("/v1/models/m/predict", json={"logits": z[:11].tolist()}), 413, "10")
     npy = __import__("io").BytesIO()

@@ -11,6 +11,7 @@ import numpy as np
 
 import calibrators
 from service.serving.inference import SessionCache, as_onnx_input, run
+from service.vocabulary import DEFAULT_ALIAS, KINDS
 from tests.service.helpers import logits_data
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,7 +43,7 @@ def test_serving_path_does_not_import_torch(tmp_path):
                 if c.get("/v1/models/m/calibrators/1").json()["status"] == "succeeded":
                     break
                 time.sleep(0.02)
-            r = c.put("/v1/models/m/aliases/production", json={{"version": 1}})
+            r = c.put("/v1/models/m/aliases/{DEFAULT_ALIAS}", json={{"version": 1}})
             assert r.status_code == 200, r.text
             r = c.post("/v1/models/m/predict", json={{"logits": z[:3].tolist()}})
             assert r.status_code == 200, r.text
@@ -70,7 +71,7 @@ def test_onnx_session_matches_predict_proba_and_is_cached():
 
     session = cache.get(7, load)
     assert cache.get(7, load) is session and len(loads) == 1
-    for kind in ("logits", "probabilities"):
+    for kind in KINDS:
         x = logits[:64]
         if kind == "probabilities":
             e = np.exp(x - x.max(1, keepdims=True))
