@@ -107,7 +107,6 @@ def install(settings: Settings, engine: Engine) -> int:
             dispose_engine(settings.database_url)
         if status != "succeeded":
             raise RuntimeError(f"demo: the temperature fit ended {status}")
-        s.refresh(row)
         registry.set_alias(s, model, DEFAULT_ALIAS, row)
         log.info("demo: %s version %d fitted and aliased %r", MODEL, row.version, DEFAULT_ALIAS)
         return row.version
