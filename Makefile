@@ -7,8 +7,11 @@ STAMP := $(VENV)/.installed
 # torch is pinned here, where the install happens: 2.13.0 is a CPU wheel on
 # local disk; any looser requirement downloads a multi-gigabyte CUDA build.
 TORCH := torch==2.13.0
+# The inner loop: everything but the slow tests, the ones that start processes
+# (servers, workers, Prometheus) and the PostgreSQL half of the database tests.
+FAST := not slow and not process and not postgres
 
-.PHONY: run test lint bench clean
+.PHONY: run test test-fast lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,16 +21,21 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(BIN)/welltempered serve --demo
 
-test: $(STAMP)
+# The whole suite: the CI command (.ci/run).
+test: lint
 	@tools/ensure-promtool || echo "make test: promtool/prometheus unavailable; their tests skip here (and fail in CI)"
-	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "$(FAST)"
+
+# ruff, and the import contracts of pyproject.toml ([tool.importlinter]).
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 bench: $(STAMP)
 	$(BIN)/python bench/temperature.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .import_linter_cache

@@ -52,7 +52,7 @@ class Settings(BaseSettings):
         None,
         ge=1,
         description="BLAS/OpenMP threads of each fit worker (default: half the cores, at "
-        "least 1, so a fit leaves cores to the API; measured in the README).",
+        "least 1, so a fit leaves cores to the API; see bench/README.md).",
     )
     onnx_threads: int = Field(1, ge=1, description="ONNX Runtime intra-op threads per session.")
     onnx_cache_size: int = Field(64, ge=1, description="ONNX Runtime sessions kept per process.")
@@ -75,7 +75,7 @@ class Settings(BaseSettings):
         True,
         description="On startup, mark fits left queued/running by a dead process as failed.",
     )
-    # -- monitoring (service/observe/monitoring.py, README "Monitoring") --
+    # -- monitoring (service/observe/monitoring.py, docs/operations.md) --
     feedback_bucket_seconds: int = Field(
         60,
         ge=1,
@@ -89,7 +89,7 @@ class Settings(BaseSettings):
         description="Window of the welltempered_live_* gauges of /metrics (and the default "
         "window of GET /v1/models/{model}/monitoring).",
     )
-    # -- security and limits (service/security/auth.py, README "Security and reliability") --
+    # -- security and limits (service/security/auth.py, docs/security.md) --
     auth: Literal["on", "off"] = Field(
         "on",
         description="'on': every /v1 route needs an API key (Authorization: Bearer). 'off': "

@@ -35,6 +35,15 @@ def cifar10() -> SharedData:
     return load_shared("lenet-5-cifar-10")
 
 
+def pytest_collection_modifyitems(items):
+    """A test that uses the PostgreSQL server (the ``pg_admin`` fixture, directly or
+    through another fixture) is marked ``postgres``, so ``-m "not postgres"`` (make
+    test-fast) leaves out exactly the tests that need the server."""
+    for item in items:
+        if "pg_admin" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.postgres)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """In CI every part of the suite must run: a skip is turned into a failure."""

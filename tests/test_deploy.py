@@ -379,6 +379,7 @@ def test_dockerfile():
     assert 'exec "$@"' in script.read_text()
 
 
+@pytest.mark.process
 def test_entrypoint_wipes_only_metric_files(tmp_path):
     mp_dir = tmp_path / "prom"
     mp_dir.mkdir()
@@ -415,21 +416,25 @@ def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
+@pytest.mark.process
 def test_promtool_check_config():
     done = run(promtool(), "check", "config", str(PROMETHEUS_YML))
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+@pytest.mark.process
 def test_promtool_check_rules():
     done = run(promtool(), "check", "rules", str(ALERTS_YML))
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+@pytest.mark.process
 def test_promtool_alert_unit_tests():
     done = run(promtool(), "test", "rules", str(ALERTS_TEST_YML))
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+@pytest.mark.process
 def test_promtool_parses_every_dashboard_expression(dashboard, tmp_path):
     """promtool has no query linter: wrap each expression in a recording rule."""
     exprs = [for_prometheus(e) for e in dashboard_exprs(dashboard) if "label_values" not in e]
@@ -450,6 +455,7 @@ def test_promtool_parses_every_dashboard_expression(dashboard, tmp_path):
     assert f"SUCCESS: {len(exprs)} rules found" in done.stdout
 
 
+@pytest.mark.process
 def test_prometheus_server_binary_runs():
     if shutil.which("prometheus") is None:
         skip_or_fail("prometheus not installed (run tools/ensure-promtool: Debian's prometheus)")

@@ -22,6 +22,8 @@ from service.storage import migrate
 from service.storage.db import Base
 from tests.helpers import WHEEL_SOURCES
 
+pytestmark = pytest.mark.process
+
 ROOT = Path(__file__).resolve().parents[1]
 MIGRATIONS = ROOT / "migrations"
 

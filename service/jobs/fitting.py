@@ -230,7 +230,7 @@ def recover(session_factory) -> int:
     """Mark fits left queued/running by a dead serve process as failed; returns how many.
 
     Called once when ``serve`` starts, before any worker exists: nothing can be
-    legitimately running then (one ``serve`` per database, see the README).
+    legitimately running then (one ``serve`` per database, see docs/operations.md).
     """
     return fits.fail_unfinished(
         session_factory,

@@ -508,8 +508,8 @@ def route_template(scope: Mapping[str, Any]) -> str:
     return path if isinstance(path, str) and path else UNMATCHED_ROUTE
 
 
-#: Up to this many values, :func:`_observe_many` calls ``observe`` per value (measured:
-#: 2 us against 17 us for one value, break-even near 16).
+#: Up to this many values, :func:`_observe_many` calls ``observe`` per value; above it,
+#: one vectorised bucket count is cheaper (the break-even point; bench/README.md).
 _SMALL_BATCH = 16
 
 
@@ -592,8 +592,8 @@ class ServiceMetrics:
         self.feedback_rows: Counter = created[FEEDBACK_ROWS.name]
         self.fit_duration: Histogram = created[FIT_DURATION.name]
         self.rate_limited: Counter = created[RATE_LIMITED.name]
-        # ``metric.labels(...)`` validates and hashes the labels on every call (~2 us
-        # each, six per predict request); the children of a label set never change
+        # ``metric.labels(...)`` validates and hashes the labels on every call (six
+        # per predict request); the children of a label set never change
         # (nothing here removes series), so they are looked up once. The label sets are
         # closed (route templates, namespaces x models x versions), which bounds these
         # caches like the series themselves.

@@ -341,6 +341,7 @@ def test_welltempered_fit_subcommand(logits_npz, capsys):
     assert "temperature" in capsys.readouterr().out
 
 
+@pytest.mark.process
 def test_python_dash_m(logits_npz):
     proc = subprocess.run(
         [sys.executable, "-m", "calibrators.offline", str(logits_npz), "--holdout", "2"],

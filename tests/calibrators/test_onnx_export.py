@@ -192,6 +192,7 @@ def test_graph_is_small_and_weights_are_exact_float64(
     assert inits["log_floor"] == LOG_FLOOR
 
 
+@pytest.mark.process
 def test_module_does_not_import_onnxruntime():
     tree = ast.parse(inspect.getsource(onnx_export))
     imported = set()

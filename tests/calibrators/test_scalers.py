@@ -78,6 +78,7 @@ def test_temperature_on_float32_probabilities_is_not_the_identity(cifar10):
     assert after < before
 
 
+@pytest.mark.slow
 def test_common_torch_lbfgs_recipe_stops_short_where_we_do_not(cifar100):
     torch = pytest.importorskip("torch")
     probs, labels = cifar100.fit
@@ -189,6 +190,7 @@ def test_odir_beats_uncalibrated_and_is_close_to_temperature(shared, method):
     assert len(info["cross_validation"]["candidates"]) >= 2
 
 
+@pytest.mark.slow
 def test_unregularised_matrix_scaling_overfits_at_k100_and_odir_does_not(cifar100):
     # Peers fit matrix scaling without a penalty: at K = 100 on 5,000 rows the
     # held-out NLL is worse than no calibration. A fixed strong ODIR penalty

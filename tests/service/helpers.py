@@ -25,6 +25,7 @@ from sqlalchemy.engine import make_url
 
 from service.settings import Settings
 from service.storage import migrate
+from service.vocabulary import DEFAULT_ALIAS, UNFINISHED
 
 PG_URL = os.environ.get(
     "WELLTEMPERED_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -34,7 +35,6 @@ PG_URL = os.environ.get(
 BACKENDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
 
 
-FINISHED = ("succeeded", "rejected", "failed")
 
 
 def pg_schema_url(schema: str) -> str:
@@ -111,7 +111,7 @@ def wait_for(client: TestClient, model: str, version: int, timeout: float = 120)
         r = client.get(f"/v1/models/{model}/calibrators/{version}")
         assert r.status_code == 200, r.text
         body = r.json()
-        if body["status"] in FINISHED:
+        if body["status"] not in UNFINISHED:
             return body
         if time.monotonic() > deadline:
             raise AssertionError(f"fit still {body['status']} after {timeout}s: {body}")
@@ -139,10 +139,12 @@ def assert_problem(r, status: int, *words: str) -> dict:
 
 
 def promote(client, model: str, dataset_id: int, seed: int = 0, **extra) -> dict:
-    """Fit temperature scaling and point ``production`` at it."""
+    """Fit temperature scaling and point the default alias at it."""
     version = fit(client, model, dataset_id, seed=seed, **extra)
     assert version["status"] == "succeeded", version
-    r = client.put(f"/v1/models/{model}/aliases/production", json={"version": version["version"]})
+    r = client.put(
+        f"/v1/models/{model}/aliases/{DEFAULT_ALIAS}", json={"version": version["version"]}
+    )
     assert r.status_code == 200, r.text
     return version
 

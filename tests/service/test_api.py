@@ -38,6 +38,21 @@ def test_health_and_ready(client):
     assert r.status_code == 200 and r.json()["status"] == "ready"
 
 
+def test_readyz_problem_carries_no_driver_text(client, monkeypatch):
+    from sqlalchemy.exc import OperationalError
+
+    from service.storage import migrate
+
+    def unreachable(engine):
+        raise OperationalError("SELECT version_num FROM alembic_version", {}, "host db.internal")
+
+    monkeypatch.setattr(migrate, "current_revision", unreachable)
+    body = assert_problem(client.get("/readyz"), 503, "unreachable")
+    assert body["type"].endswith("/service-unavailable")
+    text = str(body)
+    assert "SELECT" not in text and "db.internal" not in text
+
+
 def test_models_create_list_get(client):
     body = create_model(client, "resnet", 3, class_names=["a", "b", "c"], argmax_policy="warn")
     assert body["name"] == "resnet" and body["num_classes"] == 3

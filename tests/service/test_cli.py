@@ -76,6 +76,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.process
 @pytest.mark.slow
 def test_serve_demo_process(tmp_path):
     """The README's `make run`: a real uvicorn process answers predict at once."""

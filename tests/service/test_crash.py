@@ -25,7 +25,7 @@ from service.storage.arrays import ArrayStore
 from tests.service.helpers import logits_data
 from tests.service.servers import Server
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.process]
 
 
 def npz_bytes(logits: np.ndarray, labels: np.ndarray) -> bytes:

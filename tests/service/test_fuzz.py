@@ -50,6 +50,7 @@ def fuzz_app(request, tmp_path_factory):
             yield app
 
 
+@pytest.mark.slow
 def test_api_conforms_to_its_schema(fuzz_app):
     schema = schemathesis.openapi.from_asgi("/openapi.json", fuzz_app)
     failures: dict[str, str] = {}

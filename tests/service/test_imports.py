@@ -29,6 +29,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("calibrators", "service")
 
@@ -154,6 +156,7 @@ def probe(root: Path, import_project: bool) -> tuple[dict, list[str]]:
     return json.loads(done.stdout.splitlines()[-1]), left
 
 
+@pytest.mark.process
 def test_importing_every_module_changes_nothing(tmp_path):
     report, left = probe(tmp_path / "project", import_project=True)
     assert {"calibrators.offline", "service.cli", "service.observe.metrics"} <= set(

@@ -23,12 +23,12 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.storage.db import DEFAULT_NAMESPACE
+from service.vocabulary import DEFAULT_NAMESPACE
 from tests.helpers import skip_or_fail
 from tests.service.helpers import BACKENDS, logits_data, migrated_database
 from tests.test_deploy import ALERTS_YML, DASHBOARD, alert_exprs, dashboard_exprs, for_prometheus
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.process]
 
 ROOT = Path(__file__).resolve().parents[2]
 WELLTEMPERED = str(Path(sys.executable).with_name("welltempered"))

@@ -21,7 +21,8 @@ from calibrators import metrics
 from service.api.app import create_app
 from service.observe import monitoring
 from service.security import keys
-from service.storage.db import DEFAULT_NAMESPACE, make_engine
+from service.storage.db import make_engine
+from service.vocabulary import DEFAULT_NAMESPACE
 from tests.service.helpers import (
     assert_problem,
     bodies,

@@ -293,6 +293,7 @@ WORKER = """
 ROWS_B = 2
 
 
+@pytest.mark.process
 def test_two_worker_processes_add_up(tmp_path):
     mp_dir = tmp_path / "prom"
     (mp_dir / "stale").mkdir(parents=True)
@@ -363,6 +364,7 @@ def test_two_worker_processes_add_up(tmp_path):
     assert sample(fams_here, http, http + "_total", **labels) == 8
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("code", "message"),
     [

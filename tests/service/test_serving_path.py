@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import calibrators
 from service.serving.inference import SessionCache, as_onnx_input, run
@@ -17,6 +18,7 @@ from tests.service.helpers import logits_data
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.process
 def test_serving_path_does_not_import_torch(tmp_path):
     code = textwrap.dedent(
         f"""

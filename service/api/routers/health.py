@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import APIRouter, Request
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -10,6 +12,9 @@ from service.api.problems import problem_response
 from service.storage import migrate
 
 router = APIRouter(tags=["health"])
+log = logging.getLogger("welltempered.health")
+#: The problem type of a 503 from /readyz (not the 409 "not-ready" of a version).
+UNAVAILABLE = "service-unavailable"
 
 
 @router.get("/healthz")
@@ -22,17 +27,19 @@ def readyz(request: Request, state: StateDep):
     url = state.settings.database_url
     try:
         current = migrate.current_revision(state.engine)
-    except SQLAlchemyError as exc:
+    except SQLAlchemyError:
+        # The driver's message can hold host names and SQL: it goes to the log only.
+        log.warning("readiness check: the database is unreachable", exc_info=True)
         return problem_response(
-            request, 503, "not-ready", "Not ready", f"The database is unreachable: {exc}"
+            request, 503, UNAVAILABLE, "Service unavailable", "The database is unreachable."
         )
     head = migrate.head_revision(url)
     if current != head:
         return problem_response(
             request,
             503,
-            "not-ready",
-            "Not ready",
+            UNAVAILABLE,
+            "Service unavailable",
             f"The database is at revision {current}, not {head}: run `welltempered migrate`.",
         )
     return {"status": "ready", "revision": current}

@@ -3,8 +3,8 @@
 The hot path touches no database when warm: the (model, alias | version) ->
 ONNX session resolution is cached (:class:`service.serving.inference.ServingCache`).
 The CPU work (parse, validate, run, serialise) is explicit about where it
-runs: small bodies on the event loop, where it costs less than a thread hop
-(a 1 x 1,000 JSON request is ~0.1 ms of work); bodies over
+runs: small bodies on the event loop, where the work costs less than a thread
+hop (bench/README.md, "Predict path, in process"); bodies over
 ``inline_predict_bytes`` in the thread pool, so a 16 MB ``.npy`` never
 stalls the loop.
 """
@@ -65,7 +65,7 @@ def target(request: Request) -> Target:
     """The query, validated with FastAPI's own error format (a 422 problem).
 
     Done here rather than by FastAPI's parameter solving, which costs more than
-    the whole calibration of a 1 x 1,000 request (README "Speed"); the OpenAPI
+    the whole calibration of a 1 x 1,000 request (bench/README.md); the OpenAPI
     document gets the same parameters from :data:`_PREDICT_DOC`.
     """
     if not request.scope.get("query_string"):
@@ -166,7 +166,7 @@ async def predict(request: Request) -> Response:
     # dependency every other route gets), the query (see :func:`target`), the
     # served version (404 unknown model/alias/version, 409 not servable; cached)
     # and the body. FastAPI's parameter solving costs more per request than
-    # calibrating a 1 x 1,000 row (measured in-process; see README "Speed").
+    # calibrating a 1 x 1,000 row (bench/README.md, "Predict path, in process").
     caller = await authorize(request)
     state = get_app_state(request)
     model = request.path_params["model"]
@@ -188,9 +188,8 @@ def install(app: FastAPI) -> None:
 
     Not through ``include_router``: FastAPI dispatches an included router's routes
     through a second matching pass, and a dependency costs a parameter-solving
-    pass. Measured in-process on a JSON 1 x 1,000 request (ASGI app called
-    directly): declared path/query parameters ~35 us, the included router ~10 us,
-    the auth dependency ~5 us; the request went from ~215 to ~150 us.
+    pass: both cost more than the calibration of a small request (bench/README.md,
+    "Predict path, in process").
     """
     app.add_api_route(
         PATH,
