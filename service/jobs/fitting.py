@@ -64,12 +64,20 @@ def _create(method: str, options: Any):
         raise calibrators.CalibrationInputError(
             f"options for {method!r} must be an object. Got {options!r}."
         )
-    try:
-        return calibrators.create(method, **options)
-    except TypeError as exc:  # an unknown keyword
-        raise calibrators.CalibrationInputError(
-            f"invalid options for {method!r}: {exc}. Got {options!r}."
-        ) from None
+    return calibrators.create(method, **options)  # unknown or bad options: the error says
+
+
+def auto_candidates(argmax_policy: str) -> tuple[str, ...]:
+    """The methods an ``auto`` fit tries and chooses among by held-out NLL.
+
+    Under ``require`` only the methods that keep every argmax by construction
+    (``preserves_argmax``): the others would be fitted only to be rejected.
+    Temperature scaling is one of them, so ``auto`` is never worse than it on the
+    held-out NLL. Under ``warn`` and ``off``, every method.
+    """
+    if argmax_policy == "require":
+        return tuple(m for m, cls in calibrators.CALIBRATORS.items() if cls.preserves_argmax)
+    return tuple(calibrators.METHODS)
 
 
 def fit_job(
@@ -95,7 +103,7 @@ def fit_job(
     x_hold, y_hold = np.asarray(scores[hold_idx]), labels[hold_idx]
     before = metrics.report(to_probabilities(x_hold, kind), y_hold)
 
-    methods = tuple(calibrators.METHODS) if method == AUTO else (method,)
+    methods = auto_candidates(argmax_policy) if method == AUTO else (method,)
     results: dict[str, dict[str, Any]] = {}
     started = time.perf_counter()
     for i, m in enumerate(methods):

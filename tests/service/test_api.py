@@ -215,20 +215,27 @@ def test_require_policy_rejects_and_409(client):
         ),
         409,
     )
-    # auto skips the disallowed candidates and keeps their metrics for comparison
-    a = fit(client, "strict", ds["id"], "auto", options={"matrix": {}, "dirichlet": {}})
+    # auto under "require" tries only the methods that keep every argmax by construction
+    a = fit(client, "strict", ds["id"], "auto")
     assert a["status"] == "succeeded" and a["argmax"]["changed"] == 0
-    assert set(a["candidates"]) == set(calibrators.METHODS)
-    allowed = {m for m, c in a["candidates"].items() if c["allowed"]}
-    assert "temperature" in allowed and "matrix" not in allowed and a["chosen_method"] in allowed
-    best = min(allowed, key=lambda m: a["candidates"][m]["metrics"]["nll"])
+    preserving = {m for m, c in calibrators.CALIBRATORS.items() if c.preserves_argmax}
+    assert "temperature" in preserving and "matrix" not in preserving
+    assert set(a["candidates"]) == preserving
+    assert all(c["allowed"] and c["argmax"]["changed"] == 0 for c in a["candidates"].values())
+    best = min(preserving, key=lambda m: a["candidates"][m]["metrics"]["nll"])
     assert a["chosen_method"] == best
+    assert a["metrics"]["after"]["nll"] <= a["candidates"]["temperature"]["metrics"]["nll"]
 
 
 def test_warn_policy_allows_with_warning(client):
     create_model(client, "lenient", 3, argmax_policy="warn")
     logits, labels = shuffled_labels()
     ds = upload(client, "lenient", logits, labels)
+    # auto under "warn" tries every method and keeps the candidates' figures
+    a = fit(client, "lenient", ds["id"], "auto")
+    assert set(a["candidates"]) == set(calibrators.METHODS)
+    best = min(calibrators.METHODS, key=lambda m: a["candidates"][m]["metrics"]["nll"])
+    assert a["chosen_method"] == best
     v = fit(client, "lenient", ds["id"], "matrix")
     assert v["status"] == "succeeded" and v["argmax"]["changed"] > 0
     assert "changed the predicted class" in v["warning"]
