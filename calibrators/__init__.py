@@ -15,9 +15,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from calibrators.base import PARAMS_FORMAT, Calibrator
+from calibrators.cost import Cost, largest_classes
+from calibrators.ensemble import EnsembleTemperatureScaler
 from calibrators.linear import DirichletScaler, MatrixScaler, VectorScaler
+from calibrators.parameterized import ParameterizedTemperatureScaler
 from calibrators.temperature import TemperatureScaler
-from calibrators.validation import CalibrationInputError, NotFittedError
+from calibrators.validation import CalibrationInputError, NotFittedError, check_integer
 
 #: The registry: method name -> calibrator class. A new method is one module and
 #: one line here.
@@ -28,6 +31,8 @@ CALIBRATORS: dict[str, type[Calibrator]] = {
         VectorScaler,
         MatrixScaler,
         DirichletScaler,
+        EnsembleTemperatureScaler,
+        ParameterizedTemperatureScaler,
     )
 }
 #: The method names accepted by :func:`create`.
@@ -39,14 +44,19 @@ __all__ = [
     "PARAMS_FORMAT",
     "CalibrationInputError",
     "Calibrator",
+    "Cost",
     "DirichletScaler",
+    "EnsembleTemperatureScaler",
     "MatrixScaler",
     "NotFittedError",
+    "ParameterizedTemperatureScaler",
     "TemperatureScaler",
     "VectorScaler",
     "check_options",
     "create",
+    "estimate_cost",
     "from_params",
+    "max_classes",
 ]
 
 
@@ -139,3 +149,94 @@ def from_params(params: dict[str, Any]) -> Calibrator:
     if "method" not in params:
         raise CalibrationInputError(f"params must have a method key. Got keys {list(params)}.")
     return _calibrator_class(params["method"]).from_params(params)
+
+
+def estimate_cost(
+    method: str, n_samples: int, n_classes: int, options: Mapping[str, Any] | None = None,
+    *, itemsize: int = 4,
+) -> Cost:
+    """What fitting ``method`` on N x K scores will cost, before fitting.
+
+    Each class states its model as formulas in N, K and its options
+    (``fit_cost``; see :mod:`calibrators.cost`).
+
+    Parameters
+    ----------
+    method : str
+        One of :data:`METHODS`.
+    n_samples : int
+        N, the rows the fit gets (>= 1).
+    n_classes : int
+        K (>= 2).
+    options : mapping of str to value, optional
+        The method's options, as :func:`create` takes them.
+    itemsize : int, default 4
+        Bytes per score of the input (4: float32, 8: float64).
+
+    Returns
+    -------
+    Cost
+        ``bytes`` (working memory of the fit, beyond its input), ``input_bytes``
+        (``N * K * itemsize``), ``total_bytes`` (their sum) and ``flops``.
+
+    Raises
+    ------
+    CalibrationInputError
+        As :func:`check_options`, or N, K or ``itemsize`` are not integers >= 1, 2, 1.
+
+    Examples
+    --------
+    >>> cost = estimate_cost("temperature", 2_000, 262_144)
+    >>> cost.input_bytes == 2_000 * 262_144 * 4, cost.bytes < cost.input_bytes // 50
+    (True, True)
+    """
+    cls = _calibrator_class(method)
+    options = cls.from_options(options or {}).get_options()
+    n = check_integer("n_samples", n_samples, minimum=1)
+    k = check_integer("n_classes", n_classes, minimum=2)
+    size = check_integer("itemsize", itemsize, minimum=1)
+    cost = cls.fit_cost(n, k, options)
+    return Cost(bytes=cost.bytes, flops=cost.flops, input_bytes=n * k * size)
+
+
+def max_classes(
+    method: str, n_samples: int, budget_bytes: int, options: Mapping[str, Any] | None = None,
+    *, itemsize: int = 4,
+) -> int:
+    """The largest K for which fitting ``method`` on N rows fits in ``budget_bytes``.
+
+    The input itself counts (``total_bytes`` of :func:`estimate_cost`).
+
+    Parameters
+    ----------
+    method : str
+    n_samples : int
+    budget_bytes : int
+        Memory available to the fit, input included.
+    options : mapping of str to value, optional
+    itemsize : int, default 4
+
+    Returns
+    -------
+    int
+        K >= 2, or 0 when not even two classes fit.
+
+    Examples
+    --------
+    >>> k = max_classes("matrix", 500, 8 * 2**30, {"reg_lambda": 1.0, "reg_mu": 1.0})
+    >>> estimate_cost("matrix", 500, k, {"reg_lambda": 1.0, "reg_mu": 1.0}).total_bytes <= 8 * 2**30
+    True
+    >>> max_classes("temperature", 10, 1000)
+    0
+    """
+    cls = _calibrator_class(method)
+    canonical = cls.from_options(options or {}).get_options()
+    n = check_integer("n_samples", n_samples, minimum=1)
+    budget = check_integer("budget_bytes", budget_bytes, minimum=0)
+    size = check_integer("itemsize", itemsize, minimum=1)
+
+    def cost(k: int) -> Cost:
+        c = cls.fit_cost(n, k, canonical)
+        return Cost(bytes=c.bytes, flops=c.flops, input_bytes=n * k * size)
+
+    return largest_classes(cost, budget)

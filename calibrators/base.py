@@ -12,7 +12,9 @@ A subclass implements three things:
 
 and declares, at class level, its constructor options (``option_checks``: name ->
 check, in the order of the ``__init__`` signature) and its fitted arrays
-(``fitted_arrays``: name -> shape). Everything else is shared and written once
+(``fitted_arrays``: name -> shape). It should also state what its fit costs, as
+formulas in N and K (the classmethod ``fit_cost``, see :mod:`calibrators.cost`);
+the default is a conservative bound. Everything else is shared and written once
 here: option validation, input validation, row-chunked float64 prediction, the
 ONNX wrapper (input, ``-inf`` handling, the four outputs), the
 :meth:`~Calibrator.to_params` / :func:`calibrators.from_params` round trip and
@@ -47,6 +49,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 import numpy as np
 from sklearn.base import BaseEstimator
 
+from calibrators.cost import Cost, conservative_cost
 from calibrators.numerics import map_rows, softmax
 from calibrators.validation import (
     CalibrationInputError,
@@ -191,6 +194,45 @@ class Calibrator(BaseEstimator):
         """
         self._validate_params()
         return self
+
+    # -- cost -------------------------------------------------------------
+    @classmethod
+    def fit_cost(cls, n_samples: int, n_classes: int, options: Mapping[str, Any]) -> Cost:
+        """Predicted peak working memory and work of :meth:`fit` on N x K scores.
+
+        The caller is :func:`calibrators.estimate_cost`, which validates N and K,
+        canonicalises ``options`` and adds the input's own bytes.
+
+        Parameters
+        ----------
+        n_samples : int
+            N, the rows given to ``fit``.
+        n_classes : int
+            K.
+        options : dict
+            The canonical options (every option, defaults included).
+
+        Returns
+        -------
+        Cost
+            ``bytes``: the peak memory ``fit`` allocates on top of its input (given
+            as a C-contiguous float32 or float64 array; anything else adds one
+            float64 copy), as numpy and scipy allocate it; ``flops``: an order of
+            magnitude of the work.
+
+        Notes
+        -----
+        The default is :func:`calibrators.cost.conservative_cost`: a dense fit of
+        ``K**2 + K`` parameters on four float64 copies of the scores. A subclass
+        overrides this classmethod with the formula of its own fit, written with
+        the blocks of :mod:`calibrators.cost` (``chunk_bytes`` for row-chunked
+        passes, ``FLOAT64 * n * k`` for a float64 copy of the scores,
+        ``lbfgs_bytes`` for scipy's L-BFGS-B), states that formula in its
+        docstring, keeps it non-decreasing in K (:func:`calibrators.max_classes`
+        bisects on K), and checks it against a measured peak at two sizes in
+        ``tests/calibrators/test_cost.py``.
+        """
+        return conservative_cost(n_samples, n_classes)
 
     # -- fitting ----------------------------------------------------------
     def fit(self, scores, labels, *, kind: str = "logits", progress: Progress | None = None):
