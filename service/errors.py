@@ -36,6 +36,14 @@ class InvalidInput(ServiceError):
     """Decoded, but not what the operation takes (a shape, a field, a window)."""
 
 
+class FitTooLarge(InvalidInput):
+    """A fit whose memory estimate exceeds the worker's budget, refused before it runs.
+
+    ``extra``: ``method``, ``estimate_bytes``, ``budget_bytes`` and ``max_classes`` (the
+    largest K whose estimate fits the budget at the same number of rows; 0 if none).
+    """
+
+
 class UnsupportedMediaType(ServiceError):
     """A body in a format the operation does not read."""
 

@@ -54,6 +54,13 @@ class Settings(BaseSettings):
         description="BLAS/OpenMP threads of each fit worker (default: half the cores, at "
         "least 1, so a fit leaves cores to the API; see bench/README.md).",
     )
+    fit_memory_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="Memory one fit may use, its scores included. A fit estimated above it "
+        "is refused at submission (422 fit-too-large); an 'auto' fit skips the candidates "
+        "above it. Default: half the machine's physical memory divided by fit_workers.",
+    )
     onnx_threads: int = Field(1, ge=1, description="ONNX Runtime intra-op threads per session.")
     onnx_cache_size: int = Field(64, ge=1, description="ONNX Runtime sessions kept per process.")
     alias_cache_seconds: float = Field(

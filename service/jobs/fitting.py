@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import multiprocessing
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -34,8 +35,9 @@ from sqlalchemy.orm import sessionmaker
 
 import calibrators
 from calibrators import checks, metrics
-from calibrators.holdout import split_indices
+from calibrators.holdout import split_indices, split_sizes
 from calibrators.validation import to_probabilities
+from service.errors import FitTooLarge
 from service.storage import fits
 from service.storage.arrays import ArrayStore
 from service.storage.db import make_engine
@@ -80,6 +82,79 @@ def auto_candidates(argmax_policy: str) -> tuple[str, ...]:
     return tuple(calibrators.METHODS)
 
 
+def memory_budget(configured: int | None, fit_workers: int) -> int:
+    """Bytes one fit may use: the setting, or half the physical memory per fit worker."""
+    if configured:
+        return configured
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return physical // (2 * max(1, fit_workers))
+
+
+def job_bytes(method: str, options: dict[str, Any], n_fit: int, n_hold: int, k: int,
+              itemsize: int) -> int:
+    """Memory estimate of one candidate's fit job, its scores included.
+
+    The calibrator's own model (:func:`calibrators.estimate_cost`: working memory and
+    the fit rows) plus what the job holds beside it: the held-out rows and two
+    float64 probability arrays of them (before and after calibration).
+    """
+    fit = calibrators.estimate_cost(method, n_fit, k, options, itemsize=itemsize)
+    return fit.total_bytes + n_hold * k * (itemsize + 2 * 8)
+
+
+def _largest_k(method, options, n_fit, n_hold, k, itemsize, budget) -> int:
+    """The largest K <= k whose :func:`job_bytes` fits ``budget`` (bisection; 0 if none)."""
+    lo, hi = 1, k  # job_bytes(lo) fits (or lo = 1: none does), job_bytes(hi) does not
+    if job_bytes(method, options, n_fit, n_hold, 2, itemsize) > budget:
+        return 0
+    lo = 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if job_bytes(method, options, n_fit, n_hold, mid, itemsize) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _method_options(method: str, options: dict[str, Any], m: str) -> dict[str, Any]:
+    return (options.get(m) or {}) if method == AUTO else options
+
+
+def affordable(method: str, options: dict[str, Any], *, argmax_policy: str, n_rows: int,
+               k: int, itemsize: int, holdout: float, budget: int | None) -> tuple[str, ...]:
+    """The candidate methods of a fit whose memory estimate fits ``budget``.
+
+    Raises :class:`service.errors.FitTooLarge` when none does (for an explicit method:
+    when it does not), naming the method, the estimate and the largest K that fits.
+    """
+    candidates = auto_candidates(argmax_policy) if method == AUTO else (method,)
+    if budget is None:
+        return candidates
+    n_fit, n_hold = split_sizes(n_rows, holdout)
+    need = {
+        m: job_bytes(m, _method_options(method, options, m), n_fit, n_hold, k, itemsize)
+        for m in candidates
+    }
+    fits = tuple(m for m in candidates if need[m] <= budget)
+    if fits:
+        return fits
+    cheapest = min(candidates, key=need.__getitem__)
+    largest = _largest_k(
+        cheapest, _method_options(method, options, cheapest), n_fit, n_hold, k, itemsize, budget
+    )
+    raise FitTooLarge(
+        f"a {cheapest} fit on {n_fit:,} x {k:,} scores needs about {need[cheapest] / 2**30:.3g} "
+        f"GiB (estimate), more than a fit worker's budget of {budget / 2**30:.3g} GiB "
+        f"(WELLTEMPERED_FIT_MEMORY_BYTES); at {n_fit:,} rows the largest K that fits is "
+        f"{largest:,}. Got K = {k:,}.",
+        method=cheapest,
+        estimate_bytes=need[cheapest],
+        budget_bytes=budget,
+        max_classes=largest,
+    )
+
+
 def fit_job(
     scores: np.ndarray,
     labels: np.ndarray,
@@ -91,6 +166,7 @@ def fit_job(
     options: dict[str, Any],
     argmax_policy: str,
     progress: Callable[[float], None] | None = None,
+    memory_budget: int | None = None,
 ) -> dict[str, Any]:
     """Fit on the first part of the permutation, evaluate on the rest; no side effects.
 
@@ -103,7 +179,13 @@ def fit_job(
     x_hold, y_hold = np.asarray(scores[hold_idx]), labels[hold_idx]
     before = metrics.report(to_probabilities(x_hold, kind), y_hold)
 
-    methods = auto_candidates(argmax_policy) if method == AUTO else (method,)
+    k = int(scores.shape[1])
+    methods = affordable(
+        method, options, argmax_policy=argmax_policy, n_rows=labels.shape[0], k=k,
+        itemsize=scores.dtype.itemsize, holdout=holdout, budget=memory_budget,
+    )
+    skipped = [m for m in (auto_candidates(argmax_policy) if method == AUTO else ()) if
+               m not in methods]
     results: dict[str, dict[str, Any]] = {}
     started = time.perf_counter()
     for i, m in enumerate(methods):
@@ -132,13 +214,18 @@ def fit_job(
     pool = allowed or list(methods)
     chosen = min(pool, key=lambda m: results[m]["metrics"]["nll"])
     best = results[chosen]
-    warning = None
+    warnings = []
     changed = best["argmax"]["changed"]
     if changed and argmax_policy == "warn":
-        warning = (
+        warnings.append(
             f"{chosen} calibration changed the predicted class of {changed} of "
             f"{best['argmax']['n']} held-out rows (argmax_policy 'warn')."
         )
+    if skipped:
+        warnings.append(
+            f"auto skipped {', '.join(skipped)}: memory estimate above a fit worker's budget."
+        )
+    warning = " ".join(warnings) or None
     return {
         "status": "succeeded" if allowed else "rejected",
         "chosen_method": chosen,
@@ -167,6 +254,8 @@ class WorkerConfig:
     data_dir: str
     progress_interval: float
     threads: int | None = None
+    #: Bytes one fit may use (an ``auto`` fit skips the candidates above it).
+    memory_budget: int | None = None
 
 
 def _init_worker(threads: int | None) -> None:
@@ -221,7 +310,9 @@ def run_fit(version_id: int, config: WorkerConfig) -> str:
     try:
         store = ArrayStore(Path(config.data_dir))
         scores, labels = store.load(task.scores_sha256), store.load(task.labels_sha256)
-        result = fit_job(scores, labels, progress=progress, **task.spec)
+        result = fit_job(
+            scores, labels, progress=progress, memory_budget=config.memory_budget, **task.spec
+        )
     except Exception as exc:  # the job's outcome: recorded, not raised into the pool
         log.info("fit of version id %s failed: %s", version_id, exc)
         fits.finish(factory, version_id, status="failed", error=f"{type(exc).__name__}: {exc}")

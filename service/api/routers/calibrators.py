@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 from fastapi import APIRouter, Depends, Response
 
 from calibrators.holdout import split_indices
@@ -9,7 +10,7 @@ from service.api.deps import ModelDep, SessionDep, StateDep, VersionDep
 from service.api.schemas import FitAccepted, FitRequest, VersionList, VersionOut, VersionSummary
 from service.api.uploads import require_json
 from service.errors import NotReady
-from service.jobs.fitting import check_fit_request
+from service.jobs.fitting import affordable, check_fit_request
 from service.security import limits
 from service.serving.inference import onnx_bytes
 from service.storage import registry
@@ -57,6 +58,16 @@ def start_fit(
     dataset = registry.find_dataset(session, model, body.dataset_id)
     split_indices(dataset.n_rows, body.holdout, body.seed)  # 422 now if a part would be empty
     check_fit_request(body.method, body.options)  # 422 now for unknown options
+    affordable(  # 422 now for a fit no worker can hold (auto: if no candidate fits)
+        body.method,
+        body.options,
+        argmax_policy=model.argmax_policy,
+        n_rows=dataset.n_rows,
+        k=dataset.n_classes,
+        itemsize=np.dtype(dataset.dtype).itemsize,
+        holdout=body.holdout,
+        budget=state.fits.config.memory_budget,
+    )
     limits.check_fit_queue(session, state.settings.max_queued_fits)
     row = registry.create_version(
         session,
