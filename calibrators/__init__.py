@@ -19,6 +19,7 @@ from calibrators.cost import Cost, largest_classes
 from calibrators.ensemble import EnsembleTemperatureScaler
 from calibrators.linear import DirichletScaler, MatrixScaler, VectorScaler
 from calibrators.parameterized import ParameterizedTemperatureScaler
+from calibrators.structured import StructuredMatrixScaler, StructuredVectorScaler
 from calibrators.temperature import TemperatureScaler
 from calibrators.validation import CalibrationInputError, NotFittedError, check_integer
 
@@ -31,6 +32,7 @@ CALIBRATORS: dict[str, type[Calibrator]] = {
         VectorScaler,
         MatrixScaler,
         DirichletScaler,
+        StructuredVectorScaler, StructuredMatrixScaler,
         EnsembleTemperatureScaler,
         ParameterizedTemperatureScaler,
     )

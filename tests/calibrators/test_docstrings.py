@@ -25,6 +25,7 @@ MODULES = [
     "calibrators.metrics",
     "calibrators.numerics",
     "calibrators.onnx_export",
+    "calibrators.structured",
     "calibrators.parameterized",
     "calibrators.temperature",
     "calibrators.validation",

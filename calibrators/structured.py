@@ -1,0 +1,336 @@
+"""Structured vector and matrix scaling (SVS, SMS) of Berta et al. (2025).
+
+Both fit ``u = W x + b`` on robust log-probability features ``x`` of the logits
+``z``, with separate ridge penalties on the diagonal and off-diagonal parts of
+``W`` and on the bias::
+
+    x = log((softmax(beta z) + c) / (1 + K c))          (the preprocessing)
+    loss(W, b) = mean_n [logsumexp(u_n) - u_n,y_n]
+                 + lam_o K (K - 1) / N * sum_{i != j} W_ij**2     (SMS only)
+                 + lam_d K / N * sum_i (W_ii - 1)**2
+                 + lam_b K / N * sum_j b_j**2
+
+The preprocessing is fitted first: ``beta`` is the exact temperature-scaling
+optimum (:class:`calibrators.temperature.TemperatureScaler`), and ``c = 1 / (N K)``
+mixes the tempered probabilities with the uniform distribution at weight
+``1 / (N + 1)``, so every feature lies in ``[log(c / (1 + K c)), 0]``: extreme or
+``-inf`` log-probabilities cannot dominate the fit. With ``W = I, b = 0`` the model
+is temperature scaling of the smoothed probabilities; the penalties pull towards
+it. SVS has a diagonal ``W`` (``K`` scales), SMS a full one.
+
+The penalty multipliers ``lam`` scale the paper's rule (``lam = 1`` for all three
+is its default). Those left None are chosen together, as one multiplier, by
+k-fold cross-validation over ``grid``: each fold's problem uses its own N in the
+rule, the grid is walked from the strongest penalty down, each fit warm-started
+from its neighbour, until the CV NLL rises; the final fit on all rows starts from
+the mean of the folds' solutions. Every fit is solved to optimality by the solver
+of :class:`calibrators.linear.PenalisedSoftmax` (L-BFGS-B in variables whitened by
+per-class diagonal + rank-1 curvature blocks for a full ``W``, by the penalty's
+curvature for a diagonal one). The folds are a fixed permutation of the rows
+(``FOLD_SEED``): a fit is deterministic.
+
+References
+----------
+Berta, Holzmüller, Jordan, Bach. "Structured Matrix Scaling for Multi-Class
+Calibration", arXiv:2511.03685, 2025.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from calibrators.base import Calibrator, Integer, Positive, Progress
+from calibrators.linear import (
+    PenalisedSoftmax,
+    check_grid,
+    cross_validate_path,
+    fold_assignment,
+)
+from calibrators.linear_softmax import WEIGHT_SHAPES
+from calibrators.numerics import map_rows, single_threaded_blas, softmax
+from calibrators.temperature import TemperatureScaler
+from calibrators.validation import CalibrationInputError, logits64
+
+if TYPE_CHECKING:  # ONNX is imported by to_onnx only, not with the package
+    from calibrators.onnx_export import GraphBuilder
+
+#: Default multipliers of the paper's penalty rule tried by the search, strongest first.
+DEFAULT_GRID = (4.0, 1.0, 0.25, 1 / 16, 1 / 64, 1 / 256)
+#: L-BFGS tolerance inside the search (only the ranking of candidates matters).
+CV_TOL = 1e-4
+#: The walk along the grid stops at the first candidate worse than the best.
+PATIENCE = 1
+#: Seed of the fold permutation.
+FOLD_SEED = 0
+#: Penalty options and the parts of the penalty they weigh.
+PARTS = {"reg_off_diagonal": "off", "reg_diagonal": "diag", "reg_intercept": "bias"}
+
+
+def structured_features(z: np.ndarray, beta: float, smoothing: float) -> np.ndarray:
+    """The preprocessed features ``log((softmax(beta z) + c) / (1 + K c))``.
+
+    Parameters
+    ----------
+    z : ndarray of shape (n_rows, n_classes), float64
+        Logits.
+    beta : float
+        Inverse temperature.
+    smoothing : float
+        ``c > 0``, added to every probability before the log.
+
+    Returns
+    -------
+    ndarray of shape (n_rows, n_classes), float64
+        Log-probabilities of the smoothed distribution, each in
+        ``[log(c / (1 + K c)), 0]``.
+
+    Examples
+    --------
+    >>> x = structured_features(np.array([[0.0, 0.0, 1000.0]]), 1.0, 0.01)
+    >>> float(np.exp(x).sum().round(12)), float(x.min().round(4))  # log(0.01 / 1.03)
+    (1.0, -4.6347)
+    """
+    x = softmax(beta * z)
+    x += smoothing
+    np.log(x, out=x)
+    x -= math.log1p(z.shape[1] * smoothing)
+    return x
+
+
+class _StructuredScaler(Calibrator):
+    """Shared fit of SVS and SMS (see the module docstring).
+
+    Parameters
+    ----------
+    reg_off_diagonal : float, optional
+        Multiplier ``lam_o`` of the off-diagonal penalty (SMS only), 0 or more;
+        chosen by cross-validation when None.
+    reg_diagonal : float, optional
+        Multiplier ``lam_d`` of the penalty on ``W_ii - 1``; as above.
+    reg_intercept : float, optional
+        Multiplier ``lam_b`` of the bias penalty; as above.
+    grid : sequence of float, default=DEFAULT_GRID
+        Candidate multipliers for the cross-validation (stored sorted, strongest
+        first, without repeats).
+    n_folds : int, default=4
+    max_iter : int, default=1000
+        L-BFGS iterations per fit.
+    tol : float, default=1e-9
+        L-BFGS tolerance of the final fit on the relative loss decrease and the
+        (whitened) projected gradient.
+
+    Attributes
+    ----------
+    beta_ : float
+        Inverse temperature of the preprocessing.
+    smoothing_ : float
+        ``c`` of the preprocessing, ``1 / (N K)`` with N the fitted rows.
+    weight_ : ndarray of shape (K,) (SVS) or (K, K) (SMS)
+    bias_ : ndarray of shape (K,)
+    fit_info_ : dict
+        The multipliers used, the penalty coefficients, the search's candidates
+        and CV NLL, and how the final fit converged.
+    """
+
+    structure: ClassVar[str]
+    option_checks: ClassVar[dict] = {
+        "reg_off_diagonal": Positive(allow_zero=True, allow_none=True),
+        "reg_diagonal": Positive(allow_zero=True, allow_none=True),
+        "reg_intercept": Positive(allow_zero=True, allow_none=True),
+        "grid": check_grid,
+        "n_folds": Integer(minimum=2),
+        "max_iter": Integer(minimum=1),
+        "tol": Positive(),
+    }
+    onnx_graph_name = "structured_scaling"
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.fitted_arrays = {
+            "beta": (),
+            "smoothing": (),
+            "weight": WEIGHT_SHAPES[cls.structure],
+            "bias": ("n_classes",),
+        }
+
+    def __init__(
+        self,
+        *,
+        reg_off_diagonal: float | None = None,
+        reg_diagonal: float | None = None,
+        reg_intercept: float | None = None,
+        grid=DEFAULT_GRID,
+        n_folds: int = 4,
+        max_iter: int = 1000,
+        tol: float = 1e-9,
+    ):
+        self.reg_off_diagonal = reg_off_diagonal
+        self.reg_diagonal = reg_diagonal
+        self.reg_intercept = reg_intercept
+        self.grid = grid
+        self.n_folds = n_folds
+        self.max_iter = max_iter
+        self.tol = tol
+
+    # -- the map -----------------------------------------------------------
+    def _forward(self, z: np.ndarray) -> np.ndarray:
+        x = structured_features(z, self.beta_, self.smoothing_)
+        if self.structure == "diagonal":
+            return x * self.weight_ + self.bias_
+        return x @ self.weight_.T + self.bias_
+
+    def _onnx_forward(self, graph: GraphBuilder, z: str) -> str:
+        from calibrators.onnx_export import linear_subgraph
+
+        k = graph.n_classes
+        bz = graph.node("Mul", [z, graph.constant(self.beta_, "beta")], "beta_z")
+        p = graph.node("Softmax", [bz], "tempered", axis=1)
+        pc = graph.node("Add", [p, graph.constant(self.smoothing_, "smoothing")], "smoothed")
+        logp = graph.node("Log", [pc], "log_smoothed")
+        norm = graph.constant(math.log1p(k * self.smoothing_), "log_normaliser")
+        x = graph.node("Sub", [logp, norm], "features")
+        return linear_subgraph(graph, x, weight=self.weight_, bias=self.bias_, feature="logits")
+
+    def _load_params(self, params) -> None:
+        super()._load_params(params)
+        for name in ("beta", "smoothing"):
+            value = getattr(self, f"{name}_")
+            if not value > 0:
+                raise CalibrationInputError(f"params {name} must be > 0. Got {value!r}.")
+
+    # -- fitting -------------------------------------------------------------
+    def _multipliers(self, options: dict) -> dict[str, float | None]:
+        """Penalty part -> multiplier (None: searched); SVS has no off-diagonal part."""
+        return {
+            part: options[name] for name, part in PARTS.items()
+            if self.structure == "full" or part != "off"
+        }
+
+    def _problem(self, x: np.ndarray, y: np.ndarray, multipliers: dict[str, float]):
+        """The penalised problem on rows ``x, y`` (the paper's rule with their N)."""
+        n, k = x.shape
+        scale = {"off": k * (k - 1) / n, "diag": k / n, "bias": k / n}
+        return PenalisedSoftmax(
+            x, y, self.structure, **{part: m * scale[part] for part, m in multipliers.items()}
+        )
+
+    def _fit(self, x: np.ndarray, y: np.ndarray, *, kind: str, options: dict,
+             progress: Progress) -> dict[str, Any]:
+        with single_threaded_blas():
+            return self._fit_structured(x, y, kind, options, progress)
+
+    def _fit_structured(self, x, y, kind, opts, progress) -> dict[str, Any]:
+        started = time.perf_counter()
+        n, k = x.shape
+        temperature = TemperatureScaler().fit(x, y, kind=kind)
+        beta, smoothing = float(temperature.weight_), 1.0 / (n * k)
+        feats = map_rows(lambda block: structured_features(logits64(block, kind), beta,
+                                                           smoothing), x)
+        fixed = self._multipliers(opts)
+        searched = [part for part, m in fixed.items() if m is None]
+        grid = opts["grid"]
+        cv, warm, evaluations = [], None, 0
+        if searched:
+            n_folds = opts["n_folds"]
+            if n < 2 * n_folds:
+                raise CalibrationInputError(
+                    f"cross-validating the penalties needs at least {2 * n_folds} rows; give "
+                    f"{', '.join(o for o, p in PARTS.items() if p in searched)} explicitly for "
+                    f"tiny sets. Got {n} rows."
+                )
+            total = len(grid) * n_folds + 1
+            done = [0]
+
+            def tick(fits):
+                done[0] += fits
+                progress(0.95 * done[0] / total)
+
+            def with_multiplier(m):
+                return {part: m if value is None else value for part, value in fixed.items()}
+
+            scores, solutions, evaluations = cross_validate_path(
+                lambda xx, yy, m: self._problem(xx, yy, with_multiplier(m)),
+                feats, y, fold_assignment(n, n_folds, FOLD_SEED), grid, [None] * n_folds,
+                tick, max_iter=opts["max_iter"], tol=max(opts["tol"], CV_TOL),
+                patience=PATIENCE, block_classes=0,
+            )
+            best = int(np.argmin(scores))
+            multipliers, warm = with_multiplier(grid[best]), np.mean(solutions[best], axis=0)
+            cv = [{"multiplier": m, "cv_nll": s}
+                  for m, s in zip(grid[: len(scores)], scores, strict=True)]
+        else:
+            multipliers = fixed
+        prob = self._problem(feats, y, multipliers)
+        res = prob.solve(prob.initial() if warm is None else warm, max_iter=opts["max_iter"],
+                         tol=opts["tol"], block_classes=0)
+        evaluations += prob.evaluations
+        w, b = prob.unpack(res.x)
+        self.beta_, self.smoothing_ = beta, smoothing
+        self.weight_, self.bias_ = w.copy(), b.copy()
+        progress(1.0)
+        names = {part: name for name, part in PARTS.items()}
+        return {
+            "temperature": 1.0 / beta,
+            "multipliers": {names[part]: m for part, m in multipliers.items()},
+            "penalties": {"off_diagonal": prob.c_off if self.structure == "full" else None,
+                          "diagonal": prob.c_diag, "intercept": prob.c_bias},
+            "converged": bool(res.success),
+            "message": str(res.message),
+            "iterations": int(res.nit),
+            "loss": float(res.fun),
+            "gradient_max": float(np.max(np.abs(res.jac))),
+            "evaluations": evaluations,
+            "seconds": time.perf_counter() - started,
+            "cross_validation": {"n_folds": opts["n_folds"], "candidates": cv} if cv else None,
+        }
+
+
+class StructuredVectorScaler(_StructuredScaler):
+    """Structured vector scaling (SVS): ``softmax(w * x + b)`` on the robust features.
+
+    Parameters are those of the shared fit (see :mod:`calibrators.structured`);
+    ``reg_off_diagonal`` has no effect (there are no off-diagonal weights).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> y = rng.integers(0, 3, 600)
+    >>> z = 4.0 * rng.normal(size=(600, 3))
+    >>> z[np.arange(600), y] += 4.0  # informative but over-confident logits
+    >>> cal = StructuredVectorScaler().fit(z, y)
+    >>> cal.weight_.shape, cal.fit_info_["converged"], 0 < cal.beta_ < 1
+    ((3,), True, True)
+    """
+
+    method = "svs"
+    structure = "diagonal"
+
+
+class StructuredMatrixScaler(_StructuredScaler):
+    """Structured matrix scaling (SMS): ``softmax(W x + b)`` on the robust features.
+
+    Parameters are those of the shared fit (see :mod:`calibrators.structured`).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from calibrators.metrics import nll_loss
+    >>> from calibrators.numerics import softmax
+    >>> rng = np.random.default_rng(0)
+    >>> y = rng.integers(0, 3, 600)
+    >>> z = 4.0 * rng.normal(size=(600, 3))
+    >>> z[np.arange(600), y] += 4.0  # informative but over-confident logits
+    >>> cal = StructuredMatrixScaler().fit(z, y)
+    >>> cal.weight_.shape, cal.fit_info_["converged"]
+    ((3, 3), True)
+    >>> nll_loss(cal.predict_proba(z), y) < nll_loss(softmax(z), y)
+    True
+    """
+
+    method = "sms"
+    structure = "full"
