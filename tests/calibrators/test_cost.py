@@ -120,12 +120,22 @@ MEASURED = [
     ("ets", {}, (4, 2**18), (4, 2**19)),
     ("pts", {"reg": 0.1}, (4, 2**18), (4, 2**19)),
     ("pts", {"reg": 0.1}, (20_000, 20), (80_000, 20)),
+    ("vector", {"reg_mu": 1.0}, (2_000, 100), (4_000, 100)),
+    ("vector", {"grid": [10.0, 1.0]}, (1_000, 50), (1_000, 100)),
+    ("matrix", {"reg_lambda": 1.0, "reg_mu": 1.0}, (1_000, 40), (1_000, 80)),
+    pytest.param("matrix", {"reg_lambda": 1.0, "reg_mu": 1.0}, (300, 300), (300, 400),
+                 marks=pytest.mark.slow),  # rank-1 whitening, K > MAX_BLOCK_CLASSES
+    ("dirichlet", {"grid": [10.0, 1.0]}, (1_000, 20), (1_000, 40)),
 ]
 
 
+def _case_id(case) -> str:
+    method, _, small, large = case.values if hasattr(case, "values") else case
+    return f"{method}-{small[0]}x{small[1]}-{large[0]}x{large[1]}"
+
+
 @pytest.mark.parametrize(
-    ("method", "options", "small", "large"), MEASURED,
-    ids=[f"{m}-{a[0]}x{a[1]}-{b[0]}x{b[1]}" for m, _, a, b in MEASURED],
+    ("method", "options", "small", "large"), MEASURED, ids=[_case_id(c) for c in MEASURED]
 )
 def test_estimates_bound_and_follow_the_measured_peaks(method, options, small, large):
     measured = [_measured_peak(method, options, *size) for size in (small, large)]
