@@ -127,13 +127,36 @@ class _RankOne:
         return self._along_u(g, self.gamma) * self.root
 
 
-class _Problem:
-    """The penalised NLL of one structure on one feature matrix, with its gradient."""
+class PenalisedSoftmax:
+    """The mean NLL of ``softmax(W x + b)`` plus ridge penalties, its gradient and solvers.
 
-    def __init__(self, x: np.ndarray, y: np.ndarray, structure: str, lam: float, mu: float):
+    ::
+
+        loss(W, b) = mean_n [logsumexp(u_n) - u_n,y_n]          (u = W x + b)
+                     + off * sum_{i != j} W_ij**2 + diag * sum_i (W_ii - 1)**2
+                     + bias * sum_j b_j**2
+
+    A full ``W`` (``structure="full"``: parameters ``W.ravel()`` then ``b``) or a
+    diagonal one (``"diagonal"``: the K diagonal entries, then ``b``; ``off`` is
+    unused). ODIR (:class:`_Problem`) is the case ``diag = 0``; structured
+    matrix and vector scaling (:mod:`calibrators.structured`) penalise all three
+    parts. :meth:`solve` is exact for any of them.
+
+    Parameters
+    ----------
+    x : ndarray of shape (n_samples, n_classes), float64
+        The features ``phi(z)``.
+    y : ndarray of shape (n_samples,), int
+    structure : {"diagonal", "full"}
+    off, diag, bias : float, default 0.0
+        Penalty coefficients (>= 0) per squared entry.
+    """
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, structure: str, *, off: float = 0.0,
+                 diag: float = 0.0, bias: float = 0.0):
         self.x, self.y, self.structure = x, y, structure
         self.n, self.k = x.shape
-        self.lam, self.mu = lam, mu
+        self.c_off, self.c_diag, self.c_bias = off, diag, bias
         self.offdiag = ~np.eye(self.k, dtype=bool) if structure == "full" else None
         self.evaluations = 0
 
@@ -150,7 +173,9 @@ class _Problem:
 
     def logits(self, theta: np.ndarray, x: np.ndarray) -> np.ndarray:
         w, b = self.unpack(theta)
-        return (x @ w.T if self.structure == "full" else x * w) + b
+        u = x @ w.T if self.structure == "full" else x * w
+        u += b  # in place: a second (N, K) temporary costs more than the product
+        return u
 
     def __call__(self, theta: np.ndarray):
         """Loss and gradient at ``theta``."""
@@ -167,14 +192,21 @@ class _Problem:
         if self.structure == "full":
             gw = u.T @ x
             off = w * self.offdiag
-            scale = self.lam / (k * (k - 1))
-            loss += scale * float(np.sum(off * off))
-            gw += 2.0 * scale * off
+            loss += self.c_off * float(np.sum(off * off))
+            gw += 2.0 * self.c_off * off
+            if self.c_diag:
+                d = np.diag(w) - 1.0
+                loss += self.c_diag * float(d @ d)
+                gw[np.arange(k), np.arange(k)] += 2.0 * self.c_diag * d
             gw = gw.ravel()
         else:
             gw = np.einsum("nk,nk->k", u, x)
-        loss += self.mu / k * float(b @ b)
-        gb += 2.0 * self.mu / k * b
+            if self.c_diag:
+                d = w - 1.0
+                loss += self.c_diag * float(d @ d)
+                gw += 2.0 * self.c_diag * d
+        loss += self.c_bias * float(b @ b)
+        gb += 2.0 * self.c_bias * b
         return loss, np.concatenate([gw, gb])
 
     def canonical(self, theta: np.ndarray) -> np.ndarray:
@@ -183,18 +215,27 @@ class _Problem:
         softmax is unchanged when the same number is added to every class's logit,
         so the NLL is unchanged by ``W -> W + 1 v^T`` (any ``v``: column j of W
         shifted by ``v_j``) and ``b -> b + c 1``; only the penalty sees these
-        K + 1 directions. Its minimum along them is in closed form: each column's
-        off-diagonal entries and the bias centred on 0. This map is a linear
-        projection, and minimising ``loss(canonical(theta))`` instead of
-        ``loss(theta)`` has the same minimum without the K + 1 directions of
-        penalty-only (for weak penalties: nearly zero) curvature that slow the
-        solver down. Full W only (a diagonal W cannot shift a column).
+        K + 1 directions. Its minimum along them is in closed form: the bias
+        centred on 0, and each column shifted by ``v_j = -(off * s_j + diag *
+        (W_jj - 1)) / (off (K - 1) + diag)``, ``s_j`` the sum of its off-diagonal
+        entries (without a diagonal penalty: its off-diagonal entries centred on
+        0). This map is an affine projection, and minimising
+        ``loss(canonical(theta))`` instead of ``loss(theta)`` has the same
+        minimum without the K + 1 directions of penalty-only (for weak
+        penalties: nearly zero) curvature that slow the solver down. Full W
+        only (a diagonal W cannot shift a column).
         """
         if self.structure != "full":
             return theta
         k = self.k
         w, b = self.unpack(theta)
-        shift = -(w.sum(axis=0) - np.diag(w)) / (k - 1)
+        if self.c_diag:
+            dw = np.diag(w)
+            shift = -(self.c_off * (w.sum(axis=0) - dw) + self.c_diag * (dw - 1.0)) / (
+                self.c_off * (k - 1) + self.c_diag
+            )
+        else:
+            shift = -(w.sum(axis=0) - np.diag(w)) / (k - 1)
         return np.concatenate([(w + shift).ravel(), b - b.mean()])
 
     def canonical_gradient(self, grad: np.ndarray) -> np.ndarray:
@@ -204,14 +245,20 @@ class _Problem:
             return grad
         k = self.k
         gw, gb = grad[: k * k].reshape(k, k), grad[k * k :]
-        out = gw - (gw.sum(axis=0) / (k - 1)) * self.offdiag
+        if self.c_diag:
+            weights = np.where(self.offdiag, self.c_off, self.c_diag)
+            out = gw - gw.sum(axis=0) * (weights / (self.c_off * (k - 1) + self.c_diag))
+        else:
+            out = gw - (gw.sum(axis=0) / (k - 1)) * self.offdiag
         return np.concatenate([out.ravel(), gb - gb.mean()])
 
-    def solve(self, theta0: np.ndarray, *, max_iter: int, tol: float):
+    def solve(self, theta0: np.ndarray, *, max_iter: int, tol: float,
+              block_classes: int | None = None):
         """Minimise from ``theta0``: L-BFGS-B in preconditioned variables.
 
         Full W uses per-class curvature blocks (:meth:`_solve_blocks`) up to
-        ``MAX_BLOCK_CLASSES`` classes and their diagonal + rank-1 approximation
+        ``block_classes`` (default ``MAX_BLOCK_CLASSES``) classes and their
+        diagonal + rank-1 approximation
         (:meth:`_solve_rank_one`) above; a diagonal W (vector scaling), the
         penalty scaling (:meth:`_solve_scaled`). All are exact changes of
         variables: the optimum is the same, only the conditioning of the problem
@@ -219,7 +266,7 @@ class _Problem:
         """
         if self.structure != "full":
             return self._solve_scaled(theta0, max_iter=max_iter, tol=tol)
-        if self.k <= MAX_BLOCK_CLASSES:
+        if self.k <= (MAX_BLOCK_CLASSES if block_classes is None else block_classes):
             return self._solve_blocks(theta0, max_iter=max_iter, tol=tol)
         return self._solve_rank_one(theta0, max_iter=max_iter, tol=tol)
 
@@ -241,17 +288,18 @@ class _Problem:
         """L-BFGS-B from ``theta0`` in penalty-scaled variables.
 
         L-BFGS runs on ``phi = theta / d`` with ``d = 1 / sqrt(1 + c)``, ``c``
-        the curvature the ODIR penalty adds to each parameter (``2 lam /
-        (K (K - 1))`` off the diagonal, ``2 mu / K`` on the bias, 0 on the
-        diagonal): it removes the ill-conditioning that the penalty alone adds to
-        strongly penalised fits (``bench/odir.py`` measures the effect).
+        the curvature the penalty adds to each parameter (``2 off`` off the
+        diagonal, ``2 diag`` on it, ``2 bias`` on the bias; for ODIR ``2 lam /
+        (K (K - 1))``, 0 and ``2 mu / K``): it removes the ill-conditioning that
+        the penalty alone adds to strongly penalised fits (``bench/odir.py``
+        measures the effect).
         """
         k = self.k
         if self.structure == "full":
-            cw = np.where(self.offdiag, 2.0 * self.lam / (k * (k - 1)), 0.0).ravel()
+            cw = np.where(self.offdiag, 2.0 * self.c_off, 2.0 * self.c_diag).ravel()
         else:
-            cw = np.zeros(k)
-        d = 1.0 / np.sqrt(1.0 + np.concatenate([cw, np.full(k, 2.0 * self.mu / k)]))
+            cw = np.full(k, 2.0 * self.c_diag)
+        d = 1.0 / np.sqrt(1.0 + np.concatenate([cw, np.full(k, 2.0 * self.c_bias)]))
 
         def scaled(phi):
             loss, grad = self(self.canonical(phi * d))
@@ -266,7 +314,7 @@ class _Problem:
 
         Block i is the Hessian of the loss in class i's parameters ``(W[i], b[i])``
         when the other classes are held fixed, ``mean_n q_ni x~_n x~_n^T`` with
-        ``q = p (1 - p)`` and ``x~ = [phi(z), 1]``, plus the ODIR penalty's
+        ``q = p (1 - p)`` and ``x~ = [phi(z), 1]``, plus the penalty's
         curvature and a small damping (``DAMPING``). Estimated on at most
         ``BLOCK_ROWS`` rows, and each block only on the rows where ``q_ni``
         outweighs the damping, so that it costs about as much as one loss
@@ -296,9 +344,9 @@ class _Problem:
             blocks[i, :k, k] = blocks[i, k, :k] = xi.T @ root
             blocks[i, k, k] = root @ root
         diag = np.arange(k + 1)
-        penalty = np.full((k, k + 1), 2.0 * self.lam / (k * (k - 1)))
-        penalty[np.arange(k), np.arange(k)] = 0.0
-        penalty[:, k] = 2.0 * self.mu / k
+        penalty = np.full((k, k + 1), 2.0 * self.c_off)
+        penalty[np.arange(k), np.arange(k)] = 2.0 * self.c_diag
+        penalty[:, k] = 2.0 * self.c_bias
         blocks[:, diag, diag] += penalty
         moment = np.empty((k + 1, k + 1))
         moment[:k, :k] = x.T @ x / n
@@ -326,9 +374,9 @@ class _Problem:
         weight = np.maximum(q.mean(axis=0), 1e-300)  # (K,)
         mean = q.T @ xt / m  # (K, K+1)
         diag = q.T @ (xt * xt) / m - mean * mean / weight[:, None]
-        penalty = np.full((k, k + 1), 2.0 * self.lam / (k * (k - 1)))
-        penalty[np.arange(k), np.arange(k)] = 0.0
-        penalty[:, k] = 2.0 * self.mu / k
+        penalty = np.full((k, k + 1), 2.0 * self.c_off)
+        penalty[np.arange(k), np.arange(k)] = 2.0 * self.c_diag
+        penalty[:, k] = 2.0 * self.c_bias
         diag = np.maximum(diag, 0.0) + penalty + DAMPING * float(q.mean()) * (xt * xt).mean(axis=0)
         if not np.all(diag > 0):  # an unused, unpenalised parameter: nothing to whiten with
             raise np.linalg.LinAlgError("a zero diagonal")
@@ -421,6 +469,91 @@ class _Problem:
         """Unpenalised mean NLL of ``theta`` on other rows ``x, y``."""
         u = log_softmax(self.logits(theta, x))
         return float(-np.mean(u[np.arange(len(y)), y]))
+
+
+class _Problem(PenalisedSoftmax):
+    """The ODIR-penalised NLL (module docstring): ``off = lam / (K (K - 1))``,
+    ``diag = 0``, ``bias = mu / K``."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, structure: str, lam: float, mu: float):
+        k = x.shape[1]
+        super().__init__(x, y, structure, off=lam / (k * (k - 1)), bias=mu / k)
+        self.lam, self.mu = lam, mu
+
+
+def fold_assignment(n: int, n_folds: int, seed: int) -> np.ndarray:
+    """The fold (0 .. n_folds - 1) of each of ``n`` rows: a seeded permutation, dealt
+    round-robin (fold sizes differ by at most one)."""
+    fold_of = np.empty(n, dtype=np.int64)
+    perm = np.random.default_rng(seed).permutation(n)
+    fold_of[perm] = np.arange(n) % n_folds
+    return fold_of
+
+
+def cross_validate_path(make_problem, feats, y, fold_of, candidates, warm, progress, *,
+                        max_iter: int, tol: float, patience: int = PATIENCE,
+                        block_classes: int | None = None):
+    """Mean held-out NLL of penalty candidates along a path, over the folds.
+
+    The candidates are walked in order (strongest penalty first); each
+    fold's fit is warm-started from that fold's previous solution, and the
+    folds of one candidate run on parallel threads (numpy and scipy
+    release the GIL in the products). The walk stops early once the CV
+    NLL has risen ``patience`` times in a row past the best candidate:
+    the weakly penalised fits at the end of the path are the slow ones.
+
+    Parameters
+    ----------
+    make_problem : callable
+        ``make_problem(x, y, candidate)`` -> :class:`PenalisedSoftmax` on a
+        fold's training rows.
+    feats : ndarray of shape (n_samples, n_classes)
+    y : ndarray of shape (n_samples,)
+    fold_of : ndarray of shape (n_samples,)
+        Fold of each row (:func:`fold_assignment`).
+    candidates : sequence
+        Penalty candidates, passed to ``make_problem``.
+    warm : list
+        Per fold, a start (parameter vector) or None (the identity).
+    progress : callable
+        Called with the number of fits done, after each candidate.
+    max_iter, tol, block_classes
+        As :meth:`PenalisedSoftmax.solve`.
+    patience : int, default PATIENCE
+
+    Returns
+    -------
+    scores : list of float
+        CV NLL per candidate tried.
+    solutions : list of list of ndarray
+        Per candidate tried, the folds' solutions.
+    evaluations : int
+    """
+    n_folds = len(warm)
+    splits = [(fold_of != f, fold_of == f) for f in range(n_folds)]
+    thetas = list(warm)
+    scores, solutions, evaluations = [], [], 0
+
+    def fit_fold(args):
+        fold, cand = args
+        train, test = splits[fold]
+        prob = make_problem(feats[train], y[train], cand)
+        start = prob.initial() if thetas[fold] is None else thetas[fold]
+        res = prob.solve(start, max_iter=max_iter, tol=tol, block_classes=block_classes)
+        return res.x, prob.nll(res.x, feats[test], y[test]), prob.evaluations
+
+    with ThreadPoolExecutor(max_workers=min(n_folds, n_threads())) as pool:
+        for cand in candidates:
+            results = list(pool.map(fit_fold, [(f, cand) for f in range(n_folds)]))
+            thetas = [r[0] for r in results]
+            scores.append(float(np.mean([r[1] for r in results])))
+            solutions.append(thetas)
+            evaluations += sum(r[2] for r in results)
+            progress(n_folds)
+            best = int(np.argmin(scores))
+            if len(scores) - 1 - best >= patience:
+                break
+    return scores, solutions, evaluations
 
 
 def check_grid(name: str, value) -> list[float]:
@@ -560,43 +693,12 @@ class _LinearScaler(LinearSoftmax):
         return map_rows(lambda block: logits64(block, kind), x)
 
     def _cross_validate(self, feats, y, fold_of, candidates, warm, progress):
-        """Mean held-out NLL of (lam, mu) candidates along a path, over the folds.
-
-        The candidates are walked in order (strongest penalty first); each
-        fold's fit is warm-started from that fold's previous solution, and the
-        folds of one candidate run on parallel threads (numpy and scipy
-        release the GIL in the products). The walk stops early once the CV
-        NLL has risen ``PATIENCE`` times in a row past the best candidate:
-        the weakly penalised fits at the end of the path are the slow ones.
-
-        Returns (CV NLL per candidate tried, per-fold solutions, evaluations).
-        """
-        n_folds = self.n_folds  # options as validated by fit
-        tol = max(self.tol, CV_TOL)
-        splits = [(fold_of != f, fold_of == f) for f in range(n_folds)]
-        thetas = list(warm)
-        scores, solutions, evaluations = [], [], 0
-
-        def fit_fold(args):
-            fold, (lam, mu) = args
-            train, test = splits[fold]
-            prob = _Problem(feats[train], y[train], self.structure, lam, mu)
-            start = prob.initial() if thetas[fold] is None else thetas[fold]
-            res = prob.solve(start, max_iter=self.max_iter, tol=tol)
-            return res.x, prob.nll(res.x, feats[test], y[test]), prob.evaluations
-
-        with ThreadPoolExecutor(max_workers=min(n_folds, n_threads())) as pool:
-            for cand in candidates:
-                results = list(pool.map(fit_fold, [(f, cand) for f in range(n_folds)]))
-                thetas = [r[0] for r in results]
-                scores.append(float(np.mean([r[1] for r in results])))
-                solutions.append(thetas)
-                evaluations += sum(r[2] for r in results)
-                progress(n_folds)
-                best = int(np.argmin(scores))
-                if len(scores) - 1 - best >= PATIENCE:
-                    break
-        return scores, solutions, evaluations
+        """:func:`cross_validate_path` of ODIR problems (``candidates``: (lam, mu) pairs)."""
+        return cross_validate_path(
+            lambda x, yy, cand: _Problem(x, yy, self.structure, *cand),
+            feats, y, fold_of, candidates, warm, progress,
+            max_iter=self.max_iter, tol=max(self.tol, CV_TOL),  # options as validated by fit
+        )
 
     def _fit(self, x: np.ndarray, y: np.ndarray, *, kind: str, options: dict,
              progress: Progress) -> dict:
@@ -635,9 +737,7 @@ class _LinearScaler(LinearSoftmax):
                     f"cross-validating the penalties needs at least {2 * opts['n_folds']} rows; "
                     f"give reg_lambda and reg_mu explicitly for tiny sets. Got {n} rows."
                 )
-            fold_of = np.empty(n, dtype=np.int64)
-            perm = np.random.default_rng(opts["seed"]).permutation(n)
-            fold_of[perm] = np.arange(n) % opts["n_folds"]
+            fold_of = fold_assignment(n, opts["n_folds"], opts["seed"])
             for stage in stages:
                 if stage == "lam":
                     cands = [(g, g if mu is None else mu) for g in grid]

@@ -32,6 +32,9 @@ FIT_OPTIONS: dict[str, dict] = {
     "vector": {"reg_lambda": 1.0, "reg_mu": 1.0, "grid": [1.0, 10.0, 1.0]},
     "matrix": {"reg_lambda": 1.0, "reg_mu": 1.0, "grid": [1.0, 10.0, 1.0]},
     "dirichlet": {"reg_lambda": 1.0, "reg_mu": 1.0, "grid": [1.0, 10.0, 1.0]},
+    "svs": {"reg_diagonal": 1.0, "reg_intercept": 0.5, "grid": [1.0, 4.0, 1.0]},
+    "sms": {"reg_off_diagonal": 1.0, "reg_diagonal": 1.0, "reg_intercept": 0.5,
+            "grid": [1.0, 4.0, 1.0]},
     "ets": {"tol": 1e-9, "max_passes": 30},
     "pts": {"n_top": 3, "reg": None, "grid": [0.1, 1.0, 0.1], "tol": 1e-8, "max_passes": 40},
 }
