@@ -23,9 +23,10 @@ from service.api.routers import (
     models,
     monitoring,
     predict,
+    v2,
 )
 from service.api.uploads import BodyLimitMiddleware
-from service.jobs.fitting import FitRunner, WorkerConfig, memory_budget, recover
+from service.jobs.fitting import FitRunner, WorkerConfig, recover
 from service.observe.metrics import ServiceMetrics
 from service.observe.monitoring import MetricsMiddleware, observe_finished_fit
 from service.security import auth
@@ -35,7 +36,9 @@ from service.storage.arrays import ArrayStore
 from service.storage.db import make_engine
 from service.storage.migrate import ensure_schema
 
-_BIG_BODY = re.compile(r"^/v1/models/[^/]+/(datasets|predict|feedback)/?$")
+_BIG_BODY = re.compile(
+    r"^(/v1/models/[^/]+/(datasets|predict|feedback)|/v2/models/[^/]+(/versions/[^/]+)?/infer)/?$"
+)
 
 
 def _limit_for(settings: Settings):
@@ -74,7 +77,6 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
                 str(settings.data_dir),
                 settings.progress_interval_seconds,
                 settings.fit_threads or max(1, (os.cpu_count() or 2) // 2),
-                memory_budget(settings.fit_memory_bytes, settings.fit_workers),
             )
             fits = FitRunner(
                 settings.fit_executor,
@@ -106,6 +108,7 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
     # predict first, on the app itself (matched first: the hot path), authorising
     # inline; then the auth dependency, which every route added later gets.
     predict.install(app)
+    v2.install(app)  # the Open Inference Protocol, its infer authorising inline too
     auth.install(app, settings, on_rate_limited=metrics.observe_rate_limited)
     openapi.install(app)  # problem+json errors and Bearer auth in /openapi.json
     app.add_middleware(BodyLimitMiddleware, limit_for=_limit_for(settings))

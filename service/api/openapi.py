@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from service.api.problems import PROBLEM_JSON
+from service.api.problems import OIP_PREFIX, PROBLEM_JSON
 from service.security.auth import OPEN_PATHS, required_scope
 from service.vocabulary import KINDS
 
@@ -60,7 +60,19 @@ ERRORS = {
 _OPEN_ERRORS = {"503": "Not ready: database unreachable or schema not at head."}
 
 
-def _problem(description: str) -> dict[str, Any]:
+#: The Open Inference Protocol's error body (the routes under ``OIP_PREFIX``).
+INFERENCE_ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "Open Inference Protocol error: what went wrong.",
+    "properties": {"error": {"type": "string"}},
+    "required": ["error"],
+}
+
+
+def _problem(description: str, path: str = "") -> dict[str, Any]:
+    if path == OIP_PREFIX or path.startswith(OIP_PREFIX + "/"):
+        ref = {"$ref": "#/components/schemas/InferenceError"}
+        return {"description": description, "content": {"application/json": {"schema": ref}}}
     ref = {"$ref": "#/components/schemas/Problem"}
     return {"description": description, "content": {PROBLEM_JSON: {"schema": ref}}}
 
@@ -75,6 +87,7 @@ def document(app: FastAPI) -> dict[str, Any]:
     )
     components = schema.setdefault("components", {})
     components.setdefault("schemas", {})["Problem"] = PROBLEM_SCHEMA
+    components["schemas"]["InferenceError"] = INFERENCE_ERROR_SCHEMA
     components.setdefault("securitySchemes", {})["bearer"] = {
         "type": "http",
         "scheme": "bearer",
@@ -88,9 +101,9 @@ def document(app: FastAPI) -> dict[str, Any]:
             errors = _OPEN_ERRORS if path in OPEN_PATHS else ERRORS
             for code, why in errors.items():
                 if code in responses and code not in ("422", "503"):
-                    responses[code].setdefault("content", _problem(why)["content"])
+                    responses[code].setdefault("content", _problem(why, path)["content"])
                 else:
-                    responses[code] = _problem(why)
+                    responses[code] = _problem(why, path)
             scope = required_scope(method.upper(), path)
             if scope is not None:
                 op["security"] = [{"bearer": []}]

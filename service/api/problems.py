@@ -5,7 +5,8 @@ The one module that maps exceptions to HTTP: the service's domain errors
 422) through one table, :data:`PROBLEM_TYPES`; FastAPI's request validation (400
 for malformed JSON, 422 otherwise) and Starlette's HTTP errors (unknown route,
 wrong method). Handlers and the layers below raise; they never build error
-responses themselves.
+responses themselves. Under :data:`OIP_PREFIX` the same errors take the Open
+Inference Protocol's shape, ``{"error": "<detail>"}``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from service.errors import (
     ArgmaxChanged,
     Conflict,
     ContentTooLarge,
-    FitTooLarge,
     Forbidden,
     InvalidInput,
     MalformedBody,
@@ -41,6 +41,10 @@ from service.errors import (
 )
 
 PROBLEM_JSON = "application/problem+json"
+#: The Open Inference Protocol's routes (:mod:`service.api.routers.v2`) answer errors in
+#: the protocol's shape, ``{"error": detail}`` (application/json), with the status and
+#: headers of the same table.
+OIP_PREFIX = "/v2"
 log = logging.getLogger("welltempered.service")
 
 
@@ -81,7 +85,6 @@ PROBLEM_TYPES: dict[type[Exception], ProblemType] = {
     ContentTooLarge: ProblemType(413, "content-too-large", "Content too large"),
     UnsupportedMediaType: ProblemType(415, "unsupported-media-type", "Unsupported media type"),
     InvalidInput: INVALID_INPUT,
-    FitTooLarge: ProblemType(422, "fit-too-large", "Fit too large for a worker"),
     CalibrationInputError: INVALID_INPUT,
     TooManyRequests: ProblemType(429, "too-many-requests", "Too many requests", _retry_after),
 }
@@ -104,6 +107,14 @@ def problem_response(
     headers: dict[str, str] | None = None,
     **extensions: Any,
 ) -> Response:
+    path = request.url.path
+    if path == OIP_PREFIX or path.startswith(OIP_PREFIX + "/"):
+        return Response(
+            orjson.dumps({"error": detail}),
+            status_code=status,
+            media_type="application/json",
+            headers=headers,
+        )
     body = {
         "type": f"/problems/{slug}",
         "title": title,

@@ -23,7 +23,8 @@ default). It derives the scope a route needs from its method and template
 key; with ``WWW-Authenticate: Bearer``) or 403 (scope too low) as
 problem+json, and returns the caller's :class:`Principal`, which the model
 lookups use: another namespace's model is not found, with the same 404 as a
-missing one. Open routes: ``/healthz``, ``/readyz``, ``/metrics`` (probes and
+missing one. Open routes: ``/healthz``, ``/readyz``, ``/metrics`` and the Open
+Inference Protocol's ``/v2/health/live`` and ``/v2/health/ready`` (probes and
 the scraper carry no keys; they expose no model data beyond the metric
 labels), ``/docs`` and ``/openapi.json`` (the API's shape is public).
 
@@ -66,10 +67,13 @@ KEY_PREFIX = "wt_"
 #: Characters of a key shown by ``keys list`` and in errors: "wt_" + 8 random ones.
 SHOWN_CHARS = 11
 RANK = {scope: i for i, scope in enumerate(SCOPES)}
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+OPEN_PATHS = frozenset(
+    {"/healthz", "/readyz", "/metrics", "/v2/health/live", "/v2/health/ready"}
+)
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-#: POST routes that a ``predict`` key may call (everything else that writes needs ``write``).
-PREDICT_POSTS = ("/predict", "/feedback")
+#: POST routes that a ``predict`` key may call (everything else that writes needs ``write``):
+#: /v1 predict and feedback, and the Open Inference Protocol's infer.
+PREDICT_POSTS = ("/predict", "/feedback", "/infer")
 
 
 @dataclass(frozen=True)

@@ -238,8 +238,11 @@ def test_predict_parameters_are_documented(client):
         ("query", "alias"),
         ("query", "version"),
         ("query", "kind"),
+        ("query", "top_k"),
     }
     assert params["path", "model"]["required"]
+    top_k = params["query", "top_k"]["schema"]["anyOf"][0]
+    assert (top_k["type"], top_k["minimum"]) == ("integer", 1)
     version = params["query", "version"]["schema"]["anyOf"][0]
     assert (version["type"], version["minimum"]) == ("integer", 1)
     assert params["query", "kind"]["schema"]["enum"] == list(KINDS)

@@ -7,7 +7,7 @@ import logging
 from fastapi import APIRouter, Request
 from sqlalchemy.exc import SQLAlchemyError
 
-from service.api.deps import StateDep
+from service.api.deps import AppState, StateDep
 from service.api.problems import problem_response
 from service.storage import migrate
 
@@ -22,24 +22,26 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", responses={503: {"description": "Not ready (problem+json)."}})
-def readyz(request: Request, state: StateDep):
-    url = state.settings.database_url
+def readiness(state: AppState) -> tuple[bool, str]:
+    """``(True, revision)`` when the database is reachable and at the latest revision,
+    else ``(False, why)``; also the readiness of /v2/health/ready."""
     try:
         current = migrate.current_revision(state.engine)
     except SQLAlchemyError:
         # The driver's message can hold host names and SQL: it goes to the log only.
         log.warning("readiness check: the database is unreachable", exc_info=True)
-        return problem_response(
-            request, 503, UNAVAILABLE, "Service unavailable", "The database is unreachable."
-        )
-    head = migrate.head_revision(url)
+        return False, "The database is unreachable."
+    head = migrate.head_revision(state.settings.database_url)
     if current != head:
-        return problem_response(
-            request,
-            503,
-            UNAVAILABLE,
-            "Service unavailable",
-            f"The database is at revision {current}, not {head}: run `welltempered migrate`.",
+        return False, (
+            f"The database is at revision {current}, not {head}: run `welltempered migrate`."
         )
-    return {"status": "ready", "revision": current}
+    return True, current
+
+
+@router.get("/readyz", responses={503: {"description": "Not ready (problem+json)."}})
+def readyz(request: Request, state: StateDep):
+    ready, detail = readiness(state)
+    if not ready:
+        return problem_response(request, 503, UNAVAILABLE, "Service unavailable", detail)
+    return {"status": "ready", "revision": detail}

@@ -12,6 +12,7 @@ stalls the loop.
 from __future__ import annotations
 
 import anyio.to_thread
+import numpy as np
 import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -59,6 +60,13 @@ class Target(BaseModel):
         None, ge=1, le=MAX_ID, description="A version number instead of an alias."
     )
     kind: Kind = Field("logits", description="What a .npy body holds.")
+    top_k: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_ID,
+        description="Answer only the k largest probabilities of each row and their class "
+        "indices (at most the model's number of classes), not the whole row.",
+    )
 
 
 def target(request: Request) -> Target:
@@ -121,32 +129,69 @@ _PREDICT_DOC = {
 }
 
 
-def respond(
+def calibrate(
     served: Served,
-    fmt: str,
-    raw: bytes,
+    scores: np.ndarray,
     kind: str,
-    want_npy: bool,
     max_rows: int,
     metrics: ServiceMetrics,
-) -> Response:
-    """Parse, validate, run ONNX Runtime and serialise: pure CPU work."""
-    if fmt == "json":
-        scores, kind = ingest.scores_from_json(raw, served.num_classes, served.model)
-    else:
-        scores = ingest.scores_from_npy(raw, kind, served.num_classes, served.model)
+    top_k: int | None = None,
+) -> dict[str, np.ndarray]:
+    """The serving path from validated scores on, shared by /v1 predict and /v2 infer.
+
+    The row limit (413), the version's ONNX session, the prediction metrics, and with
+    ``top_k`` the k largest probabilities (:func:`service.serving.inference.top_k`).
+    Returns the graph's outputs (:data:`~service.serving.inference.OUTPUTS`), plus
+    :data:`~service.serving.inference.TOP_K_OUTPUTS` with ``top_k``.
+    """
     limits.check_rows(scores.shape[0], max_rows, "predict")
+    if top_k is not None:  # before the work, not after
+        inference.check_top_k(top_k, served.num_classes)
     out = inference.run(served.session, inference.as_onnx_input(scores, kind))
     # Rows whose calibrated argmax is not the input's (the log of probabilities keeps it).
     flipped = int((scores.argmax(axis=1) != out["label"]).sum())
     metrics.observe_predictions(
         served.namespace, served.model, served.version, out["entropy"], out["confidence"], flipped
     )
+    if top_k is not None:
+        out.update(inference.top_k(out["probabilities"], top_k))
+    return out
+
+
+#: The .npy answer of a ``top_k`` request: per row and rank, the class and its probability.
+TOP_K_RECORD = np.dtype([("index", "<i8"), ("probability", "<f4")])
+
+
+def respond(
+    served: Served,
+    fmt: str,
+    raw: bytes,
+    query: Target,
+    want_npy: bool,
+    max_rows: int,
+    metrics: ServiceMetrics,
+) -> Response:
+    """Parse, validate, run ONNX Runtime and serialise: pure CPU work."""
+    kind = query.kind
+    if fmt == "json":
+        scores, kind = ingest.scores_from_json(raw, served.num_classes, served.model)
+    else:
+        scores = ingest.scores_from_npy(raw, kind, served.num_classes, served.model)
+    out = calibrate(served, scores, kind, max_rows, metrics, query.top_k)
     headers = {VERSION_HEADER: str(served.version)}
     if want_npy:
-        return Response(ingest.npy_view(out["probabilities"]), media_type=NPY, headers=headers)
-    payload = {
-        "probabilities": out["probabilities"],
+        if query.top_k is None:
+            body = out["probabilities"]
+        else:
+            body = np.empty(out["top_k_indices"].shape, TOP_K_RECORD)
+            body["index"] = out["top_k_indices"]
+            body["probability"] = out["top_k_probabilities"]
+        return Response(ingest.npy_view(body), media_type=NPY, headers=headers)
+    if query.top_k is None:
+        payload = {"probabilities": out["probabilities"]}
+    else:
+        payload = {name: out[name] for name in inference.TOP_K_OUTPUTS}
+    payload |= {
         "labels": out["label"],
         "confidence": out["confidence"],
         "entropy": out["entropy"],
@@ -176,9 +221,9 @@ async def predict(request: Request) -> Response:
     want_npy = NPY in request.headers.get("accept", "")
     max_rows = state.settings.max_predict_rows
     if len(raw) <= state.settings.inline_predict_bytes:
-        return respond(served, fmt, raw, query.kind, want_npy, max_rows, state.metrics)
+        return respond(served, fmt, raw, query, want_npy, max_rows, state.metrics)
     return await anyio.to_thread.run_sync(
-        respond, served, fmt, raw, query.kind, want_npy, max_rows, state.metrics
+        respond, served, fmt, raw, query, want_npy, max_rows, state.metrics
     )
 
 
@@ -202,7 +247,9 @@ def install(app: FastAPI) -> None:
             200: {
                 "description": "JSON {probabilities, labels, confidence, entropy, model, "
                 f"version}}, or with Accept: {NPY} the probabilities as .npy (version in "
-                f"{VERSION_HEADER}).",
+                f"{VERSION_HEADER}). With ?top_k=k, top_k_indices and top_k_probabilities "
+                "(n, k) replace probabilities; the .npy is then (n, k) records "
+                "(index int64, probability float32).",
                 "content": {"application/json": {}, NPY: {}},
             }
         },
