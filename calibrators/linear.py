@@ -253,18 +253,24 @@ class PenalisedSoftmax:
         return np.concatenate([out.ravel(), gb - gb.mean()])
 
     def solve(self, theta0: np.ndarray, *, max_iter: int, tol: float,
-              block_classes: int | None = None):
+              block_classes: int | None = None, diagonal_blocks: bool = False):
         """Minimise from ``theta0``: L-BFGS-B in preconditioned variables.
 
         Full W uses per-class curvature blocks (:meth:`_solve_blocks`) up to
         ``block_classes`` (default ``MAX_BLOCK_CLASSES``) classes and their
-        diagonal + rank-1 approximation
-        (:meth:`_solve_rank_one`) above; a diagonal W (vector scaling), the
-        penalty scaling (:meth:`_solve_scaled`). All are exact changes of
+        diagonal + rank-1 approximation (:meth:`_solve_rank_one`) above; a
+        diagonal W, the penalty scaling (:meth:`_solve_scaled`), or with
+        ``diagonal_blocks`` the 2 x 2 curvature blocks of each class's
+        ``(w_i, b_i)`` (:meth:`diagonal_blocks`). All are exact changes of
         variables: the optimum is the same, only the conditioning of the problem
         L-BFGS sees changes.
         """
         if self.structure != "full":
+            if diagonal_blocks:
+                return self._solve_whitened(
+                    theta0, lambda t: _Blocks(self.diagonal_blocks(t)), max_iter=max_iter,
+                    tol=tol,
+                )
             return self._solve_scaled(theta0, max_iter=max_iter, tol=tol)
         if self.k <= (MAX_BLOCK_CLASSES if block_classes is None else block_classes):
             return self._solve_blocks(theta0, max_iter=max_iter, tol=tol)
@@ -355,6 +361,28 @@ class PenalisedSoftmax:
         blocks += damping * moment
         return blocks
 
+    def diagonal_blocks(self, theta: np.ndarray) -> np.ndarray:
+        """Per-class curvature of a diagonal W's loss at ``theta``, shape (K, 2, 2).
+
+        Block i is the Hessian in ``(w_i, b_i)`` with the other classes held
+        fixed, ``mean_n q_ni [x_ni, 1] [x_ni, 1]^T`` with ``q = p (1 - p)``, plus
+        the penalty's curvature and the damping of :meth:`curvature_blocks`, on
+        at most ``BLOCK_ROWS`` rows: ``O(N K)``. Log-probability features share
+        a large negative offset, so ``w_i`` and ``b_i`` are strongly coupled:
+        these blocks undo that.
+        """
+        x = self.x[:: -(-self.n // BLOCK_ROWS)]
+        q = np.exp(log_softmax(self.logits(theta, x)))
+        q *= 1.0 - q
+        damping = DAMPING * float(q.mean())
+        qx = q * x
+        blocks = np.empty((self.k, 2, 2))
+        blocks[:, 0, 0] = np.einsum("nk,nk->k", qx, x) / len(x) + 2.0 * self.c_diag
+        blocks[:, 0, 1] = blocks[:, 1, 0] = qx.mean(axis=0) + damping * x.mean(axis=0)
+        blocks[:, 1, 1] = q.mean(axis=0) + 2.0 * self.c_bias + damping
+        blocks[:, 0, 0] += damping * np.einsum("nk,nk->k", x, x) / len(x)
+        return blocks
+
     def rank_one_factors(self, theta: np.ndarray) -> _RankOne:
         """Each curvature block approximated by a diagonal plus a rank-1 term.
 
@@ -423,15 +451,13 @@ class PenalisedSoftmax:
                 res = self._solve_scaled(theta, max_iter=max_iter - used, tol=tol)
                 res.nit += used
                 return res
-            w, b = self.unpack(theta)
-            v0 = a.inverse(np.concatenate([w, b[:, None]], axis=1)).ravel()
+            v0 = a.inverse(self._rows(theta)).ravel()
             loss0, grad0 = self(theta)
             g0 = self._whitened_gradient(a, grad0)
             scale = max(float(np.linalg.norm(g0)), 1e-300)
 
             def to_theta(v, a=a, scale=scale):
-                wb = a.apply(v.reshape(k, k + 1) * scale)
-                return self.canonical(np.concatenate([wb[:, :k].ravel(), wb[:, k]]))
+                return self.canonical(self._theta(a.apply(v.reshape(k, -1) * scale)))
 
             def fun(v, a=a, scale=scale, first=[v0 / scale, loss0, g0]):  # noqa: B006
                 if first and np.array_equal(v, first[0]):  # L-BFGS starts where we did
@@ -455,15 +481,26 @@ class PenalisedSoftmax:
             res = self._solve_scaled(theta, max_iter=max_iter - used, tol=tol)
             res.nit += used
             return res
-        g = a.inverse_transpose(res.jac.reshape(k, k + 1))
-        res.x, res.jac, res.nit = theta, np.concatenate([g[:, :k].ravel(), g[:, k]]), used
+        g = a.inverse_transpose(res.jac.reshape(k, -1))
+        res.x, res.jac, res.nit = theta, self._theta(g), used
         return res
 
+    def _rows(self, theta: np.ndarray) -> np.ndarray:
+        """Class i's parameters as row i: ``(W[i], b[i])``, shape (K, K+1) for a
+        full W, ``(w_i, b_i)``, shape (K, 2), for a diagonal one."""
+        w, b = self.unpack(theta)
+        if self.structure == "full":
+            return np.concatenate([w, b[:, None]], axis=1)
+        return np.stack([w, b], axis=1)
+
+    def _theta(self, rows: np.ndarray) -> np.ndarray:
+        """The inverse of :meth:`_rows`."""
+        if self.structure == "full":
+            return np.concatenate([rows[:, : self.k].ravel(), rows[:, self.k]])
+        return np.concatenate([rows[:, 0], rows[:, 1]])
+
     def _whitened_gradient(self, a, grad: np.ndarray) -> np.ndarray:
-        k = self.k
-        grad = self.canonical_gradient(grad)
-        g = np.concatenate([grad[: k * k].reshape(k, k), grad[k * k :, None]], axis=1)
-        return a.transpose(g).ravel()
+        return a.transpose(self._rows(self.canonical_gradient(grad))).ravel()
 
     def nll(self, theta: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
         """Unpenalised mean NLL of ``theta`` on other rows ``x, y``."""
@@ -492,7 +529,7 @@ def fold_assignment(n: int, n_folds: int, seed: int) -> np.ndarray:
 
 def cross_validate_path(make_problem, feats, y, fold_of, candidates, warm, progress, *,
                         max_iter: int, tol: float, patience: int = PATIENCE,
-                        block_classes: int | None = None):
+                        solve_options: dict | None = None):
     """Mean held-out NLL of penalty candidates along a path, over the folds.
 
     The candidates are walked in order (strongest penalty first); each
@@ -517,8 +554,10 @@ def cross_validate_path(make_problem, feats, y, fold_of, candidates, warm, progr
         Per fold, a start (parameter vector) or None (the identity).
     progress : callable
         Called with the number of fits done, after each candidate.
-    max_iter, tol, block_classes
+    max_iter, tol : int, float
         As :meth:`PenalisedSoftmax.solve`.
+    solve_options : dict, optional
+        Further keywords of :meth:`PenalisedSoftmax.solve`.
     patience : int, default PATIENCE
 
     Returns
@@ -539,7 +578,7 @@ def cross_validate_path(make_problem, feats, y, fold_of, candidates, warm, progr
         train, test = splits[fold]
         prob = make_problem(feats[train], y[train], cand)
         start = prob.initial() if thetas[fold] is None else thetas[fold]
-        res = prob.solve(start, max_iter=max_iter, tol=tol, block_classes=block_classes)
+        res = prob.solve(start, max_iter=max_iter, tol=tol, **(solve_options or {}))
         return res.x, prob.nll(res.x, feats[test], y[test]), prob.evaluations
 
     with ThreadPoolExecutor(max_workers=min(n_folds, n_threads())) as pool:

@@ -25,8 +25,8 @@ rule, the grid is walked from the strongest penalty down, each fit warm-started
 from its neighbour, until the CV NLL rises; the final fit on all rows starts from
 the mean of the folds' solutions. Every fit is solved to optimality by the solver
 of :class:`calibrators.linear.PenalisedSoftmax` (L-BFGS-B in variables whitened by
-per-class diagonal + rank-1 curvature blocks for a full ``W``, by the penalty's
-curvature for a diagonal one). The folds are a fixed permutation of the rows
+per-class curvature blocks: diagonal + rank-1 for a full ``W``, exact 2 x 2 blocks
+of ``(w_i, b_i)`` for a diagonal one). The folds are a fixed permutation of the rows
 (``FOLD_SEED``): a fit is deterministic.
 
 References
@@ -66,6 +66,10 @@ CV_TOL = 1e-4
 PATIENCE = 1
 #: Seed of the fold permutation.
 FOLD_SEED = 0
+#: Whitening of :meth:`calibrators.linear.PenalisedSoftmax.solve`: diagonal + rank-1
+#: curvature blocks for a full W at any K (the penalty keeps them close to the
+#: exact blocks, for a fraction of their cost), 2 x 2 blocks for a diagonal W.
+SOLVER = {"block_classes": 0, "diagonal_blocks": True}
 #: Penalty options and the parts of the penalty they weigh.
 PARTS = {"reg_off_diagonal": "off", "reg_diagonal": "diag", "reg_intercept": "bias"}
 
@@ -256,7 +260,7 @@ class _StructuredScaler(Calibrator):
                 lambda xx, yy, m: self._problem(xx, yy, with_multiplier(m)),
                 feats, y, fold_assignment(n, n_folds, FOLD_SEED), grid, [None] * n_folds,
                 tick, max_iter=opts["max_iter"], tol=max(opts["tol"], CV_TOL),
-                patience=PATIENCE, block_classes=0,
+                patience=PATIENCE, solve_options=SOLVER,
             )
             best = int(np.argmin(scores))
             multipliers, warm = with_multiplier(grid[best]), np.mean(solutions[best], axis=0)
@@ -266,7 +270,7 @@ class _StructuredScaler(Calibrator):
             multipliers = fixed
         prob = self._problem(feats, y, multipliers)
         res = prob.solve(prob.initial() if warm is None else warm, max_iter=opts["max_iter"],
-                         tol=opts["tol"], block_classes=0)
+                         tol=opts["tol"], **SOLVER)
         evaluations += prob.evaluations
         w, b = prob.unpack(res.x)
         self.beta_, self.smoothing_ = beta, smoothing
