@@ -26,7 +26,7 @@ from service.api.routers import (
     v2,
 )
 from service.api.uploads import BodyLimitMiddleware
-from service.jobs.fitting import FitRunner, WorkerConfig, recover
+from service.jobs.fitting import FitRunner, WorkerConfig, memory_budget, recover
 from service.observe.metrics import ServiceMetrics
 from service.observe.monitoring import MetricsMiddleware, observe_finished_fit
 from service.security import auth
@@ -77,6 +77,7 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
                 str(settings.data_dir),
                 settings.progress_interval_seconds,
                 settings.fit_threads or max(1, (os.cpu_count() or 2) // 2),
+                memory_budget(settings.fit_memory_bytes, settings.fit_workers),
             )
             fits = FitRunner(
                 settings.fit_executor,

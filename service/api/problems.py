@@ -28,6 +28,7 @@ from service.errors import (
     ArgmaxChanged,
     Conflict,
     ContentTooLarge,
+    FitTooLarge,
     Forbidden,
     InvalidInput,
     MalformedBody,
@@ -85,6 +86,7 @@ PROBLEM_TYPES: dict[type[Exception], ProblemType] = {
     ContentTooLarge: ProblemType(413, "content-too-large", "Content too large"),
     UnsupportedMediaType: ProblemType(415, "unsupported-media-type", "Unsupported media type"),
     InvalidInput: INVALID_INPUT,
+    FitTooLarge: ProblemType(422, "fit-too-large", "Fit too large for a worker"),
     CalibrationInputError: INVALID_INPUT,
     TooManyRequests: ProblemType(429, "too-many-requests", "Too many requests", _retry_after),
 }
