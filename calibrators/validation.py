@@ -30,6 +30,16 @@ LOG_FLOOR = float(np.log(PROBABILITY_FLOOR))
 #: Rows of a probability matrix must sum to 1 within this tolerance.
 ROW_SUM_TOLERANCE = 1e-3
 
+#: Integer scores must lie in [-2**53, 2**53], where every integer is exact in
+#: float64 (they are computed in float64): a uint64 or int64 beyond it would be
+#: rounded silently.
+MAX_EXACT_INTEGER = 2**53
+
+#: numpy dtype kinds accepted as scores: real floats, signed and unsigned integers.
+#: Refused: bool, complex, datetime64, timedelta64 (numpy counts it an integer),
+#: strings, objects and structured records.
+SCORE_DTYPE_KINDS = "fiu"
+
 
 class CalibrationInputError(ValueError):
     """Input that the calibrators cannot use: wrong shape, NaN/Inf, bad labels...
@@ -141,7 +151,8 @@ def as_scores(scores, kind: str = "logits", *, n_classes: int | None = None) -> 
 
     float32 input stays float32 (no copy when already contiguous), anything
     else becomes float64. Probabilities are *not* converted here; see
-    :func:`as_logits`.
+    :func:`as_logits`. Scores are real floats or integers (:data:`SCORE_DTYPE_KINDS`);
+    integers must be exact in float64 (:data:`MAX_EXACT_INTEGER`).
     """
     check_kind(kind)
     try:
@@ -151,13 +162,10 @@ def as_scores(scores, kind: str = "logits", *, n_classes: int | None = None) -> 
             f"{kind} must be a rectangular array of shape (n_samples, n_classes). "
             f"Got an object numpy cannot make rectangular: {exc}."
         ) from None
-    if arr.dtype == object or not (
-        np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)
-        or arr.dtype == np.bool_
-    ):
+    if arr.dtype.kind not in SCORE_DTYPE_KINDS:
         raise CalibrationInputError(
-            f"{kind} must be a numeric array of shape (n_samples, n_classes). "
-            f"Got dtype {arr.dtype}."
+            f"{kind} must be a numeric array of real floats or integers (not bool, complex, "
+            f"datetime or timedelta) of shape (n_samples, n_classes). Got dtype {arr.dtype}."
         )
     if arr.ndim != 2:
         raise CalibrationInputError(
@@ -176,12 +184,26 @@ def as_scores(scores, kind: str = "logits", *, n_classes: int | None = None) -> 
             f"{kind} must have {n_classes} columns, the number of classes this calibrator "
             f"was fitted on. Got {k}."
         )
+    if arr.dtype.kind in "iu" and arr.dtype.itemsize >= 8:
+        for rows in row_chunks(n, k):
+            _check_exact_integers(arr[rows], rows.start, kind)
     dtype = np.float32 if arr.dtype == np.float32 else np.float64
     arr = np.ascontiguousarray(arr, dtype=dtype)
     # Checked in row blocks: no full-size boolean masks for big inputs.
     for rows in row_chunks(n, k):
         _check_block(arr[rows], rows.start, kind)
     return arr
+
+
+def _check_exact_integers(block: np.ndarray, offset: int, kind: str) -> None:
+    bad = (block > MAX_EXACT_INTEGER) | (block < -MAX_EXACT_INTEGER)
+    if bad.any():
+        row = _first_bad_row(bad)
+        col = int(np.flatnonzero(bad[row])[0])
+        raise CalibrationInputError(
+            f"{kind} given as integers must lie in [-2**53, 2**53], where float64 is exact. "
+            f"Got {block[row, col].item()!r} at row {offset + row}, column {col}."
+        )
 
 
 def _check_block(block: np.ndarray, offset: int, kind: str) -> None:
@@ -255,7 +277,12 @@ def to_probabilities(scores: np.ndarray, kind: str) -> np.ndarray:
 
 
 def as_labels(labels, n_samples: int, n_classes: int) -> np.ndarray:
-    """Validate integer class labels in [0, n_classes) and return them as int64."""
+    """Validate integer class labels in [0, n_classes) and return them as int64.
+
+    Labels may be any integer dtype, or floats whose every value is integral
+    (``3.0``: many frameworks store labels as floats); ``3.5``, NaN, bool,
+    complex, datetime and timedelta labels are refused.
+    """
     try:
         arr = np.asarray(labels)
     except (ValueError, TypeError) as exc:
@@ -271,11 +298,10 @@ def as_labels(labels, n_samples: int, n_classes: int) -> np.ndarray:
             f"labels must have one entry per row of the scores ({n_samples}). "
             f"Got {arr.shape[0]}."
         )
-    if arr.dtype == np.bool_ or not (
-        np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)
-    ):
+    if arr.dtype.kind not in SCORE_DTYPE_KINDS:
         raise CalibrationInputError(
-            f"labels must be integers in [0, {n_classes}). Got dtype {arr.dtype}."
+            f"labels must be integers in [0, {n_classes}) (integral floats such as 3.0 "
+            f"are accepted; not bool, complex, datetime or timedelta). Got dtype {arr.dtype}."
         )
     if np.issubdtype(arr.dtype, np.floating):
         bad = ~np.isfinite(arr) | (arr != np.round(arr))

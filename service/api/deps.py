@@ -13,10 +13,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, Path, Request
+from fastapi import Depends, Path, Query, Request
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.api.schemas import Kind
 from service.jobs.fitting import FitRunner
 from service.observe.metrics import ServiceMetrics
 from service.security.auth import PrincipalDep
@@ -26,6 +27,18 @@ from service.storage import registry
 from service.storage.arrays import ArrayStore
 from service.storage.db import Alias, CalibratorVersion, Dataset, Model
 from service.vocabulary import MAX_ID
+
+#: ``?kind=`` of the routes that take scores in a body: the kind said explicitly. It
+#: must match the body's own name for the scores (a JSON key, a .npz array); only with
+#: it are logits whose every row looks like a probability distribution accepted.
+KindQuery = Annotated[
+    Kind | None,
+    Query(
+        description="What the scores are, said explicitly (default: the body's key or array "
+        "name). Must match the body; needed to send logits whose every row is a probability "
+        "distribution."
+    ),
+]
 
 
 @dataclass

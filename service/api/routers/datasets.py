@@ -8,11 +8,10 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request, Response
 
 from service.api import ingest
-from service.api.deps import DatasetDep, ModelDep, SessionDep, StateDep
+from service.api.deps import DatasetDep, KindQuery, ModelDep, SessionDep, StateDep
 from service.api.openapi import LABELS, SCORE_PROPERTIES
 from service.api.schemas import DatasetList, DatasetOut
 from service.api.uploads import NPZ_TYPES, Upload, labelled_body
-from service.security import limits
 from service.storage import registry
 from service.storage.db import Dataset, Model
 
@@ -23,9 +22,10 @@ async def receive_upload(
     request: Request, state: StateDep, model: ModelDep
 ) -> AsyncIterator[Upload]:
     """The body, read or spooled to disk by its media type (after the model is found)."""
+    bounds = ingest.bounds(state.settings, "dataset", model.num_classes, model.name)
     async with labelled_body(
         request,
-        json_limit=state.settings.max_json_bytes,
+        json_limit=ingest.json_body_limit(bounds, state.settings.max_json_bytes),
         temp_path=state.arrays.temp_path,
         multipart=True,
         expected=f"Upload a dataset as application/json, a .npz body ({', '.join(NPZ_TYPES)}) "
@@ -88,15 +88,18 @@ def dataset_out(dataset: Dataset, model: Model, *, with_metrics: bool = True) ->
     responses={200: {"description": "Identical content was already uploaded: that dataset."}},
 )
 def upload_dataset(
-    model: ModelDep, upload: UploadDep, session: SessionDep, state: StateDep, response: Response
+    model: ModelDep,
+    upload: UploadDep,
+    session: SessionDep,
+    state: StateDep,
+    response: Response,
+    kind: KindQuery = None,
 ) -> DatasetOut:
+    bounds = ingest.bounds(state.settings, "dataset", model.num_classes, model.name)
     if upload.json is not None:
-        data = ingest.labelled_from_json(upload.json, model.num_classes, model.name)
+        data, _ = ingest.labelled_from_json(upload.json, bounds, kind)
     else:
-        data = ingest.labelled_from_npz(
-            upload.npz, model.num_classes, model.name, state.settings.max_body_bytes
-        )
-    limits.check_rows(data.scores.shape[0], state.settings.max_dataset_rows, "dataset")
+        data = ingest.labelled_from_npz(upload.npz, bounds, kind)
     dataset, created = registry.add_dataset(
         session, model, state.arrays, data.scores, data.labels, data.kind
     )

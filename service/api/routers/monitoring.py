@@ -14,7 +14,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, Query, Request, Response
 
 from service.api import ingest
-from service.api.deps import ModelDep, SessionDep, StateDep, VersionDep
+from service.api.deps import KindQuery, ModelDep, SessionDep, StateDep, VersionDep
 from service.api.openapi import LABELS, SCORE_PROPERTIES
 from service.api.uploads import NPZ_TYPES, Upload, labelled_body
 from service.errors import InvalidInput
@@ -25,7 +25,7 @@ from service.observe.svg import reliability_svg
 from service.security import limits
 from service.serving import inference
 from service.storage import registry
-from service.storage.db import CalibratorVersion, Model
+from service.storage.db import CalibratorVersion
 from service.vocabulary import DEFAULT_ALIAS, MAX_ID
 
 router = APIRouter(tags=["monitoring"])
@@ -102,9 +102,10 @@ async def feedback_body(
 ) -> AsyncIterator[Upload]:
     """JSON read into memory, or a .npz spooled to a temp file (removed after the
     response), like a dataset upload; 415 for anything else. After the model is found."""
+    bounds = ingest.bounds(state.settings, "feedback", model.num_classes, model.name)
     async with labelled_body(
         request,
-        json_limit=state.settings.max_json_bytes,
+        json_limit=ingest.json_body_limit(bounds, state.settings.max_json_bytes),
         temp_path=state.arrays.temp_path,
         multipart=False,
         expected=f"Send feedback as application/json or as a .npz body ({', '.join(NPZ_TYPES)}).",
@@ -115,13 +116,12 @@ async def feedback_body(
 FeedbackBodyDep = Annotated[Upload, Depends(feedback_body)]
 
 
-def parse_feedback(body: bytes) -> tuple[dict, str, int | None]:
+def parse_feedback(
+    body: bytes | bytearray, bounds: ingest.Bounds, kind: str | None
+) -> tuple[ingest.Labelled, int | None]:
     """``{"logits" | "probabilities": [[...]], "labels": [...], "version"?: N}``."""
-    obj = ingest.json_object(body, {*ingest.JSON_SCORE_KEYS, "labels", "version"})
-    key = ingest.score_key(obj, ingest.JSON_SCORE_KEYS)
-    if "labels" not in obj:
-        raise InvalidInput("The body must hold 'labels', one class index per row.")
-    version = obj.get("version")
+    labelled, extra = ingest.labelled_from_json(body, bounds, kind, extra_keys=("version",))
+    version = extra.get("version")
     if version is not None and (
         isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= MAX_ID
     ):
@@ -129,23 +129,22 @@ def parse_feedback(body: bytes) -> tuple[dict, str, int | None]:
             f"version must be an integer in [1, {MAX_ID}] (the version that served the rows). "
             f"Got {version!r}."
         )
-    return obj, key, version
+    return labelled, version
 
 
 def feedback_rows(
-    body: Upload, model: Model, max_bytes: int, version: int | None
+    body: Upload, bounds: ingest.Bounds, version: int | None, kind: str | None = None
 ) -> tuple[ingest.Labelled, int | None]:
     """The validated rows, and the version that served them: the query's ``version``, or a
     JSON body's own (422 if the two disagree)."""
     if body.npz is not None:
-        return ingest.labelled_from_npz(body.npz, model.num_classes, model.name, max_bytes), version
-    obj, key, in_body = parse_feedback(body.json)
+        return ingest.labelled_from_npz(body.npz, bounds, kind), version
+    labelled, in_body = parse_feedback(body.json, bounds, kind)
     if in_body is not None and version is not None and in_body != version:
         raise InvalidInput(
             f"version {in_body} in the body and version {version} in the query disagree: "
             "give it once."
         )
-    labelled = ingest.validated(obj[key], obj["labels"], key, model.num_classes, model.name)
     return labelled, in_body if in_body is not None else version
 
 
@@ -188,6 +187,7 @@ def post_feedback(
     state: StateDep,
     body: FeedbackBodyDep,
     version: FeedbackVersionQuery = None,
+    kind: KindQuery = None,
 ) -> dict[str, Any]:
     """Labels for rows served earlier: calibrated by the version that served them (default:
     the default alias), folded into the time-bucketed reliability statistics.
@@ -195,7 +195,8 @@ def post_feedback(
     The body is JSON or a .npz (the arrays a dataset upload accepts); at most
     ``max_feedback_rows`` rows, else 413 and nothing is recorded."""
     settings = state.settings
-    labelled, version = feedback_rows(body, model, settings.max_body_bytes, version)
+    bounds = ingest.bounds(settings, "feedback", model.num_classes, model.name)
+    labelled, version = feedback_rows(body, bounds, version, kind)
     n = int(labelled.labels.shape[0])
     limits.check_rows(n, settings.max_feedback_rows, "feedback")
     row = monitoring.monitored_version(session, model, version)

@@ -11,6 +11,8 @@ stalls the loop.
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio.to_thread
 import numpy as np
 import orjson
@@ -22,7 +24,7 @@ from service.api import ingest
 from service.api.deps import AppState, get_app_state
 from service.api.openapi import SCORE_PROPERTIES
 from service.api.schemas import Kind
-from service.api.uploads import media_type, read_body
+from service.api.uploads import media_type, read_body, read_npy
 from service.errors import UnsupportedMediaType
 from service.observe.metrics import ServiceMetrics
 from service.security import limits
@@ -37,13 +39,21 @@ NPY = "application/x-npy"
 VERSION_HEADER = "X-Welltempered-Version"
 
 
-async def read_scores_body(request: Request, state: AppState) -> tuple[str, bytes]:
-    """The body and its format; 415 for anything but JSON or .npy."""
+async def read_scores_body(
+    request: Request, state: AppState, bounds: ingest.Bounds
+) -> tuple[str, Any]:
+    """The body and its format: JSON bytes (at most what ``bounds`` can need), or a .npy
+    decoded while it arrives (its header checked against ``bounds`` first); 415 for
+    anything else."""
     kind = media_type(request)
+    settings = state.settings
     if kind == "application/json" or kind.endswith("+json"):
-        return "json", await read_body(request, state.settings.max_json_bytes)
+        return "json", await read_body(
+            request, ingest.json_body_limit(bounds, settings.max_json_bytes)
+        )
     if kind in (NPY, "application/octet-stream"):
-        return "npy", await read_body(request, state.settings.max_body_bytes)
+        limit = ingest.npy_body_limit(bounds, settings.max_body_bytes)
+        return "npy", await read_npy(request, ingest.npy_check(bounds), limit)
     raise UnsupportedMediaType(
         f"Send scores as application/json or as a .npy body ({NPY}). "
         f"Got {kind or 'no Content-Type'!r}."
@@ -55,11 +65,18 @@ class Target(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    alias: str | None = Field(None, description=f"Alias to serve (default {DEFAULT_ALIAS!r}).")
+    alias: str | None = Field(
+        None, min_length=1, description=f"Alias to serve (default {DEFAULT_ALIAS!r})."
+    )
     version: int | None = Field(
         None, ge=1, le=MAX_ID, description="A version number instead of an alias."
     )
-    kind: Kind = Field("logits", description="What a .npy body holds.")
+    kind: Kind | None = Field(
+        None,
+        description="What the scores are. A .npy body holds logits unless told; a JSON "
+        "body's key names its kind, which this must match. Given explicitly, logits whose "
+        "rows look like probabilities are accepted.",
+    )
     top_k: int | None = Field(
         None,
         ge=1,
@@ -165,19 +182,18 @@ TOP_K_RECORD = np.dtype([("index", "<i8"), ("probability", "<f4")])
 def respond(
     served: Served,
     fmt: str,
-    raw: bytes,
+    raw: Any,
     query: Target,
     want_npy: bool,
-    max_rows: int,
+    bounds: ingest.Bounds,
     metrics: ServiceMetrics,
 ) -> Response:
     """Parse, validate, run ONNX Runtime and serialise: pure CPU work."""
-    kind = query.kind
     if fmt == "json":
-        scores, kind = ingest.scores_from_json(raw, served.num_classes, served.model)
+        scores, kind = ingest.scores_from_json(raw, bounds, query.kind)
     else:
-        scores = ingest.scores_from_npy(raw, kind, served.num_classes, served.model)
-    out = calibrate(served, scores, kind, max_rows, metrics, query.top_k)
+        scores, kind = ingest.scores_from_npy(raw, bounds, query.kind)
+    out = calibrate(served, scores, kind, bounds.max_rows, metrics, query.top_k)
     headers = {VERSION_HEADER: str(served.version)}
     if want_npy:
         if query.top_k is None:
@@ -217,13 +233,14 @@ async def predict(request: Request) -> Response:
     model = request.path_params["model"]
     query = target(request)
     served = await state.serving.get(model, query.alias, query.version, caller.namespace)
-    fmt, raw = await read_scores_body(request, state)
+    bounds = ingest.bounds(state.settings, "predict", served.num_classes, served.model)
+    fmt, raw = await read_scores_body(request, state, bounds)
     want_npy = NPY in request.headers.get("accept", "")
-    max_rows = state.settings.max_predict_rows
-    if len(raw) <= state.settings.inline_predict_bytes:
-        return respond(served, fmt, raw, query, want_npy, max_rows, state.metrics)
+    size = len(raw) if fmt == "json" else raw.nbytes
+    if size <= state.settings.inline_predict_bytes:
+        return respond(served, fmt, raw, query, want_npy, bounds, state.metrics)
     return await anyio.to_thread.run_sync(
-        respond, served, fmt, raw, query, want_npy, max_rows, state.metrics
+        respond, served, fmt, raw, query, want_npy, bounds, state.metrics
     )
 
 

@@ -1,0 +1,110 @@
+"""One input through every body parser: the fuzz target of bench/fuzz_parsers.py, and
+the replay of its corpus in tests/security/test_corpus.py.
+
+A parser may refuse an input only with a domain error (``ServiceError``, which the
+API maps to a 400/413/415/422 problem, or the core's ``CalibrationInputError``, a
+422); anything else raised here would be a 500 in the service, and is a crash.
+The JSON target also checks that the parser that reads number arrays in groups
+(:func:`service.api.ingest.plain_object`) gives exactly what orjson's parse gives.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from calibrators.validation import CalibrationInputError
+from service.api import ingest
+from service.errors import ServiceError
+
+#: A model of 4 classes; small limits, so the row and byte limits are reachable.
+BOUNDS = ingest.Bounds(num_classes=4, model="m", max_rows=1000, max_bytes=1 << 20, what="dataset")
+REFUSALS = (ServiceError, CalibrationInputError)
+#: The formats, in the order of the fuzzer's selector byte.
+FORMATS = ("npy", "npz", "json")
+
+
+class Mismatch(AssertionError):
+    """The group parser and orjson disagree on a JSON body."""
+
+
+def run_npy(data: bytes, chunk: int = 7) -> None:
+    """A .npy predict body, arriving in chunks of ``chunk`` bytes."""
+    stream = ingest.NpyStream("The .npy body", ingest.npy_check(BOUNDS))
+    for at in range(0, len(data), chunk):
+        stream.feed(data[at : at + chunk])
+    ingest.scores_from_npy(stream.finish(), BOUNDS, None)
+
+
+_NPZ_PATH: Path | None = None
+
+
+def run_npz(data: bytes) -> None:
+    """A .npz upload (datasets, feedback), from a file as the service reads it."""
+    global _NPZ_PATH
+    if _NPZ_PATH is None:
+        fd, name = tempfile.mkstemp(suffix=".npz", prefix="fuzz-")
+        os.close(fd)
+        _NPZ_PATH = Path(name)
+    _NPZ_PATH.write_bytes(data)
+    ingest.labelled_from_npz(_NPZ_PATH, BOUNDS, None)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.shape == b.shape and np.array_equal(a, b)
+    return type(a) is type(b) and a == b
+
+
+def run_json(data: bytes) -> None:
+    """A JSON body of each route; and the group parser against orjson on it."""
+    allowed = {*ingest.JSON_SCORE_KEYS, "labels", "version"}
+    plain = None
+    try:
+        plain = ingest.plain_object(data, allowed, BOUNDS)
+    except REFUSALS:
+        pass
+    if plain is not None:
+        try:
+            parsed = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise Mismatch(f"group parser accepted what orjson refuses: {exc}") from None
+        try:
+            full = ingest.json_object(data, allowed, BOUNDS)
+        except REFUSALS as exc:
+            raise Mismatch(f"group parser accepted what json_object refuses: {exc}") from None
+        if set(full) != set(plain) or set(parsed) != set(plain):
+            raise Mismatch(f"keys differ: {sorted(plain)} vs {sorted(full)}")
+        for key, value in plain.items():
+            if not _same(value, full[key]):
+                raise Mismatch(f"{key!r} differs: {value!r} vs {full[key]!r}")
+    for call in (
+        lambda: ingest.scores_from_json(data, BOUNDS, None),
+        lambda: ingest.labelled_from_json(data, BOUNDS, None, extra_keys=("version",)),
+    ):
+        try:
+            call()
+        except REFUSALS:
+            pass
+
+
+RUNNERS = {"npy": run_npy, "npz": run_npz, "json": run_json}
+
+
+def run(fmt: str, data: bytes) -> None:
+    """Parse ``data`` as ``fmt``; domain refusals are expected, anything else raises."""
+    try:
+        RUNNERS[fmt](data)
+    except REFUSALS:
+        pass
+
+
+def one_input(data: bytes) -> None:
+    """The fuzz target: the first byte picks the format, the rest is the body."""
+    if not data:
+        return
+    run(FORMATS[data[0] % len(FORMATS)], data[1:])

@@ -1,0 +1,300 @@
+"""Peak memory of a real server while it handles hostile bodies: the cases of
+test_memory.py, also runnable against another checkout to measure "before":
+
+    .venv/bin/python -m tests.security.memory                 # this checkout
+    PYTHONPATH=/tmp/before .venv/bin/python -m tests.security.memory   # an older tree
+
+Each case resets the server's peak RSS (``/proc/<pid>/clear_refs``, Linux) and
+samples ``VmRSS`` every 2 ms while the request runs; the peak is the larger of
+the sampled maximum and ``VmHWM``, minus the RSS just before the request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tests.security import payloads as pl
+from tests.service.servers import Server
+
+MiB = 1 << 20
+K = 10
+MODEL = "bombs"
+
+
+def _status_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise LookupError(field)
+
+
+class RssMonitor:
+    """The peak RSS growth of process ``pid`` while a function runs."""
+
+    def __init__(self, pid: int, interval: float = 0.002):
+        self.pid = pid
+        self.interval = interval
+
+    def rss(self) -> int:
+        return _status_kib(self.pid, "VmRSS") * 1024
+
+    def _reset_peak(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/clear_refs", "w") as f:
+                f.write("5")
+            return True
+        except OSError:
+            return False
+
+    def measure(self, fn: Callable[[], object]) -> tuple[object, int, int]:
+        """``fn()``, the RSS before it, and the peak growth (bytes) while it ran."""
+        time.sleep(0.2)  # let the previous request's memory settle
+        hwm = self._reset_peak()
+        before = self.rss()
+        peak = before
+        done = threading.Event()
+
+        def sample() -> None:
+            nonlocal peak
+            while not done.is_set():
+                try:
+                    peak = max(peak, self.rss())
+                except (OSError, LookupError):
+                    return
+                time.sleep(self.interval)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            result = fn()
+            time.sleep(0.05)
+        finally:
+            done.set()
+            sampler.join()
+        if hwm:
+            peak = max(peak, _status_kib(self.pid, "VmHWM") * 1024)
+        return result, before, peak - before
+
+
+def raw_request(port: int, path: str, headers: dict[str, str], chunks: Iterable[bytes],
+                limit: int) -> tuple[int, bytes]:
+    """POST a chunked body by hand, stopping as soon as the server answers or closes, or
+    after ``limit`` bytes; the status (0: none) and the start of the answer."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=120)
+    try:
+        lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Transfer-Encoding: chunked",
+                 *(f"{k}: {v}" for k, v in headers.items())]
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        answer, sent, stop = b"", 0, False
+        for chunk in chunks:
+            view = memoryview(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+            while view and not stop:
+                readable, writable, _ = select.select([sock], [sock], [], 5)
+                if readable:
+                    try:
+                        answer += sock.recv(65536)
+                    except OSError:
+                        pass
+                    stop = True
+                elif writable:
+                    try:
+                        n = sock.send(view)
+                    except OSError:
+                        stop = True
+                        break
+                    view, sent = view[n:], sent + n
+            if stop or sent > limit:
+                break
+        else:
+            sock.sendall(b"0\r\n\r\n")
+        sock.settimeout(30)
+        while b"\r\n\r\n" not in answer:
+            try:
+                data = sock.recv(65536)
+            except OSError:
+                break
+            if not data:
+                break
+            answer += data
+        status = int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/") else 0
+        return status, answer[:2000]
+    finally:
+        sock.close()
+
+
+@dataclass
+class Case:
+    name: str
+    body_bytes: int  # the bytes sent (or declared)
+    status: int  # expected
+    run: Callable[[Server], tuple[int, bytes]]
+
+
+def _post(server: Server, path: str, body: bytes, content_type: str) -> tuple[int, bytes]:
+    with server.client() as c:
+        r = c.post(path, content=body, headers={"content-type": content_type})
+        return r.status_code, r.content[:2000]
+
+
+def _bomb_case() -> Case:
+    # issue 12: a 2.0 MB .npz with shape (-1, 10) took the server from 205 to 4,273 MiB.
+    bomb = pl.npy_bomb((-1, K), 1 << 30)
+    return Case("npz bomb, shape (-1, 10), 1 GiB of zeros", len(bomb), 400,
+                lambda s: _post(s, f"/v1/models/{MODEL}/datasets", bomb,
+                                "application/octet-stream"))
+
+
+def _zero_npz_case() -> Case:
+    # A valid all-zero .npz declaring more rows than max_dataset_rows (10,000,000).
+    rows = 10_000_001
+    member = pl.deflated_member("logits.npy", pl.npy_header((rows, K)), 64 << 20)
+    body = pl._merge(member, {"labels.npy": pl.npy((10,), "<i8")})
+    return Case(f"npz of zeros, {rows:,} x {K} declared", len(body), 413,
+                lambda s: _post(s, f"/v1/models/{MODEL}/datasets", body,
+                                "application/octet-stream"))
+
+
+def _endless_npy_case() -> Case:
+    header = pl.npy_header((1000, K))
+    return Case("endless chunked .npy predict, (1000, 10) declared", 0, 400,
+                lambda s: raw_request(s.port, f"/v1/models/{MODEL}/predict",
+                                      {"Content-Type": "application/x-npy"},
+                                      pl.endless(header, 1 << 20), 2 << 30))
+
+
+def _endless_npy_over_rows_case() -> Case:
+    header = pl.npy_header((10**7, K))
+    return Case("endless chunked .npy predict, 10,000,000 rows declared", 0, 413,
+                lambda s: raw_request(s.port, f"/v1/models/{MODEL}/predict",
+                                      {"Content-Type": "application/x-npy"},
+                                      pl.endless(header, 1 << 20), 2 << 30))
+
+
+def _endless_garbage_case() -> Case:
+    return Case("endless chunked garbage predict (no .npy header)", 0, 400,
+                lambda s: raw_request(s.port, f"/v1/models/{MODEL}/predict",
+                                      {"Content-Type": "application/x-npy"},
+                                      pl.endless(b"", 1 << 20), 2 << 30))
+
+
+def _json_rows(rows: int, seed: int = 0) -> bytes:
+    z = np.random.default_rng(seed).normal(size=(rows, K))
+    return json.dumps({"logits": z.tolist()}).encode()
+
+
+def _json_over_limit_case() -> Case:
+    # issue 12: a 59 MiB JSON predict over the row limit peaked at 938 MiB.
+    body = _json_rows(300_000)
+    return Case(f"JSON predict of 300,000 rows ({len(body) / MiB:.0f} MiB), Content-Length",
+                len(body), 413,
+                lambda s: _post(s, f"/v1/models/{MODEL}/predict", body, "application/json"))
+
+
+def _json_over_limit_chunked_case() -> Case:
+    body = _json_rows(300_000)
+    pieces = [body[i : i + MiB] for i in range(0, len(body), MiB)]
+    return Case(f"JSON predict of 300,000 rows ({len(body) / MiB:.0f} MiB), chunked",
+                len(body), 413,
+                lambda s: raw_request(s.port, f"/v1/models/{MODEL}/predict",
+                                      {"Content-Type": "application/json"}, pieces, 2 << 30))
+
+
+def _json_short_rows_case() -> Case:
+    rows = 150_000
+    body = b'{"logits": [' + b",".join([b"[0,1,0,1,0,1,0,1,0,2]"] * rows) + b"]}"
+    return Case(f"JSON predict of {rows:,} short rows ({len(body) / MiB:.1f} MiB), under the "
+                "byte limit", len(body), 413,
+                lambda s: _post(s, f"/v1/models/{MODEL}/predict", body, "application/json"))
+
+
+def _json_accepted_case() -> Case:
+    body = _json_rows(100_000, seed=1)
+    return Case(f"JSON predict of 100,000 x 10 ({len(body) / MiB:.0f} MiB), accepted",
+                len(body), 200,
+                lambda s: _post(s, f"/v1/models/{MODEL}/predict", body, "application/json"))
+
+
+def _npy_accepted_case() -> Case:
+    body = pl.array_npy(np.random.default_rng(2).normal(size=(100_000, K)))
+    return Case(f"npy predict of 100,000 x 10 float64 ({len(body) / MiB:.0f} MiB), accepted",
+                len(body), 200,
+                lambda s: _post(s, f"/v1/models/{MODEL}/predict", body, "application/x-npy"))
+
+
+CASES = [
+    _bomb_case,
+    _zero_npz_case,
+    _endless_npy_case,
+    _endless_npy_over_rows_case,
+    _endless_garbage_case,
+    _json_over_limit_case,
+    _json_over_limit_chunked_case,
+    _json_short_rows_case,
+    _json_accepted_case,
+    _npy_accepted_case,
+]
+
+
+def prepare(server: Server) -> None:
+    """Model ``bombs`` (10 classes), temperature-fitted, with the default alias."""
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, K, 500)
+    z = rng.normal(size=(500, K)) * 2
+    z[np.arange(500), y] += 2
+    with server.client() as c:
+        assert c.post("/v1/models", json={"name": MODEL, "num_classes": K,
+                                          "argmax_policy": "off"}).status_code == 201
+        r = c.post(f"/v1/models/{MODEL}/datasets", json={"logits": z.tolist(),
+                                                         "labels": y.tolist()})
+        assert r.status_code == 201, r.text
+        r = c.post(f"/v1/models/{MODEL}/calibrators",
+                   json={"dataset_id": r.json()["id"], "method": "temperature"})
+        version = r.json()["version"]
+        for _ in range(600):
+            status = c.get(f"/v1/models/{MODEL}/calibrators/{version}").json()["status"]
+            if status not in ("queued", "running"):
+                break
+            time.sleep(0.1)
+        assert status == "succeeded", status
+        r = c.put(f"/v1/models/{MODEL}/aliases/production", json={"version": version})
+        assert r.status_code == 200, r.text
+
+
+def measure(server: Server, case: Case) -> dict:
+    monitor = RssMonitor(server.proc.pid)
+    (status, answer), before, growth = monitor.measure(lambda: case.run(server))
+    return {"case": case.name, "body": case.body_bytes, "status": status,
+            "expected": case.status, "rss_before": before, "growth": growth,
+            "answer": answer.split(b"\r\n\r\n", 1)[-1][:300].decode("latin1")}
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        server = Server(f"sqlite:///{tmp / 'r.sqlite3'}", tmp / "data", fit_executor="thread")
+        with server:
+            prepare(server)
+            print(f"server pid {server.proc.pid}, PYTHONPATH={os.environ.get('PYTHONPATH', '')}")
+            print("| case | body | status | RSS before | peak growth |")
+            print("| --- | ---: | --- | ---: | ---: |")
+            for make in CASES:
+                row = measure(server, make())
+                print(f"| {row['case']} | {row['body'] / MiB:.1f} MiB | {row['status']} "
+                      f"(expected {row['expected']}) | {row['rss_before'] / MiB:.0f} MiB | "
+                      f"{row['growth'] / MiB:.0f} MiB |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
