@@ -20,8 +20,11 @@ Zhang et al. fit ``beta`` by temperature scaling and then the weights. Here
   relative interior of each of its 7 faces; the minimum is the best of them);
 * the profile ``F(v) = min_w NLL(exp(v), w)`` of ``v = log beta`` is minimised by
   Newton steps with a backtracking line search, each accepted only if it lowers
-  ``F``. ``F'`` is the partial derivative at the optimal weights (the envelope
-  theorem) and ``F''`` the Schur complement of the Hessian on the active face;
+  ``F``, from the best of a coarse grid of ``v`` around temperature scaling's (the
+  profile is flat where the tempered component gets no weight, so a start there
+  would be a stationary point). ``F'`` is the partial derivative at the optimal
+  weights (the envelope theorem) and ``F''`` the Schur complement of the Hessian
+  on the active face;
   both come exactly from one pass over the data (the label's log-probability
   under ``softmax(beta z)`` and its first two derivatives in ``beta``).
 
@@ -74,19 +77,26 @@ MIN_SHARE = 1e-6
 ARMIJO = 1e-4
 #: Largest step in ``log beta``.
 MAX_STEP = 2.0
+#: The start is the best of these offsets of ``log beta`` from temperature scaling's
+#: (0 first: on ties, temperature scaling's beta).
+START_OFFSETS = (0.0, -3.0, -2.0, -1.0, -0.5, 0.5, 1.0, 2.0, 3.0)
 
 
-def _mixture_nll(la: np.ndarray, w: np.ndarray) -> tuple[float, np.ndarray]:
-    """Mean of ``-log(sum_i w_i a_ni)`` and ``R = a / (w . a)``, from ``la = log a``."""
-    with np.errstate(divide="ignore"):
-        lw = np.log(w)
-    t = la + lw
-    top = t.max(axis=1, keepdims=True)
-    lm = top[:, 0] + np.log(np.exp(t - top).sum(axis=1))
-    return float(-lm.mean()), np.exp(la - lm[:, None])
+def _scaled(la: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``a`` from ``la = log a``, each row divided by its largest entry, and that log."""
+    top = la.max(axis=1)
+    return np.exp(la - top[:, None]), top
 
 
-def _simplex_face(la: np.ndarray, face: tuple[int, ...], iterations: int = 100):
+def _mixture_nll(scaled: tuple[np.ndarray, np.ndarray], w: np.ndarray):
+    """Mean of ``-log(sum_i w_i a_ni)`` and ``R = a / (w . a)``, from :func:`_scaled`."""
+    a, top = scaled
+    m = a @ w
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        return float(-np.mean(np.log(m) + top)), a / m[:, None]
+
+
+def _simplex_face(scaled, face: tuple[int, ...], iterations: int = 100):
     """Minimise the mixture NLL on the relative interior of one face of the simplex.
 
     Newton steps on the face's affine hull (the KKT system of ``sum w = 1``) with
@@ -94,12 +104,12 @@ def _simplex_face(la: np.ndarray, face: tuple[int, ...], iterations: int = 100):
     Returns ``(nll, w)`` at a stationary point, or None when the iterates head
     for the face's boundary (the minimum is then on a smaller face).
     """
-    m = la.shape[1]
+    n, m = scaled[0].shape
     w = np.zeros(m)
     w[list(face)] = 1.0 / len(face)
-    value, r = _mixture_nll(la, w)
-    if len(face) == 1:
-        return value, w
+    value, r = _mixture_nll(scaled, w)
+    if len(face) == 1 or not math.isfinite(value):  # a row no component of the face explains
+        return (value, w) if math.isfinite(value) else None
     idx = list(face)
     size = len(idx)
     kkt = np.zeros((size + 1, size + 1))
@@ -107,7 +117,7 @@ def _simplex_face(la: np.ndarray, face: tuple[int, ...], iterations: int = 100):
     for _ in range(iterations):
         rs = r[:, idx]
         grad = -rs.mean(axis=0)
-        kkt[:size, :size] = rs.T @ rs / la.shape[0]
+        kkt[:size, :size] = rs.T @ rs / n
         rhs = np.concatenate([-grad, [0.0]])
         step = np.linalg.lstsq(kkt, rhs, rcond=None)[0][:size]
         decrease = -float(grad @ step)
@@ -120,7 +130,7 @@ def _simplex_face(la: np.ndarray, face: tuple[int, ...], iterations: int = 100):
         while alpha > 1e-12:
             trial = w.copy()
             trial[idx] += alpha * step
-            new_value, new_r = _mixture_nll(la, trial)
+            new_value, new_r = _mixture_nll(scaled, trial)
             if new_value <= value - ARMIJO * alpha * decrease:
                 break
             alpha /= 2.0
@@ -148,10 +158,11 @@ def simplex_weights(la: np.ndarray) -> tuple[float, np.ndarray, tuple[int, ...]]
         The components with positive weight.
     """
     m = la.shape[1]
+    scaled = _scaled(la)
     best = None
     for size in range(1, m + 1):
         for face in itertools.combinations(range(m), size):
-            found = _simplex_face(la, face)
+            found = _simplex_face(scaled, face)
             if found is not None and (best is None or found[0] < best[0]):
                 best = (found[0], found[1], face)
     return best
@@ -165,7 +176,8 @@ class EnsembleTemperatureScaler(Calibrator):
     tol : float, default=1e-10
         Stop when ``|dF/dlog beta| < tol``.
     max_passes : int, default=50
-        Bound on the passes over the data after the temperature-scaling start.
+        Bound on the passes over the data of the Newton search (after temperature
+        scaling's fit, the pass at ``beta = 1`` and the starting grid's passes).
 
     Attributes
     ----------
@@ -205,13 +217,14 @@ class EnsembleTemperatureScaler(Calibrator):
           exponentials; temperature scaling's start needs the same) ``+ 8 N *
           40`` (the per-row log-likelihoods, their derivatives and the simplex
           solver's temporaries);
-        * flops = temperature scaling's ``+ SWEEP_FLOPS * N K * 12``: the pass at
-          ``beta = 1`` and about ten passes of the Newton search.
+        * flops = temperature scaling's ``+ SWEEP_FLOPS * N K * 20``: the pass at
+          ``beta = 1``, the 9 of the starting grid and about ten of the Newton
+          search.
         """
         ts = TemperatureScaler.fit_cost(n_samples, n_classes, {})
         return Cost(
             bytes=chunk_bytes(3, n_classes=n_classes) + 40 * FLOAT64 * n_samples,
-            flops=ts.flops + float(SWEEP_FLOPS) * n_samples * n_classes * 12,
+            flops=ts.flops + float(SWEEP_FLOPS) * n_samples * n_classes * 20,
         )
 
     def _fit(self, x, y, *, kind, options, progress: Progress) -> dict:
@@ -228,7 +241,7 @@ class EnsembleTemperatureScaler(Calibrator):
             f, f1, f2 = nll_terms(x, y, kind, beta).T
             la = np.stack([-f, log_p2, log_uniform], axis=1)
             value, w, face = simplex_weights(la)
-            _, r = _mixture_nll(la, w)
+            _, r = _mixture_nll(_scaled(la), w)
             # d log p1 / d v = -beta f1;  d2 log p1 / d v2 = -beta f1 - beta**2 f2
             dl, d2l = -beta * f1, -beta * f1 - beta * beta * f2
             q = w[0] * r[:, 0]  # w1 p1 / m
@@ -248,32 +261,40 @@ class EnsembleTemperatureScaler(Calibrator):
                 second -= float(b @ np.linalg.lstsq(basis.T @ h_ww @ basis, b, rcond=None)[0])
             return {"v": v, "nll": value, "w": w, "grad": grad, "second": second}
 
-        state = profile(-math.log(1.0 / ts.weight_))
-        passes += 1
+        # The profile is flat wherever the tempered component gets no weight (there
+        # softmax(z) and the uniform do better without it), so a Newton method
+        # started there stops at once: it starts from the best point of a coarse
+        # grid around temperature scaling's beta instead.
+        v_ts = math.log(ts.weight_)
+        state = min((profile(v_ts + offset) for offset in START_OFFSETS),
+                    key=lambda s: s["nll"])
+        passes += len(START_OFFSETS)
         nll_temperature = ts_info["nll"]
-        reason = "max_passes"
-        while passes < options["max_passes"] + 1:
+        reason, budget = "max_passes", passes + options["max_passes"]
+        while passes < budget:
             grad = state["grad"]
             if abs(grad) < options["tol"]:
                 reason = "converged"
                 break
             step = -grad / state["second"] if state["second"] > 0 else -math.copysign(1.0, grad)
             step = max(-MAX_STEP, min(MAX_STEP, step))
+            if abs(step * grad) <= 1e-15 * (1.0 + abs(state["nll"])):
+                reason = "converged"  # the step's gain is below the rounding of the NLL
+                break
             accepted = False
-            while passes < options["max_passes"] + 1:
+            while passes < budget and abs(step * grad) > 1e-15 * (1.0 + abs(state["nll"])):
                 trial = profile(state["v"] + step)
                 passes += 1
                 if trial["nll"] <= state["nll"] + ARMIJO * step * grad:
                     accepted = True
                     break
                 step /= 2.0
-                if abs(step) < 1e-15:
-                    break
             if not accepted:
-                reason = "converged" if abs(step) < 1e-15 else "max_passes"
+                reason = "max_passes" if passes >= budget else "converged"
                 break
             state = trial
-            progress(0.3 + 0.7 * min(1.0, passes / options["max_passes"]))
+            progress(0.3 + 0.7 * min(1.0, (passes + options["max_passes"] - budget)
+                                     / options["max_passes"]))
         w = state["w"]
         if w[0] + w[1] < MIN_SHARE:  # a classifier worse than uniform: keep the order anyway
             w = np.array([MIN_SHARE * w[0] / max(w[0] + w[1], 1e-300) if w[0] + w[1] > 0

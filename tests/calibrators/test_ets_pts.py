@@ -163,6 +163,31 @@ def test_ets_is_the_joint_optimum_and_never_worse_than_temperature():
     assert info["nll"] <= oracle + 1e-9
 
 
+def test_ets_finds_the_tempered_component_beyond_a_flat_start():
+    """Over-confident scores with 30% random labels: at temperature scaling's beta the
+    tempered softmax gets no weight (softmax(z) and the uniform explain the rows
+    better), so the profile is flat there; the optimum is elsewhere."""
+    rng = np.random.default_rng(0)
+    n, k = 300, 1000
+    y = rng.integers(0, k, n)
+    pred = np.where(rng.random(n) < 0.7, y, rng.integers(0, k, n))
+    z = rng.normal(size=(n, k))
+    z[np.arange(n), pred] += 5.0
+    z *= 3.25
+    cal = calibrators.create("ets").fit(z, y)
+    log_p2 = -nll_terms(z, y, "logits", 1.0)[:, 0]
+
+    def profile(v):
+        la = np.stack([-nll_terms(z, y, "logits", math.exp(v))[:, 0], log_p2,
+                       np.full(n, -math.log(k))], axis=1)
+        return simplex_weights(la)[0]
+
+    grid = min(profile(v) for v in np.linspace(-3.0, 3.0, 61))
+    assert cal.fit_info_["nll"] <= grid + 1e-9
+    assert cal.weights[0] > 0.1
+    assert cal.fit_info_["nll"] < profile(math.log(1.0 / cal.fit_info_["temperature_start"])) - 0.01
+
+
 def test_pts_fit_is_a_stationary_point_below_temperature():
     z, y = labelled_logits(n=300, k=8, seed=6)
     z = z * np.random.default_rng(6).uniform(0.5, 4.0, size=(300, 1))  # row-dependent scale
