@@ -1,4 +1,4 @@
-"""``welltempered``: serve, migrate, fit (offline). One function per subcommand.
+"""``welltempered``: serve, migrate, fit (offline), keys, gc. One function per subcommand.
 
 A new subcommand is one entry in :data:`COMMANDS`: a name, a help line, a
 function that adds its arguments, and one that runs it and returns the exit code.
@@ -42,7 +42,7 @@ def serve(args: argparse.Namespace) -> int:
     from service.jobs import fitting
     from service.observe import metrics
     from service.settings import Settings
-    from service.storage import migrate
+    from service.storage import array_refs, migrate
     from service.storage.arrays import ArrayStore
     from service.storage.db import make_engine
 
@@ -67,7 +67,8 @@ def serve(args: argparse.Namespace) -> int:
         failed = fitting.recover(sessionmaker(engine))
         if failed:
             logging.warning("marked %d fit(s) left by a stopped server as failed", failed)
-        ArrayStore(settings.data_dir).clean_tmp()
+        # No worker exists yet, nothing is in flight: every orphan goes, however young.
+        array_refs.sweep(sessionmaker(engine), ArrayStore(settings.data_dir), grace_seconds=0)
         if args.demo:
             demo.install(settings, engine)
     except migrate.NotMigrated as exc:
@@ -149,6 +150,57 @@ def keys_command(args: argparse.Namespace) -> int:
     return keys.run(args)
 
 
+def _gc_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="leave orphan files younger than this (default: WELLTEMPERED_ORPHAN_GRACE_SECONDS; "
+        "0 only when no server is running)",
+    )
+
+
+def gc_command(args: argparse.Namespace) -> int:
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.orm import sessionmaker
+
+    from service.settings import Settings
+    from service.storage import array_refs, migrate
+    from service.storage.arrays import ArrayStore
+    from service.storage.db import make_engine
+
+    settings = Settings()
+    grace = settings.orphan_grace_seconds if args.grace is None else args.grace
+    if grace < 0:
+        print(f"welltempered gc: --grace must be >= 0. Got {grace}.", file=sys.stderr)
+        return 2
+    database = make_url(settings.database_url).database if settings.is_sqlite else None
+    if database and database != ":memory:" and not os.path.exists(database):
+        print(
+            f"welltempered gc: no SQLite database at {database} (WELLTEMPERED_DATABASE_URL); "
+            "nothing to sweep against, nothing created.",
+            file=sys.stderr,
+        )
+        return 2
+    engine = make_engine(settings.database_url)
+    try:
+        migrate.ensure_schema(engine, settings.database_url)
+        done = array_refs.sweep(sessionmaker(engine), ArrayStore(settings.data_dir), grace)
+    except migrate.NotMigrated as exc:
+        print(f"welltempered gc: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        engine.dispose()
+    print(
+        f"removed {done.files_removed} orphan array file(s) ({done.bytes_removed} bytes), "
+        f"{done.tmp_removed} temp file(s) and {done.rows_removed} stale row(s); kept "
+        f"{done.young_kept} orphan(s) younger than {grace:g} s "
+        f"(database {settings.database_url.split('://', 1)[0]}, data in {settings.data_dir})"
+    )
+    return 0
+
+
 def is_loopback(host: str) -> bool:
     """127.0.0.0/8, ::1 or localhost (what ``serve`` accepts with auth off)."""
     if host.lower() == "localhost":
@@ -172,6 +224,12 @@ COMMANDS: list[Command] = [
     Command("migrate", "upgrade the database to the latest schema", _no_arguments, migrate_command),
     Command("fit", "fit a calibrator offline from a .npz file", _fit_arguments, fit),
     Command("keys", "create, list or revoke API keys", _keys_arguments, keys_command),
+    Command(
+        "gc",
+        "remove orphan array files (no dataset names them) older than the grace period",
+        _gc_arguments,
+        gc_command,
+    ),
 ]
 
 

@@ -90,3 +90,24 @@ class TooManyRequests(ServiceError):
     def __init__(self, detail: str, *, retry_after: int, **extra: Any):
         super().__init__(detail, **extra)
         self.retry_after = retry_after
+
+
+class InUse(Conflict):
+    """A delete refused because something still needs the object: an alias points at a
+    version, a fit is queued or running, a version was fitted on a dataset. ``extra``
+    names them (``aliases``, ``versions``, ``fits``)."""
+
+
+class QuotaExceeded(Conflict):
+    """The namespace holds as much as a quota allows: the request would pass its limit.
+
+    ``extra``: ``quota`` (its name), ``setting`` (the environment variable), ``limit``,
+    ``usage`` (what the namespace holds now) and ``requested`` (what the request adds).
+    Deleting something frees room; retrying unchanged does not help.
+    """
+
+
+class RequestOverQuota(ContentTooLarge):
+    """One request larger than a quota allows whatever the namespace holds (a dataset
+    with more rows than ``dataset_rows``, or more bytes than the namespace may store).
+    ``extra`` as for :class:`QuotaExceeded`."""

@@ -136,6 +136,34 @@ class Settings(BaseSettings):
         "(uvicorn --timeout-graceful-shutdown).",
     )
 
+    # -- quotas and storage lifecycle (service/storage/usage.py, array_refs.py; docs/api.md) --
+    quota_stored_bytes: int = Field(
+        10 * 1024 * MiB,
+        ge=1,
+        description="Bytes of dataset arrays one namespace may store (the .npy files of its "
+        "datasets, each dataset counted in full even when its content is shared). An upload "
+        "past it is refused with 409 quota-exceeded (413 if it alone is larger).",
+    )
+    quota_datasets: int = Field(
+        1_000, ge=1, description="Datasets one namespace may hold (409 quota-exceeded past it)."
+    )
+    quota_models: int = Field(
+        1_000, ge=1, description="Models one namespace may hold (409 quota-exceeded past it)."
+    )
+    orphan_grace_seconds: float = Field(
+        3600.0,
+        ge=0,
+        description="Age after which an array file no dataset refers to (an upload that "
+        "never committed, a delete interrupted) and a temp file are removed by the sweep; "
+        "younger ones may belong to an upload in flight.",
+    )
+    sweep_interval_seconds: float = Field(
+        3600.0,
+        ge=0,
+        description="How often each serve process sweeps orphan array files (0: only at "
+        "start-up and with `welltempered gc`).",
+    )
+
     @property
     def is_sqlite(self) -> bool:
         return self.database_url.startswith("sqlite")

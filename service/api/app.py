@@ -27,11 +27,13 @@ from service.api.routers import (
 )
 from service.api.uploads import BodyLimitMiddleware
 from service.jobs.fitting import FitRunner, WorkerConfig, memory_budget, recover
+from service.jobs.sweeper import Sweeper
 from service.observe.metrics import ServiceMetrics
 from service.observe.monitoring import MetricsMiddleware, observe_finished_fit
 from service.security import auth
 from service.serving.inference import ServingCache, SessionCache
 from service.settings import Settings
+from service.storage import array_refs
 from service.storage.arrays import ArrayStore
 from service.storage.db import make_engine
 from service.storage.migrate import ensure_schema
@@ -71,7 +73,8 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
             arrays.ensure()
             if settings.recover_jobs:
                 recover(sessions)
-                arrays.clean_tmp()
+                # Nothing is in flight yet: every orphan goes, however young.
+                array_refs.sweep(sessions, arrays, grace_seconds=0)
             config = WorkerConfig(
                 settings.database_url,
                 str(settings.data_dir),
@@ -91,9 +94,19 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
             app.state.welltempered = AppState(
                 settings, engine, sessions, arrays, fits, serving, metrics
             )
+            sweeper = None
+            if settings.sweep_interval_seconds > 0:
+                sweeper = Sweeper(
+                    sessions,
+                    arrays,
+                    settings.sweep_interval_seconds,
+                    settings.orphan_grace_seconds,
+                ).start()
             try:
                 yield
             finally:
+                if sweeper is not None:
+                    sweeper.stop()
                 fits.shutdown()
         finally:
             engine.dispose()

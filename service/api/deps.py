@@ -2,7 +2,8 @@
 
 ``SessionDep`` is a database session; ``ModelDep``, ``DatasetDep``,
 ``VersionDep`` and ``AliasDep`` are the looked-up rows, each one validating
-dependency reused by every route that names the object in its path. The lookups
+dependency reused by every route that names the object in its path; ``QuotasDep``
+the namespace quotas of the settings (:mod:`service.storage.usage`). The lookups
 themselves (and their 404s) are :mod:`service.storage.registry`'s, also used
 where a body names the object (a fit's dataset, an alias's version).
 """
@@ -26,6 +27,7 @@ from service.settings import Settings
 from service.storage import registry
 from service.storage.arrays import ArrayStore
 from service.storage.db import Alias, CalibratorVersion, Dataset, Model
+from service.storage.usage import Quotas
 from service.vocabulary import MAX_ID
 
 #: ``?kind=`` of the routes that take scores in a body: the kind said explicitly. It
@@ -71,6 +73,13 @@ def get_session(state: StateDep) -> Iterator[Session]:
 
 
 SessionDep = Annotated[Session, Depends(get_session)]
+
+
+async def get_quotas(state: StateDep) -> Quotas:
+    return Quotas.from_settings(state.settings)
+
+
+QuotasDep = Annotated[Quotas, Depends(get_quotas)]
 
 
 def get_model(

@@ -51,8 +51,9 @@ ERRORS = {
     "401": "Missing, unknown, revoked or expired API key.",
     "403": "The key's scope does not allow this operation.",
     "404": "Unknown model, dataset, version, alias or key (or another namespace's).",
-    "409": "Conflict: duplicate name, version not fitted or rejected.",
-    "413": "Body, rows per request or dataset rows over the limit.",
+    "409": "Conflict: duplicate name, version not fitted or rejected, still in use (a "
+    "DELETE), namespace quota exceeded.",
+    "413": "Body, rows per request or dataset rows over the limit, or larger than a quota.",
     "415": "Unsupported Content-Type.",
     "422": "Invalid input: schema, shapes, NaN/Inf, K, labels.",
     "429": "Too many fits queued, or the API key is over its rate limit (Retry-After).",

@@ -30,11 +30,14 @@ from service.errors import (
     ContentTooLarge,
     FitTooLarge,
     Forbidden,
+    InUse,
     InvalidInput,
     MalformedBody,
     MalformedJSON,
     NotFound,
     NotReady,
+    QuotaExceeded,
+    RequestOverQuota,
     ServiceError,
     TooManyRequests,
     Unauthorized,
@@ -89,6 +92,9 @@ PROBLEM_TYPES: dict[type[Exception], ProblemType] = {
     FitTooLarge: ProblemType(422, "fit-too-large", "Fit too large for a worker"),
     CalibrationInputError: INVALID_INPUT,
     TooManyRequests: ProblemType(429, "too-many-requests", "Too many requests", _retry_after),
+    InUse: ProblemType(409, "in-use", "Still in use"),
+    QuotaExceeded: ProblemType(409, "quota-exceeded", "Namespace quota exceeded"),
+    RequestOverQuota: ProblemType(413, "request-over-quota", "Request larger than a quota"),
 }
 
 

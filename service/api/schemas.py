@@ -199,3 +199,16 @@ class KeyCreated(KeyOut):
 
 class KeyList(BaseModel):
     keys: list[KeyOut]
+
+
+class DeletedOut(BaseModel):
+    """What a DELETE removed (docs/api.md, "Deleting")."""
+
+    model: str
+    datasets: list[int] = Field(description="Ids of the deleted datasets.")
+    versions: list[int] = Field(description="Numbers of the deleted calibrator versions.")
+    aliases: list[str] = Field(description="Names of the deleted aliases.")
+    stored_bytes_released: int = Field(
+        description="Bytes of the deleted datasets, no longer counted against the "
+        "namespace's stored-bytes quota."
+    )

@@ -52,7 +52,7 @@ from collections.abc import Callable, Hashable
 from sqlalchemy.orm import Session
 
 from service.errors import ContentTooLarge, InvalidInput, TooManyRequests
-from service.storage import fits
+from service.storage import fits, usage
 
 #: Seconds a client is told to wait when the fit queue is full.
 FIT_RETRY_AFTER_SECONDS = 30
@@ -62,6 +62,9 @@ _DROPS_PER_TAKE = 2
 
 
 def check_rows(rows: int, limit: int, what: str) -> None:
+    if what == "dataset":  # rows per dataset is a quota: its refusal names it
+        usage.check_dataset_rows(rows, limit)
+        return
     if rows > limit:
         raise ContentTooLarge(
             f"A {what} request holds at most {limit} rows (WELLTEMPERED_MAX_"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import anyio.to_thread
@@ -31,8 +31,15 @@ OUTPUTS = ("probabilities", "label", "confidence", "entropy")
 TOP_K_OUTPUTS = ("top_k_indices", "top_k_probabilities")
 
 
+def version_key(row) -> tuple:
+    """The key of a calibrator version's session: its id and creation time. The id alone
+    is not enough: SQLite gives a deleted row's id to the next row when it was the
+    largest, and a session built for a deleted version must never serve its successor."""
+    return (row.id, row.created_at)
+
+
 class SessionCache:
-    """LRU of ``InferenceSession`` keyed by calibrator version id."""
+    """LRU of ``InferenceSession`` keyed by :func:`version_key`."""
 
     def __init__(self, threads: int, size: int):
         self.size = size
@@ -40,11 +47,11 @@ class SessionCache:
         self.options.intra_op_num_threads = threads
         self.options.inter_op_num_threads = 1
         self.options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        self._sessions: OrderedDict[int, ort.InferenceSession] = OrderedDict()
+        self._sessions: OrderedDict[Hashable, ort.InferenceSession] = OrderedDict()
         self._lock = threading.Lock()
-        self._building: dict[int, threading.Lock] = {}
+        self._building: dict[Hashable, threading.Lock] = {}
 
-    def get(self, version_id: int, load_params: Callable[[], dict]) -> ort.InferenceSession:
+    def get(self, version_id: Hashable, load_params: Callable[[], dict]) -> ort.InferenceSession:
         with self._lock:
             session = self._sessions.get(version_id)
             if session is not None:
@@ -67,6 +74,13 @@ class SessionCache:
             self._building.pop(version_id, None)
         return session
 
+    def discard(self, version_ids) -> None:
+        """Drop the sessions of the versions with these ids (deleted versions)."""
+        ids = set(version_ids)
+        with self._lock:
+            for key in [k for k in self._sessions if (k[0] if isinstance(k, tuple) else k) in ids]:
+                del self._sessions[key]
+
 
 @dataclass(frozen=True)
 class Served:
@@ -86,10 +100,12 @@ class Served:
 class ServingCache:
     """(model, alias | version) -> :class:`Served`, without touching the database when warm.
 
-    A version is immutable, so ``?version=N`` entries never go stale. An alias
-    can move: its entry lives ``ttl`` seconds, and a PUT in this process drops
-    the model's entries at once; another worker process sees the move within
-    ``ttl``. Lookups that fail (404/409) are not cached.
+    Every entry lives ``ttl`` seconds: an alias can move, and a version (immutable
+    while it exists) can be deleted, as can its model. A PUT or DELETE in this
+    process drops the model's entries at once (:meth:`invalidate`, :meth:`forget`);
+    another worker process sees the change within ``ttl``. Renewing an entry is one
+    query; the ONNX session is reused (:class:`SessionCache`). Lookups that fail
+    (404/409) are not cached.
     """
 
     def __init__(self, sessions: sessionmaker, onnx: SessionCache, ttl: float, size: int = 4096):
@@ -104,7 +120,7 @@ class ServingCache:
     ) -> Served:
         key = (model, alias, version, namespace)
         hit = self._entries.get(key)
-        if hit is not None and (version is not None or hit[0] > time.monotonic()):
+        if hit is not None and hit[0] > time.monotonic():
             return hit[1]
         served = await anyio.to_thread.run_sync(self._resolve, model, alias, version, namespace)
         if len(self._entries) >= self.size:
@@ -115,7 +131,7 @@ class ServingCache:
     def _resolve(self, name: str, alias: str | None, version: int | None, namespace: str) -> Served:
         with self.sessions() as session:
             model, row = resolve_served(session, name, alias, version, namespace)
-            onnx = self.onnx.get(row.id, lambda: row.params)
+            onnx = self.onnx.get(version_key(row), lambda: row.params)
             return Served(
                 namespace=model.namespace,
                 model=model.name,
@@ -127,6 +143,11 @@ class ServingCache:
     def invalidate(self, model: str, namespace: str) -> None:
         for key in [k for k in self._entries if k[0] == model and k[3] == namespace]:
             self._entries.pop(key, None)
+
+    def forget(self, model: str, namespace: str, version_ids=()) -> None:
+        """After a delete: drop the model's entries and the deleted versions' sessions."""
+        self.invalidate(model, namespace)
+        self.onnx.discard(version_ids)
 
 
 def onnx_bytes(params: dict) -> bytes:

@@ -8,8 +8,10 @@ through the driver on every read and bloat the database's WAL and backups.
 Crash safety, in the order of :meth:`ArrayStore.put`: write to a temp file in
 ``<data_dir>/tmp`` (same file system), fsync it, ``os.replace`` it to its hash
 name, fsync the directory; only then does the caller commit the row that names
-the hash. A crash at any point leaves at most an orphan file (or a temp file,
-removed on the next start), never a row pointing at a missing or partial array.
+the hash. A crash at any point leaves at most an orphan file (or a temp file),
+never a row pointing at a missing or partial array; orphans are removed by the
+sweep of :mod:`service.storage.array_refs`, which also decides when a file no row
+refers to any more may go (this module only names, writes, reads and unlinks).
 """
 
 from __future__ import annotations
@@ -17,12 +19,18 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 import numpy as np
+
+#: The file name of a stored array: its sha256 in lower-case hex, then ``.npy``.
+_ARRAY_NAME = re.compile(r"^([0-9a-f]{64})\.npy$")
 
 
 class _HashingWriter:
@@ -44,6 +52,31 @@ class _HashingWriter:
 
     def flush(self) -> None:
         self.raw.flush()
+
+
+class _Counter:
+    """A sink that counts the bytes written to it (for :meth:`ArrayStore.digest`)."""
+
+    def __init__(self):
+        self.size = 0
+
+    def write(self, data) -> int:
+        n = memoryview(data).nbytes
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    """An array file found on disk: its hash, path, size and last modification (Unix s)."""
+
+    sha256: str
+    path: Path
+    size: int
+    mtime: float
 
 
 def _fsync_dir(path: Path) -> None:
@@ -75,16 +108,31 @@ class ArrayStore:
         os.close(fd)
         return Path(name)
 
-    def put(self, array: np.ndarray, also=()) -> str:
-        """Store ``array`` as .npy under its sha256 (also fed to ``also``); return the hash."""
+    @staticmethod
+    def digest(array: np.ndarray) -> tuple[str, int]:
+        """The sha256 and size in bytes of ``array``'s .npy file, without writing it:
+        the name and size :meth:`put` would give it (one pass, bounded memory)."""
+        own, counter = hashlib.sha256(), _Counter()
+        np.save(_HashingWriter(counter, [own]), array, allow_pickle=False)
+        return own.hexdigest(), counter.size
+
+    def put(self, array: np.ndarray, also=(), sha256: str | None = None) -> str:
+        """Store ``array`` as .npy under its sha256 (also fed to ``also``); return the hash.
+
+        ``sha256``, when the caller has it from :meth:`digest`, names the file without
+        hashing the bytes a second time. The file is written (a fresh inode, a fresh
+        modification time) even when the name exists: a caller about to commit a row
+        that names it must not depend on a file a concurrent release may be removing.
+        """
         own = hashlib.sha256()
         tmp = self.temp_path(".npy")
         try:
             with open(tmp, "wb") as raw:
-                np.save(_HashingWriter(raw, [own, *also]), array, allow_pickle=False)
+                hashers = [*also] if sha256 is not None else [own, *also]
+                np.save(_HashingWriter(raw, hashers), array, allow_pickle=False)
                 raw.flush()
                 os.fsync(raw.fileno())
-            sha = own.hexdigest()
+            sha = sha256 if sha256 is not None else own.hexdigest()
             final = self.path(sha)
             final.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, final)  # atomic; identical content may simply overwrite
@@ -98,6 +146,39 @@ class ArrayStore:
         if not path.exists():
             raise FileNotFoundError(f"array {sha256} is missing from {self.arrays}")
         return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+
+    def exists(self, sha256: str) -> bool:
+        return self.path(sha256).is_file()
+
+    def remove(self, sha256: str) -> int:
+        """Unlink the file of ``sha256`` (the caller decided no row needs it); returns the
+        bytes freed (0 if it was not there)."""
+        path = self.path(sha256)
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            return 0
+        _fsync_dir(path.parent)
+        return size
+
+    def files(self) -> Iterator[StoredFile]:
+        """Every array file on disk (names that are not a hash, e.g. foreign files, are
+        skipped); a file removed while listing is skipped too."""
+        if not self.arrays.exists():
+            return
+        for folder in sorted(self.arrays.iterdir()):
+            if not folder.is_dir():
+                continue
+            for path in sorted(folder.iterdir()):
+                match = _ARRAY_NAME.match(path.name)
+                if match is None:
+                    continue
+                try:
+                    st = path.stat()
+                except FileNotFoundError:
+                    continue
+                yield StoredFile(match.group(1), path, st.st_size, st.st_mtime)
 
     def clean_tmp(self, older_than_seconds: float = 0.0) -> int:
         """Remove temp files left by a crash; returns how many were removed."""

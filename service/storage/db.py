@@ -1,12 +1,14 @@
 """The registry's tables (SQLAlchemy 2.0 typed models) and the engine factory.
 
-Six tables: ``models`` (a classifier to calibrate), ``datasets`` (immutable
+Eight tables: ``models`` (a classifier to calibrate), ``datasets`` (immutable
 labelled scores; the arrays are content-addressed files, see
 :mod:`service.storage.arrays`), ``calibrator_versions`` (one immutable fit per row,
 numbered per model; the row is also the background job), ``aliases``
 ((model, alias) -> version, moved in one UPDATE), ``feedback_bins``
-(time-bucketed reliability sums of labelled feedback, for live calibration) and
-``api_keys`` (the sha256 of each key, its namespace and scope). The closed lists
+(time-bucketed reliability sums of labelled feedback, for live calibration),
+``api_keys`` (the sha256 of each key, its namespace and scope), ``namespaces``
+(the row a quota check locks, :mod:`service.storage.usage`) and ``array_files``
+(the row that guards an array file's removal, :mod:`service.storage.array_refs`). The closed lists
 the CHECK constraints name come from :mod:`service.vocabulary`; the queries live in
 the other modules of this package.
 """
@@ -116,8 +118,12 @@ class Dataset(Base):
     n_rows: Mapped[int]
     n_classes: Mapped[int]
     dtype: Mapped[str] = mapped_column(String(16))
-    scores_sha256: Mapped[str] = mapped_column(String(64))
-    labels_sha256: Mapped[str] = mapped_column(String(64))
+    #: Array files by content hash; indexed: "does any dataset still refer to this file".
+    scores_sha256: Mapped[str] = mapped_column(String(64), index=True)
+    labels_sha256: Mapped[str] = mapped_column(String(64), index=True)
+    #: Bytes of its two .npy files: what the dataset counts against its namespace's
+    #: stored-bytes quota (in full, even when another dataset shares a file).
+    n_bytes: Mapped[int] = mapped_column(BigInteger, server_default="0")
     #: metrics.report of the raw scores, computed once at upload.
     metrics: Mapped[dict[str, Any]] = mapped_column(deferred=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -217,6 +223,36 @@ class ApiKey(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime | None]
     revoked_at: Mapped[datetime | None]
+
+
+class Namespace(Base):
+    """One row per namespace that stored something: the row a quota check locks.
+
+    The usage itself is counted from ``models`` and ``datasets`` (never a counter that
+    could drift); the lock makes "count, compare with the quota, insert" atomic for
+    every upload of the namespace (:mod:`service.storage.usage`).
+    """
+
+    __tablename__ = "namespaces"
+
+    namespace: Mapped[str] = mapped_column(String(64), primary_key=True)
+    #: The last time a quota check locked the row (each lock is a write of it).
+    checked_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ArrayFile(Base):
+    """An array file that committed datasets refer to (by ``sha256``), and its lock.
+
+    An upload upserts the row in the transaction that inserts its dataset; a release
+    (after a delete, or the orphan sweep) locks it, counts the datasets that refer to the
+    file and removes the file only when none does (:mod:`service.storage.array_refs`).
+    """
+
+    __tablename__ = "array_files"
+
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    n_bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 def _json_dumps(obj: Any) -> str:

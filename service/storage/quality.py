@@ -12,8 +12,10 @@ from typing import Any
 
 from sqlalchemy import Row, func, select
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from service.errors import NotFound
 from service.storage.db import Alias, CalibratorVersion, FeedbackBin, Model
 
 #: The summed columns of ``feedback_bins``, in the order :func:`window_sums` returns them.
@@ -37,8 +39,12 @@ def add_feedback(session: Session, rows: Sequence[dict[str, Any]]) -> None:
         index_elements=[FeedbackBin.version_id, FeedbackBin.bucket_start, FeedbackBin.bin_index],
         set_={name: getattr(FeedbackBin, name) + getattr(stmt.excluded, name) for name in SUMS},
     )
-    session.execute(stmt)
-    session.commit()
+    try:
+        session.execute(stmt)
+        session.commit()
+    except IntegrityError:  # the version was deleted since it was looked up
+        session.rollback()
+        raise NotFound("The calibrator version these rows were served by was deleted.") from None
 
 
 def window_sums(

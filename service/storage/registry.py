@@ -5,26 +5,51 @@ or number raises :class:`service.errors.NotFound` when the row is missing, so
 the API turns it into a 404 without a check of its own. A name that cannot
 exist (it fails the pattern of :mod:`service.vocabulary`) is not looked up: a
 NUL byte would be a driver error, not a 404.
+
+Deletes (the rules are in docs/api.md, "Deleting"): an alias always goes; a version
+only when no alias points at it and its fit is finished; a dataset only when no
+version was fitted on it (or, with ``cascade``, together with those versions, which
+must be unaliased and finished); a model with everything it holds (datasets,
+versions, feedback) when it has no alias and no unfinished fit. Each is one
+transaction; the array files the deleted datasets named are released after it
+commits (:mod:`service.storage.array_refs`). What is checked before a delete is also
+enforced by the database while it runs: ``aliases.version_id`` and
+``calibrator_versions.dataset_id`` have no ON DELETE action, so a concurrent alias
+move or fit makes the delete fail (409) instead of leaving a dangling reference; a
+version is deleted with ``WHERE status NOT IN ('queued', 'running')``; and a model is
+locked first (``SELECT ... FOR UPDATE``; on SQLite the write lock), so no alias, fit
+or upload can slip in between the checks and the delete.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from calibrators import metrics
 from calibrators.validation import to_probabilities
-from service.errors import ArgmaxChanged, Conflict, InvalidInput, NotFound, NotReady
+from service.errors import ArgmaxChanged, Conflict, InUse, InvalidInput, NotFound, NotReady
+from service.storage import array_refs, usage
 from service.storage.arrays import ArrayStore
-from service.storage.db import Alias, CalibratorVersion, Dataset, Model, utcnow
-from service.vocabulary import ALIAS_PATTERN, DEFAULT_ALIAS, NAME_PATTERN
+from service.storage.db import (
+    Alias,
+    CalibratorVersion,
+    Dataset,
+    FeedbackBin,
+    Model,
+    utcnow,
+)
+from service.storage.usage import Quotas
+from service.vocabulary import ALIAS_PATTERN, DEFAULT_ALIAS, NAME_PATTERN, UNFINISHED
 
 _NAME = re.compile(NAME_PATTERN)
 _ALIAS = re.compile(ALIAS_PATTERN)
@@ -41,8 +66,10 @@ def create_model(
     num_classes: int,
     class_names: list[str] | None,
     argmax_policy: str,
+    quotas: Quotas | None = None,
 ) -> Model:
-    """A new model of ``namespace``; 409 if the namespace has one of that name."""
+    """A new model of ``namespace``; 409 if the namespace has one of that name, or (with
+    ``quotas``) as many models as its quota allows (checked under the namespace's lock)."""
     model = Model(
         namespace=namespace,
         name=name,
@@ -50,12 +77,18 @@ def create_model(
         class_names=class_names,
         argmax_policy=argmax_policy,
     )
-    session.add(model)
     try:
+        if quotas is not None:
+            usage.lock(session, namespace)
+            usage.check_model(session, namespace, quotas)
+        session.add(model)
         session.commit()
     except IntegrityError:
         session.rollback()
         raise Conflict(f"A model named {name!r} already exists.") from None
+    except BaseException:
+        session.rollback()
+        raise
     return model
 
 
@@ -92,37 +125,63 @@ def add_dataset(
     scores: np.ndarray,
     labels: np.ndarray,
     kind: str,
+    quotas: Quotas | None = None,
 ) -> tuple[Dataset, bool]:
     """Store validated arrays (files first, fsynced), then commit the row; dedupe by content.
 
-    Returns the dataset and whether it is new.
+    Returns the dataset and whether it is new. Identical content of the same model
+    returns the existing dataset before anything is written or counted. With
+    ``quotas``, the namespace's quotas (:mod:`service.storage.usage`) are checked
+    before the files are written, and again under the namespace's lock in the
+    transaction that inserts the row; a refusal there releases the files it wrote.
     """
-    scores_sha = arrays.put(scores)
-    labels_sha = arrays.put(labels)
+    scores_sha, scores_bytes = arrays.digest(scores)
+    labels_sha, labels_bytes = arrays.digest(labels)
     sha = dataset_sha256(kind, scores_sha, labels_sha)
     existing = _dataset_by_sha(session, model, sha)
     if existing is not None:
         return existing, False
+    rows, n_bytes = int(scores.shape[0]), scores_bytes + labels_bytes
+    if quotas is not None:
+        usage.check_dataset(session, model.namespace, rows, n_bytes, quotas)
     dataset = Dataset(
         model_id=model.id,
         sha256=sha,
         kind=kind,
-        n_rows=int(scores.shape[0]),
+        n_rows=rows,
         n_classes=int(scores.shape[1]),
         dtype=str(scores.dtype),
         scores_sha256=scores_sha,
         labels_sha256=labels_sha,
+        n_bytes=n_bytes,
         metrics=metrics.report(to_probabilities(scores, kind), labels),
     )
-    session.add(dataset)
+    files = [
+        array_refs.Held(scores_sha, scores_bytes, scores),
+        array_refs.Held(labels_sha, labels_bytes, labels),
+    ]
+    for f in files:
+        arrays.put(f.array, sha256=f.sha256)
     try:
+        if quotas is not None:
+            usage.lock(session, model.namespace)
+            usage.check_dataset(session, model.namespace, rows, n_bytes, quotas)
+        array_refs.hold(session, arrays, files)
+        session.add(dataset)
         session.commit()
-    except IntegrityError:  # the same content, uploaded concurrently
+    except IntegrityError:  # the same content uploaded concurrently, or the model deleted
         session.rollback()
         existing = _dataset_by_sha(session, model, sha)
-        if existing is None:
-            raise
-        return existing, False
+        if existing is not None:
+            return existing, False
+        array_refs.release(session, arrays, [scores_sha, labels_sha])
+        if session.get(Model, model.id, populate_existing=True) is None:
+            raise NotFound(f"Model {model.name!r} was deleted during the upload.") from None
+        raise
+    except BaseException:
+        session.rollback()
+        array_refs.release(session, arrays, [scores_sha, labels_sha])
+        raise
     return dataset, True
 
 
@@ -161,15 +220,16 @@ def create_version(
     options: dict[str, Any],
 ) -> CalibratorVersion:
     """A queued version with the next number of this model (atomic UPDATE ... RETURNING)."""
-    number = (
-        session.execute(
-            update(Model)
-            .where(Model.id == model.id)
-            .values(next_version=Model.next_version + 1)
-            .returning(Model.next_version)
-        ).scalar_one()
-        - 1
-    )
+    after = session.execute(
+        update(Model)
+        .where(Model.id == model.id)
+        .values(next_version=Model.next_version + 1)
+        .returning(Model.next_version)
+    ).scalar_one_or_none()
+    if after is None:
+        session.rollback()
+        raise NotFound(f"Model {model.name!r} was deleted.")
+    number = after - 1
     row = CalibratorVersion(
         model_id=model.id,
         version=number,
@@ -182,7 +242,11 @@ def create_version(
         progress=0.0,
     )
     session.add(row)
-    session.commit()
+    try:
+        session.commit()
+    except IntegrityError:  # the dataset was deleted meanwhile
+        session.rollback()
+        raise NotFound(f"Model {model.name!r} has no dataset {dataset.id} any more.") from None
     return row
 
 
@@ -240,8 +304,14 @@ def set_alias(session: Session, model: Model, alias: str, version: CalibratorVer
         index_elements=[Alias.model_id, Alias.alias],
         set_={"version_id": stmt.excluded.version_id, "updated_at": stmt.excluded.updated_at},
     )
-    session.execute(stmt)
-    session.commit()
+    try:
+        session.execute(stmt)
+        session.commit()
+    except IntegrityError:  # the version (or the model) was deleted meanwhile
+        session.rollback()
+        raise NotFound(
+            f"Model {model.name!r} has no calibrator version {version.version} any more."
+        ) from None
     return session.get(Alias, (model.id, alias), populate_existing=True)
 
 
@@ -295,3 +365,239 @@ def resolve_served(
     row = served_version(session, model, alias, version)
     check_servable(row, model)
     return model, row
+
+
+# ---------------------------------------------------------------------------
+# deletes
+
+
+@dataclass(frozen=True)
+class Deleted:
+    """What one delete removed: dataset ids, version numbers (and their row ids, for the
+    serving caches), alias names, and the bytes of the deleted datasets, released from the
+    namespace's stored-bytes quota (whether their files were shared or not)."""
+
+    model: str
+    datasets: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    version_ids: list[int] = field(default_factory=list)
+    aliases: list[str] = field(default_factory=list)
+    stored_bytes_released: int = 0
+
+
+def _aliases_of(session: Session, version_ids: Iterable[int]) -> list[tuple[str, int]]:
+    """(alias, version number) of every alias that points at one of ``version_ids``."""
+    ids = list(version_ids)
+    if not ids:
+        return []
+    rows = session.execute(
+        select(Alias.alias, CalibratorVersion.version)
+        .join(CalibratorVersion, CalibratorVersion.id == Alias.version_id)
+        .where(Alias.version_id.in_(ids))
+        .order_by(Alias.alias)
+    )
+    return [(a, v) for a, v in rows]
+
+
+class _Changed(Exception):
+    """Rows a delete counted on changed under it (e.g. a version started being deleted)."""
+
+
+def _changed(what: str, model: Model) -> InUse:
+    return InUse(f"{what} of {model.name!r} changed while it was being deleted; try again.")
+
+
+def _names(items: Iterable) -> str:
+    return ", ".join(str(i) for i in items)
+
+
+def _refuse_aliased(what: str, model: Model, aliased: list[tuple[str, int]]) -> None:
+    if aliased:
+        names = _names(f"{a!r} (version {v})" for a, v in aliased)
+        raise InUse(
+            f"{what} of {model.name!r} is in use: alias {names} points at it. Move or DELETE "
+            f"/v1/models/{model.name}/aliases/{{alias}} first.",
+            aliases=[a for a, _ in aliased],
+            versions=sorted({v for _, v in aliased}),
+        )
+
+
+def _refuse_unfinished(what: str, model: Model, unfinished: list[tuple[int, str]]) -> None:
+    if unfinished:
+        names = _names(f"{v} ({status})" for v, status in unfinished)
+        raise InUse(
+            f"{what} of {model.name!r} is in use: the fit of version {names} is not finished. "
+            "Wait for it to finish (GET its status), then delete.",
+            fits=[v for v, _ in unfinished],
+        )
+
+
+def delete_alias(session: Session, model: Model, alias: str) -> Deleted:
+    """Remove ``alias`` (predict without a version stops finding it at once here, and in
+    other processes within ``ALIAS_CACHE_SECONDS``). 404 if it is gone already."""
+    removed = session.execute(
+        delete(Alias).where(Alias.model_id == model.id, Alias.alias == alias)
+    ).rowcount
+    session.commit()
+    if not removed:
+        raise NotFound(f"Model {model.name!r} has no alias {alias!r}.")
+    return Deleted(model=model.name, aliases=[alias])
+
+
+def delete_version(session: Session, model: Model, row: CalibratorVersion) -> Deleted:
+    """Delete one version and its feedback sums: 409 while an alias points at it or its fit
+    is queued or running."""
+    what = f"Version {row.version}"
+    _refuse_aliased(what, model, _aliases_of(session, [row.id]))
+    _refuse_unfinished(what, model, [(row.version, row.status)] if row.status in UNFINISHED else [])
+    try:
+        session.execute(delete(FeedbackBin).where(FeedbackBin.version_id == row.id))
+        removed = session.execute(
+            delete(CalibratorVersion).where(
+                CalibratorVersion.id == row.id, CalibratorVersion.status.not_in(UNFINISHED)
+            )
+        ).rowcount
+        if removed != 1:
+            session.rollback()
+            raise NotFound(f"Model {model.name!r} has no calibrator version {row.version}.")
+        session.commit()
+    except IntegrityError:  # an alias was pointed at it meanwhile
+        session.rollback()
+        _refuse_aliased(what, model, _aliases_of(session, [row.id]))
+        raise _changed(what, model) from None
+    return Deleted(model=model.name, versions=[row.version], version_ids=[row.id])
+
+
+def _versions_of(session: Session, *where) -> list[tuple[int, int, str]]:
+    """(id, number, status) of the versions matching ``where``, by number."""
+    rows = session.execute(
+        select(CalibratorVersion.id, CalibratorVersion.version, CalibratorVersion.status)
+        .where(*where)
+        .order_by(CalibratorVersion.version)
+    )
+    return [(i, v, s) for i, v, s in rows]
+
+
+def _delete_versions(session: Session, ids: list[int]) -> int:
+    if not ids:
+        return 0
+    session.execute(delete(FeedbackBin).where(FeedbackBin.version_id.in_(ids)))
+    return session.execute(
+        delete(CalibratorVersion).where(
+            CalibratorVersion.id.in_(ids), CalibratorVersion.status.not_in(UNFINISHED)
+        )
+    ).rowcount
+
+
+def delete_dataset(
+    session: Session, model: Model, dataset: Dataset, arrays: ArrayStore, cascade: bool = False
+) -> Deleted:
+    """Delete a dataset; its array files go when no other dataset names them.
+
+    409 while versions fitted on it exist, unless ``cascade``: then they are deleted in
+    the same transaction, and it is a 409 while any of them has an alias or an
+    unfinished fit.
+    """
+    what = f"Dataset {dataset.id}"
+    for attempt in (1, 2):
+        versions = _versions_of(session, CalibratorVersion.dataset_id == dataset.id)
+        if versions and not cascade:
+            raise InUse(
+                f"{what} of {model.name!r} is in use: version {_names(v for _, v, _ in versions)} "
+                "was fitted on it. DELETE those versions first, or add ?cascade=true to delete "
+                "them with the dataset.",
+                versions=[v for _, v, _ in versions],
+            )
+        _refuse_unfinished(what, model, [(v, s) for _, v, s in versions if s in UNFINISHED])
+        _refuse_aliased(what, model, _aliases_of(session, [i for i, _, _ in versions]))
+        ids = [i for i, _, _ in versions]
+        try:
+            if _delete_versions(session, ids) != len(ids):
+                raise _Changed
+            removed = session.execute(delete(Dataset).where(Dataset.id == dataset.id)).rowcount
+            if removed != 1:
+                session.rollback()
+                raise NotFound(f"Model {model.name!r} has no dataset {dataset.id}.")
+            session.commit()
+        except (IntegrityError, _Changed):  # a fit or an alias arrived meanwhile: again
+            session.rollback()
+            if attempt == 2:
+                raise _changed(what, model) from None
+            continue
+        array_refs.release(session, arrays, [dataset.scores_sha256, dataset.labels_sha256])
+        return Deleted(
+            model=model.name,
+            datasets=[dataset.id],
+            versions=[v for _, v, _ in versions],
+            version_ids=ids,
+            stored_bytes_released=dataset.n_bytes,
+        )
+    raise AssertionError("unreachable")
+
+
+def _lock_model(session: Session, model: Model) -> None:
+    """Hold ``model``'s row until the transaction ends: aliases, fits and uploads of the
+    model wait (their foreign keys need it); 404 if it is gone."""
+    if session.get_bind().dialect.name == "postgresql":
+        found = session.scalar(select(Model.id).where(Model.id == model.id).with_for_update())
+    else:  # a write takes SQLite's write lock: no other connection writes until we end
+        found = session.execute(
+            update(Model).where(Model.id == model.id).values(next_version=Model.next_version)
+        ).rowcount
+    if not found:
+        session.rollback()
+        raise NotFound(f"No model named {model.name!r}; GET /v1/models lists them.")
+
+
+def delete_model(session: Session, model: Model, arrays: ArrayStore) -> Deleted:
+    """Delete a model with its datasets, versions and feedback, in one transaction; its
+    array files go when no other dataset names them. 409 while it has an alias (delete
+    the aliases first: a model in service does not vanish in one call) or a queued or
+    running fit."""
+    what = f"Model {model.name!r}"
+    _lock_model(session, model)
+    try:
+        aliases = session.execute(
+            select(Alias.alias, CalibratorVersion.version)
+            .join(CalibratorVersion, CalibratorVersion.id == Alias.version_id)
+            .where(Alias.model_id == model.id)
+            .order_by(Alias.alias)
+        ).all()
+        if aliases:
+            names = _names(f"{a!r} (version {v})" for a, v in aliases)
+            raise InUse(
+                f"{what} is in use: it has alias {names}. DELETE "
+                f"/v1/models/{model.name}/aliases/{{alias}} first.",
+                aliases=[a for a, _ in aliases],
+            )
+        versions = _versions_of(session, CalibratorVersion.model_id == model.id)
+        unfinished = [(v, s) for _, v, s in versions if s in UNFINISHED]
+        if unfinished:
+            raise InUse(
+                f"{what} is in use: the fit of version "
+                f"{_names(f'{v} ({s})' for v, s in unfinished)} is not finished. Wait for it "
+                "to finish, then delete.",
+                fits=[v for v, _ in unfinished],
+            )
+        datasets = session.execute(
+            select(Dataset.id, Dataset.scores_sha256, Dataset.labels_sha256, Dataset.n_bytes)
+            .where(Dataset.model_id == model.id)
+            .order_by(Dataset.id)
+        ).all()
+        ids = [i for i, _, _ in versions]
+        _delete_versions(session, ids)
+        session.execute(delete(Dataset).where(Dataset.model_id == model.id))
+        session.execute(delete(Model).where(Model.id == model.id))
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    shas = [sha for _, scores, labels, _ in datasets for sha in (scores, labels)]
+    array_refs.release(session, arrays, shas)
+    return Deleted(
+        model=model.name,
+        datasets=[d.id for d in datasets],
+        versions=[v for _, v, _ in versions],
+        version_ids=ids,
+        stored_bytes_released=sum(d.n_bytes for d in datasets),
+    )

@@ -1,4 +1,5 @@
-"""/v1/models/{model}/aliases: movable names for versions (predict serves the default alias)."""
+"""/v1/models/{model}/aliases: movable names for versions (predict serves the default alias);
+deleting one stops its serving."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path
 
 from service.api.deps import AliasDep, ModelDep, SessionDep, StateDep
-from service.api.schemas import AliasList, AliasOut, AliasPut
+from service.api.schemas import AliasList, AliasOut, AliasPut, DeletedOut
 from service.api.uploads import require_json
 from service.storage import registry
 from service.storage.db import Alias, CalibratorVersion, Model
@@ -49,3 +50,15 @@ def list_aliases(model: ModelDep, session: SessionDep) -> AliasList:
 def get_alias(alias: AliasDep, model: ModelDep) -> AliasOut:
     row, version = alias
     return alias_out(row, model, version)
+
+
+@router.delete("/{alias}", response_model=DeletedOut)
+def delete_alias(
+    alias: AliasDep, model: ModelDep, session: SessionDep, state: StateDep
+) -> DeletedOut:
+    """Delete the alias (not the version): predict through it answers 404 from now on
+    (other worker processes: within ALIAS_CACHE_SECONDS)."""
+    row, _ = alias
+    deleted = registry.delete_alias(session, model, row.alias)
+    state.serving.forget(model.name, model.namespace)
+    return DeletedOut.model_validate(deleted, from_attributes=True)

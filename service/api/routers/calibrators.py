@@ -1,4 +1,5 @@
-"""/v1/models/{model}/calibrators: start a background fit, follow it, download its ONNX."""
+"""/v1/models/{model}/calibrators: start a background fit, follow it, download its ONNX,
+delete a version."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ from fastapi import APIRouter, Depends, Response
 
 from calibrators.holdout import split_indices
 from service.api.deps import ModelDep, SessionDep, StateDep, VersionDep
-from service.api.schemas import FitAccepted, FitRequest, VersionList, VersionOut, VersionSummary
+from service.api.schemas import (
+    DeletedOut,
+    FitAccepted,
+    FitRequest,
+    VersionList,
+    VersionOut,
+    VersionSummary,
+)
 from service.api.uploads import require_json
 from service.errors import NotReady
 from service.jobs.fitting import affordable, check_fit_request
@@ -97,6 +105,17 @@ def list_versions(model: ModelDep, session: SessionDep) -> VersionList:
 @router.get("/{version}", response_model=VersionOut)
 def get_version(model: ModelDep, version: VersionDep) -> VersionOut:
     return version_out(version, model)
+
+
+@router.delete("/{version}", response_model=DeletedOut)
+def delete_version(
+    model: ModelDep, version: VersionDep, session: SessionDep, state: StateDep
+) -> DeletedOut:
+    """Delete a calibrator version and its feedback statistics. 409 while an alias points
+    at it or its fit is queued or running. Its number is never given again."""
+    deleted = registry.delete_version(session, model, version)
+    state.serving.forget(model.name, model.namespace, deleted.version_ids)
+    return DeletedOut.model_validate(deleted, from_attributes=True)
 
 
 @router.get(

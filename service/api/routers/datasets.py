@@ -1,16 +1,17 @@
-"""/v1/models/{model}/datasets: upload labelled scores (JSON, .npz, multipart), read them."""
+"""/v1/models/{model}/datasets: upload labelled scores (JSON, .npz, multipart), read them,
+delete them."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 
 from service.api import ingest
-from service.api.deps import DatasetDep, KindQuery, ModelDep, SessionDep, StateDep
+from service.api.deps import DatasetDep, KindQuery, ModelDep, QuotasDep, SessionDep, StateDep
 from service.api.openapi import LABELS, SCORE_PROPERTIES
-from service.api.schemas import DatasetList, DatasetOut
+from service.api.schemas import DatasetList, DatasetOut, DeletedOut
 from service.api.uploads import NPZ_TYPES, Upload, labelled_body
 from service.storage import registry
 from service.storage.db import Dataset, Model
@@ -92,6 +93,7 @@ def upload_dataset(
     upload: UploadDep,
     session: SessionDep,
     state: StateDep,
+    quotas: QuotasDep,
     response: Response,
     kind: KindQuery = None,
 ) -> DatasetOut:
@@ -101,7 +103,7 @@ def upload_dataset(
     else:
         data = ingest.labelled_from_npz(upload.npz, bounds, kind)
     dataset, created = registry.add_dataset(
-        session, model, state.arrays, data.scores, data.labels, data.kind
+        session, model, state.arrays, data.scores, data.labels, data.kind, quotas
     )
     response.status_code = 201 if created else 200
     response.headers["Location"] = f"/v1/models/{model.name}/datasets/{dataset.id}"
@@ -117,3 +119,24 @@ def list_datasets(model: ModelDep, session: SessionDep) -> DatasetList:
 @router.get("/{dataset_id}", response_model=DatasetOut)
 def get_dataset(model: ModelDep, dataset: DatasetDep) -> DatasetOut:
     return dataset_out(dataset, model)
+
+
+@router.delete("/{dataset_id}", response_model=DeletedOut)
+def delete_dataset(
+    model: ModelDep,
+    dataset: DatasetDep,
+    session: SessionDep,
+    state: StateDep,
+    cascade: Annotated[
+        bool,
+        Query(
+            description="Also delete the calibrator versions fitted on the dataset (refused "
+            "while any of them has an alias or an unfinished fit)."
+        ),
+    ] = False,
+) -> DeletedOut:
+    """Delete the dataset; its array files are removed when no other dataset names them.
+    409 while versions fitted on it exist, unless ``cascade=true``."""
+    deleted = registry.delete_dataset(session, model, dataset, state.arrays, cascade)
+    state.serving.forget(model.name, model.namespace, deleted.version_ids)
+    return DeletedOut.model_validate(deleted, from_attributes=True)

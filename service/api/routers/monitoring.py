@@ -201,7 +201,7 @@ def post_feedback(
     limits.check_rows(n, settings.max_feedback_rows, "feedback")
     row = monitoring.monitored_version(session, model, version)
     registry.check_servable(row, model)
-    onnx = state.serving.onnx.get(row.id, lambda: row.params)
+    onnx = state.serving.onnx.get(inference.version_key(row), lambda: row.params)
     out = inference.run(onnx, inference.as_onnx_input(labelled.scores, labelled.kind))
     stats = monitoring.feedback_statistics(out["probabilities"], labelled.labels)
     bucket = monitoring.bucket_start(time.time(), settings.feedback_bucket_seconds)
