@@ -18,6 +18,7 @@ from calibrators.base import PARAMS_FORMAT, Calibrator
 from calibrators.cost import Cost, largest_classes
 from calibrators.ensemble import EnsembleTemperatureScaler
 from calibrators.linear import DirichletScaler, MatrixScaler, VectorScaler
+from calibrators.order_preserving import IntraOrderPreserving
 from calibrators.parameterized import ParameterizedTemperatureScaler
 from calibrators.structured import StructuredMatrixScaler, StructuredVectorScaler
 from calibrators.temperature import TemperatureScaler
@@ -35,6 +36,7 @@ CALIBRATORS: dict[str, type[Calibrator]] = {
         StructuredVectorScaler, StructuredMatrixScaler,
         EnsembleTemperatureScaler,
         ParameterizedTemperatureScaler,
+        IntraOrderPreserving,
     )
 }
 #: The method names accepted by :func:`create`.
@@ -49,6 +51,7 @@ __all__ = [
     "Cost",
     "DirichletScaler",
     "EnsembleTemperatureScaler",
+    "IntraOrderPreserving",
     "MatrixScaler",
     "NotFittedError",
     "ParameterizedTemperatureScaler",

@@ -440,10 +440,11 @@ def _describe(m: dict[str, Any]) -> tuple[str, str]:
         parts = []
         if info.get("reg_lambda") is not None:
             parts.append(f"reg_lambda = {info['reg_lambda']:g}")
-        parts.append(f"reg_mu = {info.get('reg_mu', 0):g}")
+        if info.get("reg_mu", 0) is not None:
+            parts.append(f"reg_mu = {info.get('reg_mu', 0):g}")
         cv = info.get("cross_validation")
         how = f" (chosen by {cv['n_folds']}-fold CV)" if cv else ""
-        fitted = ", ".join(parts) + how
+        fitted = (", ".join(parts) or "temperature scaling") + how  # no penalty: iop kept it
         done = "converged" if info.get("converged") else "not converged"
         status = f"L-BFGS {done} in {info.get('iterations', '?')} iterations"
     ranks = ", ".join(f"{key}: {arg['changed_from_rank'][key]}" for key in RANK_BUCKETS)

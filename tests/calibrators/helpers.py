@@ -37,6 +37,8 @@ FIT_OPTIONS: dict[str, dict] = {
             "grid": [1.0, 4.0, 1.0]},
     "ets": {"tol": 1e-9, "max_passes": 30},
     "pts": {"n_top": 3, "reg": None, "grid": [0.1, 1.0, 0.1], "tol": 1e-8, "max_passes": 40},
+    "iop": {"n_top": 3, "reg_lambda": 1.0, "grid": [10.0, 1.0, 10.0], "seed": 1, "max_iter": 200,
+            "tol": 1e-9},
 }
 
 

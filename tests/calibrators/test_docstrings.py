@@ -25,6 +25,7 @@ MODULES = [
     "calibrators.metrics",
     "calibrators.numerics",
     "calibrators.onnx_export",
+    "calibrators.order_preserving",
     "calibrators.structured",
     "calibrators.parameterized",
     "calibrators.temperature",
