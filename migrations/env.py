@@ -43,19 +43,45 @@ def run_migrations_offline() -> None:
         context.run_migrations()
 
 
+def _run(connection: Connection) -> None:
+    """Run the migrations; on SQLite with foreign keys off while they run.
+
+    Batch mode recreates a table as CREATE new, copy, DROP old, rename. With
+    ``PRAGMA foreign_keys=ON`` (every connection of :func:`make_engine`), SQLite runs
+    the DROP as a DELETE of every row first, which cascades (``ON DELETE CASCADE``):
+    recreating ``models`` would delete every dataset, version and alias. The pragma
+    is a no-op inside a transaction, so it is set before the migration's transaction
+    begins; the foreign keys are checked once the migrations are done.
+    """
+    sqlite_db = connection.dialect.name == "sqlite"
+    if sqlite_db:
+        connection.exec_driver_sql("PRAGMA foreign_keys=OFF")
+        connection.commit()
+    _configure(connection)
+    try:
+        with context.begin_transaction():
+            context.run_migrations()
+            if sqlite_db:
+                broken = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+                if broken:
+                    raise RuntimeError(f"the migration broke foreign keys: {broken[:10]}")
+    finally:
+        if sqlite_db:
+            if connection.in_transaction():
+                connection.commit()
+            connection.exec_driver_sql("PRAGMA foreign_keys=ON")
+            connection.commit()
+
+
 def run_migrations_online() -> None:
     connection = config.attributes.get("connection")
     if connection is not None:
-        _configure(connection)
-        with context.begin_transaction():
-            context.run_migrations()
+        _run(connection)
         return
     engine = make_engine(database_url())
     try:
         with engine.connect() as conn:
-            _configure(conn)
-            with context.begin_transaction():
-                context.run_migrations()
+            _run(conn)
     finally:
         engine.dispose()
 

@@ -7,6 +7,7 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from fastapi.testclient import TestClient
+from sqlalchemy import text
 
 from service.api.app import create_app
 from service.settings import Settings
@@ -63,3 +64,37 @@ def test_postgres_refuses_to_start_unmigrated(pg_schema, tmp_path):
     with pytest.raises(migrate.NotMigrated, match="welltempered migrate"):
         with TestClient(create_app(settings)):
             pass
+
+
+def test_upgrading_a_populated_database_keeps_every_row(empty_url):
+    """SQLite batch mode recreates tables (DROP + rename): with foreign keys on, dropping
+    ``models`` would cascade to every dataset, version and alias (env.py turns them off
+    while migrating, and checks them after)."""
+    migrate.upgrade(empty_url, "20261202_0002")
+    engine = make_engine(empty_url)
+    try:
+        with engine.begin() as conn:
+            for sql in (
+                "INSERT INTO models (id, name, num_classes, argmax_policy, next_version, "
+                "created_at) VALUES (1, 'm', 3, 'require', 2, '2026-01-01')",
+                "INSERT INTO datasets (id, model_id, sha256, kind, n_rows, n_classes, dtype, "
+                "scores_sha256, labels_sha256, metrics, created_at) VALUES (1, 1, 'a', "
+                "'logits', 10, 3, 'float32', 'b', 'c', '{}', '2026-01-01')",
+                "INSERT INTO calibrator_versions (id, model_id, version, dataset_id, method, "
+                "holdout, seed, options, status, progress, created_at) VALUES (1, 1, 1, 1, "
+                "'temperature', 0.2, 0, '{}', 'succeeded', 1.0, '2026-01-01')",
+                "INSERT INTO aliases (model_id, alias, version_id, updated_at) VALUES "
+                "(1, 'production', 1, '2026-01-01')",
+            ):
+                conn.execute(text(sql))
+        migrate.upgrade(empty_url)
+        with engine.connect() as conn:
+            counts = [
+                conn.execute(text(f"SELECT count(*) FROM {table}")).scalar()
+                for table in ("models", "datasets", "calibrator_versions", "aliases")
+            ]
+            n_bytes = conn.execute(text("SELECT n_bytes FROM datasets")).scalar()
+    finally:
+        engine.dispose()
+    assert counts == [1, 1, 1, 1]
+    assert n_bytes == 256 + 10 * 8 + 10 * 3 * 4  # estimated by 20261203_0004
