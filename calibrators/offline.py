@@ -429,6 +429,15 @@ def format_report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _figures(value) -> str:
+    """A float, a list of floats or None, as the summary prints them."""
+    if value is None:
+        return "none"
+    if isinstance(value, list):
+        return "(" + ", ".join(f"{v:.4g}" for v in value) + ")"
+    return f"{value:.6g}"
+
+
 def _describe(m: dict[str, Any]) -> tuple[str, str]:
     """Two lines about one method: its fitted numbers, and the predictions it changed."""
     params, arg = m["params"], m["argmax"]
@@ -436,6 +445,12 @@ def _describe(m: dict[str, Any]) -> tuple[str, str]:
     if params["method"] == "temperature":
         fitted = f"T = {1.0 / params['weight']:.6g} (beta = {params['weight']:.6g})"
         status = f"{info.get('reason', '?')} after {info.get('passes', '?')} passes"
+    elif "passes" in info:  # ets, pts: Newton searches counted in passes over the data
+        fitted = ", ".join(
+            f"{key} = {_figures(info[key])}"
+            for key in ("temperature", "weights", "temperature_range", "reg") if key in info
+        )
+        status = f"{info.get('reason', '?')} after {info['passes']} passes"
     else:
         parts = []
         if info.get("reg_lambda") is not None:

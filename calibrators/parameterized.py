@@ -275,9 +275,11 @@ class ParameterizedTemperatureScaler(Calibrator):
     offset_ : float
         ``w0``.
     fit_info_ : dict
-        ``reg``, ``nll`` and ``nll_temperature`` on the fit set, ``passes``,
-        ``reason``, ``temperature_range`` (smallest and largest per-row
-        temperature on the fit set) and ``candidates`` (the penalties tried).
+        ``reg`` (None: temperature scaling won), ``nll`` and ``nll_temperature``
+        on the fit set, ``temperature_start`` (temperature scaling's T),
+        ``passes``, ``reason`` ("converged", "max_passes", or "temperature"),
+        ``temperature_range`` (smallest and largest per-row temperature on the fit
+        set) and ``candidates`` (the penalties tried, with their criterion).
     """
 
     method = "pts"
@@ -381,7 +383,7 @@ class ParameterizedTemperatureScaler(Calibrator):
             "criterion": best["criterion"],
             "nll": state["nll"],
             "nll_temperature": nll_temperature,
-            "temperature": 1.0 / ts.weight_,
+            "temperature_start": 1.0 / ts.weight_,
             "temperature_passes": ts_info["passes"],
             "passes": passes,
             "reason": best["reason"],
