@@ -29,6 +29,7 @@ from __future__ import annotations
 import ast
 import io
 import math
+import mmap
 import re
 import struct
 import zipfile
@@ -574,12 +575,34 @@ def json_body_limit(bounds: Bounds, max_json_bytes: int) -> int:
     return min(max_json_bytes, JSON_BYTES_CONSTANT + bounds.max_rows * per_row)
 
 
+def _count(body, byte: bytes, start: int = 0, end: int | None = None) -> int:
+    """``body.count(byte, start, end)``, for a memory map too (which has no ``count``)."""
+    end = len(body) if end is None else end
+    if not isinstance(body, mmap.mmap):
+        return body.count(byte, start, end)
+    view = np.frombuffer(body, np.uint8)
+    value = byte[0]
+    total = sum(
+        int(np.count_nonzero(view[at : min(at + _CHUNK, end)] == value))
+        for at in range(start, end, _CHUNK)
+    )
+    del view
+    return total
+
+
+def _loads(body) -> Any:
+    if isinstance(body, mmap.mmap):
+        with memoryview(body) as view:
+            return orjson.loads(view)
+    return orjson.loads(body)
+
+
 _NON_FINITE = (b"NaN", b"Infinity", b"-Infinity", b"nan", b"inf", b"Inf", b"-inf", b"-NaN")
 
 
-def decode_json(body: bytes | bytearray) -> Any:
+def decode_json(body: bytes | bytearray | mmap.mmap) -> Any:
     try:
-        return orjson.loads(body)
+        return _loads(body)
     except orjson.JSONDecodeError as exc:
         at = exc.pos
         near = bytes(body[at : at + 9])
@@ -615,7 +638,7 @@ def _numbers(text: bytes) -> np.ndarray | None:
 def _array_2d(body, start: int, end: int, bounds: Bounds) -> np.ndarray | None:
     """The rows between ``start`` (a row's '[') and ``end`` (after the last row's ']'),
     parsed in groups of rows into one preallocated (N, K) float64 array."""
-    n = body.count(b"[", start, end)
+    n = _count(body, b"[", start, end)
     bounds.check_rows(n)
     out = None
     filled = 0
@@ -644,7 +667,7 @@ def _array_1d(body, start: int, end: int, bounds: Bounds) -> np.ndarray | None:
     """The numbers between ``start`` and ``end`` (a 1-D array's ']'), in groups."""
     if body.find(b"[", start, end) >= 0:
         return None
-    n = body.count(b",", start, end) + 1
+    n = _count(body, b",", start, end) + 1
     bounds.check_rows(n)
     out = np.empty(n)
     filled = 0
@@ -749,7 +772,7 @@ def json_object(body: bytes | bytearray, allowed_keys: set[str], bounds: Bounds)
             return plain
     # Small bodies, and anything else (escaped keys, other value types, errors): orjson,
     # once the body is known to hold no more numbers than the row limit allows.
-    values = body.count(b",") + body.count(b"[")
+    values = _count(body, b",") + _count(body, b"[")
     if values > bounds.max_rows * (bounds.num_classes + 2) + 64:
         raise ContentTooLarge(
             f"The JSON body holds up to {values} numbers, more than {bounds.max_rows} rows of "

@@ -11,6 +11,7 @@ fly with python-multipart and only the ``file`` field's bytes reach the disk.
 
 from __future__ import annotations
 
+import mmap
 import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -160,10 +161,16 @@ async def labelled_body(
         path.unlink(missing_ok=True)
 
 
-async def read_body(request: Request, limit: int) -> bytearray:
+async def read_body(request: Request, limit: int) -> bytearray | mmap.mmap:
     """The whole body in one buffer, refusing (413) a declared length over ``limit`` before
-    reading, and a chunked body as soon as it passes ``limit``. With a declared length
-    the buffer is allocated once (no list of chunks joined into a second copy)."""
+    reading, and a chunked body as soon as it passes ``limit``.
+
+    With a declared length the buffer is a bytearray allocated once (no list of chunks
+    joined into a second copy). Without one, it is an anonymous memory map of ``limit``
+    bytes of address space, of which only the pages written cost memory, shrunk to the
+    body's size at the end: a growing bytearray would be copied as it grows, holding
+    twice the body. Both are buffers (``len``, slices, ``find``, ``re``, ``memoryview``).
+    """
     declared = declared_length(request)
     if declared is not None:
         if declared > limit:
@@ -181,12 +188,23 @@ async def read_body(request: Request, limit: int) -> bytearray:
         if filled < declared:
             raise MalformedBody(f"The body ended after {filled} of {declared} bytes.")
         return body
-    body = bytearray()
-    async for chunk in request.stream():
-        if len(body) + len(chunk) > limit:
-            raise _too_large(limit)
-        body += chunk
-    return body
+    buffer = mmap.mmap(-1, limit, flags=mmap.MAP_PRIVATE)
+    filled = 0
+    try:
+        async for chunk in request.stream():
+            end = filled + len(chunk)
+            if end > limit:
+                raise _too_large(limit)
+            buffer[filled:end] = chunk
+            filled = end
+    except BaseException:
+        buffer.close()
+        raise
+    if not filled:
+        buffer.close()
+        return bytearray()
+    buffer.resize(filled)
+    return buffer
 
 
 async def read_npy(

@@ -261,3 +261,19 @@ def test_big_json_parsed_in_groups_equals_orjson(served):
     big = served.post(PREDICT, content=body, headers={"content-type": "application/json"})
     assert big.status_code == 200, big.text
     np.testing.assert_array_equal(big.json()["probabilities"][:10], small["probabilities"])
+
+
+def test_chunked_json_equals_declared(served):
+    z = np.random.default_rng(3).normal(size=(50, K))
+    body = json.dumps({"logits": z.tolist()}).encode()
+
+    def chunks():  # no Content-Length: read into a memory map
+        for at in range(0, len(body), 100):
+            yield body[at : at + 100]
+
+    headers = {"content-type": "application/json"}
+    declared = served.post(PREDICT, content=body, headers=headers)
+    chunked = served.post(PREDICT, content=chunks(), headers=headers)
+    assert declared.status_code == chunked.status_code == 200, chunked.text
+    assert declared.json() == chunked.json()
+    assert_problem(served.post(PREDICT, content=iter([b""]), headers=headers), 400, "json")
