@@ -34,7 +34,7 @@ import re
 import struct
 import zipfile
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,8 +88,11 @@ _DTYPE_NAMES = {
 #: Bytes of data a score in a .npy can take (the widest accepted dtype).
 MAX_ITEMSIZE = 8
 
-#: Zip entries a .npz may list; checked from its end record, before zipfile reads them.
+#: Zip entries a .npz may list, and bytes its central directory may take; checked from
+#: its end record, before zipfile reads them (zipfile reads the whole directory into
+#: memory and builds an object per entry it finds there, whatever the count says).
 MAX_NPZ_MEMBERS = 64
+MAX_CENTRAL_DIRECTORY = 64 * 1024
 _ZIP_METHODS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflate"}
 _CHUNK = 1 << 20
 
@@ -361,13 +364,6 @@ class NpyStream:
         return arr.reshape(header.shape)
 
 
-def decode_npy(chunks: Iterable[bytes], what: str, check: Callable[[NpyHeader], None]):
-    stream = NpyStream(what, check)
-    for chunk in chunks:
-        stream.feed(chunk)
-    return stream.finish()
-
-
 def _too_many_bytes(what: str, nbytes: int, limit: int) -> ContentTooLarge:
     return ContentTooLarge(
         f"{what} declares {nbytes} bytes of data; a request may hold at most {limit} "
@@ -418,9 +414,9 @@ def scores_from_npy(arr: np.ndarray, bounds: Bounds, kind: str | None) -> tuple[
 # .npz
 
 
-def _zip_entries(f, what: str) -> int:
-    """Entries the zip's end record declares (zip64 included): read from the last 64 KiB,
-    so zipfile never builds more than :data:`MAX_NPZ_MEMBERS` entries."""
+def _zip_directory(f, what: str) -> tuple[int, int]:
+    """Entries and central-directory bytes the zip's end record declares (zip64 included),
+    read from the last 64 KiB."""
     size = f.seek(0, io.SEEK_END)
     tail_size = min(size, 22 + 65_535)
     f.seek(size - tail_size)
@@ -428,7 +424,7 @@ def _zip_entries(f, what: str) -> int:
     at = tail.rfind(b"PK\x05\x06")
     if at < 0 or len(tail) - at < 22:
         raise MalformedBody(f"{what} is not a .npz (zip) archive: no end of central directory.")
-    (entries,) = struct.unpack("<H", tail[at + 10 : at + 12])
+    entries, size = struct.unpack("<HI", tail[at + 10 : at + 16])
     locator = at - 20
     if locator >= 0 and tail[locator : locator + 4] == b"PK\x06\x07":
         record = size - tail_size + locator - 56
@@ -438,8 +434,8 @@ def _zip_entries(f, what: str) -> int:
         data = f.read(56)
         if len(data) < 56 or data[:4] != b"PK\x06\x06":
             raise MalformedBody(f"{what} has a zip64 locator but no zip64 end record.")
-        (entries,) = struct.unpack("<Q", data[32:40])
-    return entries
+        entries, size = struct.unpack("<QQ", data[32:48])
+    return entries, size
 
 
 _ZIP_ERRORS = (
@@ -458,13 +454,24 @@ _ZIP_ERRORS = (
 
 def _open_npz(path: Path, what: str) -> zipfile.ZipFile:
     with open(path, "rb") as f:
-        entries = _zip_entries(f, what)
+        entries, size = _zip_directory(f, what)
     if entries > MAX_NPZ_MEMBERS:
         raise InvalidInput(f"{what} lists {entries} entries; at most {MAX_NPZ_MEMBERS}.")
+    if size > MAX_CENTRAL_DIRECTORY:
+        raise InvalidInput(
+            f"{what} has a zip central directory of {size} bytes; at most "
+            f"{MAX_CENTRAL_DIRECTORY}."
+        )
     try:
-        return zipfile.ZipFile(path)
+        zf = zipfile.ZipFile(path)
     except _ZIP_ERRORS as exc:
         raise MalformedBody(f"{what} is not a .npz (zip) archive: {_short(exc)}.") from None
+    if len(zf.infolist()) > MAX_NPZ_MEMBERS:
+        zf.close()
+        raise InvalidInput(
+            f"{what} holds {len(zf.infolist())} entries; at most {MAX_NPZ_MEMBERS}."
+        )
+    return zf
 
 
 def _member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, what: str):

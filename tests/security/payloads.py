@@ -105,8 +105,13 @@ def _merge(archive: bytes, extra: dict[str, bytes]) -> bytes:
     return buf.getvalue()
 
 
-def many_members(count: int) -> bytes:
-    return npz({f"a{i}.npy": b"" for i in range(count)})
+def many_members(count: int, declared: int | None = None) -> bytes:
+    """A zip of ``count`` empty members whose end record says ``declared`` entries."""
+    data = bytearray(npz({f"a{i}.npy": b"" for i in range(count)}))
+    if declared is not None:
+        at = data.rfind(b"PK\x05\x06")
+        data[at + 8 : at + 12] = struct.pack("<HH", declared, declared)
+    return bytes(data)
 
 
 def deflate_raw(data: bytes) -> bytes:

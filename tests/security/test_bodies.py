@@ -156,6 +156,9 @@ ZIP_CASES = [
     ("same name with and without .npy", pl._merge(pl.npz(members(pl.npy((2, K)))),
                                                   {"logits": pl.npy((2, K))}), 400, "twice"),
     ("too many entries", pl.many_members(65), 422, "entries"),
+    ("3,000 entries, the end record says 2", pl.many_members(3000, declared=2), 422,
+     "central directory"),
+    ("70 entries, the end record says 2", pl.many_members(70, declared=2), 422, "entries"),
     ("no zip end record", pl.npz(members(pl.npy((2, K))))[:-22], 400, "zip"),
     ("not a zip", b"PK\x03\x04" + bytes(100), 400, "zip"),
     ("labels of another length", pl.npz({"logits.npy": pl.npy((2, K)), "labels.npy":
