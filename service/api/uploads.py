@@ -240,6 +240,11 @@ async def spool_body(request: Request, path: Path) -> int:
 
 
 _BOUNDARY = re.compile(rb"^[ -~]{1,200}$")
+#: A multipart body's parts, the headers of a part, and the bytes of a header's name
+#: or value, at most: they are held in memory (only the file's data go to disk).
+MAX_PARTS = 64
+MAX_PART_HEADERS = 32
+MAX_HEADER_BYTES = 8 * 1024
 
 
 async def spool_multipart_file(request: Request, path: Path, field: str = "file") -> int:
@@ -256,18 +261,32 @@ async def spool_multipart_file(request: Request, path: Path, field: str = "file"
     state = {"name": None, "field": b"", "value": b"", "found": False, "done": False}
     headers: dict[bytes, bytes] = {}
     pending = bytearray()
+    parts = 0
+
+    def too_big(what: str, limit: int) -> MalformedBody:
+        return MalformedBody(f"The multipart body has {what}; at most {limit}.")
 
     def on_part_begin() -> None:
+        nonlocal parts
+        parts += 1
+        if parts > MAX_PARTS:
+            raise too_big("more parts than allowed", MAX_PARTS)
         headers.clear()
         state["name"] = None
 
     def on_header_field(data: bytes, start: int, end: int) -> None:
         state["field"] += data[start:end]
+        if len(state["field"]) > MAX_HEADER_BYTES:
+            raise too_big("a part header name longer than allowed (bytes)", MAX_HEADER_BYTES)
 
     def on_header_value(data: bytes, start: int, end: int) -> None:
         state["value"] += data[start:end]
+        if len(state["value"]) > MAX_HEADER_BYTES:
+            raise too_big("a part header value longer than allowed (bytes)", MAX_HEADER_BYTES)
 
     def on_header_end() -> None:
+        if len(headers) >= MAX_PART_HEADERS:
+            raise too_big("a part with more headers than allowed", MAX_PART_HEADERS)
         headers[state["field"].lower()] = state["value"]
         state["field"] = state["value"] = b""
 

@@ -280,3 +280,25 @@ def test_chunked_json_equals_declared(served):
     assert declared.status_code == chunked.status_code == 200, chunked.text
     assert declared.json() == chunked.json()
     assert_problem(served.post(PREDICT, content=iter([b""]), headers=headers), 400, "json")
+
+
+def _multipart(parts: list[tuple[str, bytes]], boundary: bytes = b"b0undary") -> bytes:
+    out = b""
+    for headers, data in parts:
+        out += b"--" + boundary + b"\r\n" + headers.encode() + b"\r\n\r\n" + data + b"\r\n"
+    return out + b"--" + boundary + b"--\r\n"
+
+
+@pytest.mark.parametrize("parts,word", [
+    ([('Content-Disposition: form-data; name="file"; filename="' + "x" * 20_000 + '"', b"")],
+     "multipart"),
+    ([("X-" + "a" * 20_000 + ": 1", b"")], "multipart"),
+    ([("\r\n".join(f"X-{i}: 1" for i in range(40)), b"")], "multipart"),
+    ([(f'Content-Disposition: form-data; name="f{i}"', b"") for i in range(70)], "multipart"),
+])
+def test_multipart_headers_are_bounded(served, parts, word):
+    # Only the file's data go to disk; what is held in memory is bounded (400 past it:
+    # python-multipart's own limits on headers, ours on parts and on headers too).
+    r = served.post(DATASETS, content=_multipart(parts),
+                    headers={"content-type": "multipart/form-data; boundary=b0undary"})
+    assert_problem(r, 400, word)
