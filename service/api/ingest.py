@@ -216,6 +216,10 @@ def resolve_kind(given: str | None, body_kind: str, where: str) -> tuple[str, bo
 # .npy
 
 
+#: dtypes the validation keeps without a copy.
+_UNCONVERTED = (np.dtype(np.float32), np.dtype(np.float64))
+
+
 @dataclass(frozen=True)
 class NpyHeader:
     """A parsed, checked .npy header; the data start at ``offset``."""
@@ -232,6 +236,19 @@ class NpyHeader:
     @property
     def nbytes(self) -> int:
         return self.count * self.dtype.itemsize
+
+    @property
+    def decoded_nbytes(self) -> int:
+        """Bytes of the array once validated: float32 stays float32, the rest becomes
+        float64 (scores) or int64 (labels), so an int8 array takes 8 times its data."""
+        return self.count * (4 if self.dtype == np.float32 else 8)
+
+    @property
+    def memory(self) -> int:
+        """Bytes the array costs at most: its data, and the validated copy unless it is
+        already a C-ordered native float32 or float64 array (used as it is)."""
+        kept = self.dtype in _UNCONVERTED and not (self.fortran and len(self.shape) > 1)
+        return self.nbytes + (0 if kept else self.decoded_nbytes)
 
 
 def _short(value: Any, limit: int = 120) -> str:
@@ -366,8 +383,9 @@ class NpyStream:
 
 def _too_many_bytes(what: str, nbytes: int, limit: int) -> ContentTooLarge:
     return ContentTooLarge(
-        f"{what} declares {nbytes} bytes of data; a request may hold at most {limit} "
-        "(WELLTEMPERED_MAX_BODY_BYTES).",
+        f"{what} declares data that take {nbytes} bytes once read and converted (to "
+        "float64 unless float32); a request may hold at most "
+        f"{limit} (WELLTEMPERED_MAX_BODY_BYTES).",
         max_bytes=limit,
     )
 
@@ -385,8 +403,8 @@ def check_scores_header(header: NpyHeader, bounds: Bounds, what: str) -> None:
             f"{bounds.model!r}. Got shape {shape}."
         )
     bounds.check_rows(shape[0])
-    if header.nbytes > bounds.max_bytes:
-        raise _too_many_bytes(what, header.nbytes, bounds.max_bytes)
+    if header.memory > bounds.max_bytes:
+        raise _too_many_bytes(what, header.memory, bounds.max_bytes)
 
 
 def npy_check(bounds: Bounds, what: str = "The .npy body") -> Callable[[NpyHeader], None]:
@@ -556,7 +574,7 @@ def labelled_from_npz(path: Path, bounds: Bounds, kind: str | None = None) -> La
                         f"labels must be a 1-D array with one entry per row of the scores "
                         f"({s_head.shape[0]}). Got shape {l_head.shape}."
                     )
-                total = s_head.nbytes + l_head.nbytes
+                total = s_head.memory + l_head.memory
                 if total > bounds.max_bytes:
                     raise _too_many_bytes(what, total, bounds.max_bytes)
                 _check_member_size(members[score_name], s_head, s_what)

@@ -12,6 +12,8 @@ import zipfile
 import numpy as np
 import pytest
 
+from service.api import ingest
+from service.errors import ContentTooLarge
 from tests.security import payloads as pl
 from tests.security.conftest import LIMITS
 from tests.service.helpers import assert_problem
@@ -302,3 +304,17 @@ def test_multipart_headers_are_bounded(served, parts, word):
     r = served.post(DATASETS, content=_multipart(parts),
                     headers={"content-type": "multipart/form-data; boundary=b0undary"})
     assert_problem(r, 400, word)
+
+
+def test_byte_limit_counts_the_converted_arrays(served):
+    # int8 scores become float64, 8 times their data: a header whose int8 data (1.2 MiB)
+    # is under max_body_bytes (4 MiB) but whose float64 copy is not is a 413 from the
+    # header (the served model has 4 classes, so the check is called directly).
+    rows, k = LIMITS["max_dataset_rows"], 256
+    bounds = ingest.Bounds(k, "m", rows, LIMITS["max_body_bytes"], "dataset")
+    header = ingest.parse_npy_header(pl.npy_header((rows, k), "|i1"), "x")
+    assert header.nbytes < bounds.max_bytes < header.memory
+    with pytest.raises(ContentTooLarge):
+        ingest.check_scores_header(header, bounds, "x")
+    ok = ingest.parse_npy_header(pl.npy_header((rows, k // 16), "<f8"), "x")
+    assert ok.memory == ok.nbytes  # float64 is used as it is
