@@ -150,11 +150,15 @@ class PenalisedSoftmax:
     structure : {"diagonal", "full"}
     off, diag, bias : float, default 0.0
         Penalty coefficients (>= 0) per squared entry.
+    block_rows : int, default BLOCK_ROWS
+        The whitening's curvature is estimated on at most this many (evenly
+        spaced) rows.
     """
 
     def __init__(self, x: np.ndarray, y: np.ndarray, structure: str, *, off: float = 0.0,
-                 diag: float = 0.0, bias: float = 0.0):
+                 diag: float = 0.0, bias: float = 0.0, block_rows: int = BLOCK_ROWS):
         self.x, self.y, self.structure = x, y, structure
+        self.block_rows = block_rows
         self.n, self.k = x.shape
         self.c_off, self.c_diag, self.c_bias = off, diag, bias
         self.offdiag = ~np.eye(self.k, dtype=bool) if structure == "full" else None
@@ -173,6 +177,8 @@ class PenalisedSoftmax:
 
     def logits(self, theta: np.ndarray, x: np.ndarray) -> np.ndarray:
         w, b = self.unpack(theta)
+        if x.dtype != w.dtype:  # float32 features: float32 products (half the work)
+            w, b = w.astype(x.dtype), b.astype(x.dtype)
         u = x @ w.T if self.structure == "full" else x * w
         u += b  # in place: a second (N, K) temporary costs more than the product
         return u
@@ -322,7 +328,7 @@ class PenalisedSoftmax:
         when the other classes are held fixed, ``mean_n q_ni x~_n x~_n^T`` with
         ``q = p (1 - p)`` and ``x~ = [phi(z), 1]``, plus the penalty's
         curvature and a small damping (``DAMPING``). Estimated on at most
-        ``BLOCK_ROWS`` rows, and each block only on the rows where ``q_ni``
+        ``block_rows`` rows, and each block only on the rows where ``q_ni``
         outweighs the damping, so that it costs about as much as one loss
         evaluation.
         What makes Dirichlet features hard is visible here: log-probabilities
@@ -332,7 +338,7 @@ class PenalisedSoftmax:
         near 0.
         """
         k = self.k
-        x = self.x[:: -(-self.n // BLOCK_ROWS)]
+        x = self.x[:: -(-self.n // self.block_rows)]
         n = len(x)
         # p as exp(log_softmax): the fitted numbers are pinned to this rounding
         # (tests/calibrators/test_reference_outputs.py), not to that of softmax().
@@ -367,11 +373,11 @@ class PenalisedSoftmax:
         Block i is the Hessian in ``(w_i, b_i)`` with the other classes held
         fixed, ``mean_n q_ni [x_ni, 1] [x_ni, 1]^T`` with ``q = p (1 - p)``, plus
         the penalty's curvature and the damping of :meth:`curvature_blocks`, on
-        at most ``BLOCK_ROWS`` rows: ``O(N K)``. Log-probability features share
+        at most ``block_rows`` rows: ``O(N K)``. Log-probability features share
         a large negative offset, so ``w_i`` and ``b_i`` are strongly coupled:
         these blocks undo that.
         """
-        x = self.x[:: -(-self.n // BLOCK_ROWS)]
+        x = self.x[:: -(-self.n // self.block_rows)]
         q = np.exp(log_softmax(self.logits(theta, x)))
         q *= 1.0 - q
         damping = DAMPING * float(q.mean())
@@ -394,18 +400,19 @@ class PenalisedSoftmax:
         ``O(K^2)`` memory, for any K.
         """
         k = self.k
-        x = self.x[:: -(-self.n // BLOCK_ROWS)]
+        x = self.x[:: -(-self.n // self.block_rows)]
         m = len(x)
-        xt = np.concatenate([x, np.ones((m, 1))], axis=1)
+        xt = np.concatenate([x, np.ones((m, 1), dtype=x.dtype)], axis=1)
+        xx = xt * xt
         q = np.exp(log_softmax(self.logits(theta, x)))
         q *= 1.0 - q
         weight = np.maximum(q.mean(axis=0), 1e-300)  # (K,)
         mean = q.T @ xt / m  # (K, K+1)
-        diag = q.T @ (xt * xt) / m - mean * mean / weight[:, None]
+        diag = q.T @ xx / m - mean * mean / weight[:, None]
         penalty = np.full((k, k + 1), 2.0 * self.c_off)
         penalty[np.arange(k), np.arange(k)] = 2.0 * self.c_diag
         penalty[:, k] = 2.0 * self.c_bias
-        diag = np.maximum(diag, 0.0) + penalty + DAMPING * float(q.mean()) * (xt * xt).mean(axis=0)
+        diag = np.maximum(diag, 0.0) + penalty + DAMPING * float(q.mean()) * xx.mean(axis=0)
         if not np.all(diag > 0):  # an unused, unpenalised parameter: nothing to whiten with
             raise np.linalg.LinAlgError("a zero diagonal")
         return _RankOne(diag, mean, weight)

@@ -26,8 +26,10 @@ from its neighbour, until the CV NLL rises; the final fit on all rows starts fro
 the mean of the folds' solutions. Every fit is solved to optimality by the solver
 of :class:`calibrators.linear.PenalisedSoftmax` (L-BFGS-B in variables whitened by
 per-class curvature blocks: diagonal + rank-1 for a full ``W``, exact 2 x 2 blocks
-of ``(w_i, b_i)`` for a diagonal one). The folds are a fixed permutation of the rows
-(``FOLD_SEED``): a fit is deterministic.
+of ``(w_i, b_i)`` for a diagonal one). Only the ranking of the candidates matters
+in the search, so its fits run on float32 copies of the features, to a looser
+tolerance (``CV_TOL``); the final fit is float64, to ``tol``. The folds are a fixed
+permutation of the rows (``FOLD_SEED``): a fit is deterministic.
 
 References
 ----------
@@ -44,14 +46,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from calibrators.base import Calibrator, Integer, Positive, Progress
+from calibrators.cost import FLOAT64, SWEEP_FLOPS, Cost, chunk_bytes, lbfgs_bytes
 from calibrators.linear import (
+    BLOCK_ROWS,
     PenalisedSoftmax,
     check_grid,
     cross_validate_path,
     fold_assignment,
 )
 from calibrators.linear_softmax import WEIGHT_SHAPES
-from calibrators.numerics import map_rows, single_threaded_blas, softmax
+from calibrators.numerics import map_rows, n_threads, single_threaded_blas, softmax
 from calibrators.temperature import TemperatureScaler
 from calibrators.validation import CalibrationInputError, logits64
 
@@ -60,8 +64,11 @@ if TYPE_CHECKING:  # ONNX is imported by to_onnx only, not with the package
 
 #: Default multipliers of the paper's penalty rule tried by the search, strongest first.
 DEFAULT_GRID = (4.0, 1.0, 0.25, 1 / 16, 1 / 64, 1 / 256)
-#: L-BFGS tolerance inside the search (only the ranking of candidates matters).
-CV_TOL = 1e-4
+#: L-BFGS tolerance inside the search (only the ranking of candidates matters; the
+#: search runs in float32, its whitening on at most CV_BLOCK_ROWS rows).
+CV_TOL = 1e-3
+#: Inside the search, the whitening's curvature is estimated on at most this many rows.
+CV_BLOCK_ROWS = 1024
 #: The walk along the grid stops at the first candidate worse than the best.
 PATIENCE = 1
 #: Seed of the fold permutation.
@@ -207,6 +214,51 @@ class _StructuredScaler(Calibrator):
                 raise CalibrationInputError(f"params {name} must be > 0. Got {value!r}.")
 
     # -- fitting -------------------------------------------------------------
+    @classmethod
+    def fit_cost(cls, n_samples: int, n_classes: int, options) -> Cost:
+        """Memory and work of the fit: the features, the folds, the solver's state.
+
+        ``P`` parameters (``2 K`` for SVS, ``K**2 + K`` for SMS); ``F`` folds, ``T =
+        min(F, n_threads())`` of them fitted at once; ``C = len(grid)`` candidates
+        when a multiplier is searched, else 0; ``b = min(N, BLOCK_ROWS)``. The
+        solver holds ``S = 2 lbfgs_bytes(P, 20) + 8 * 30 P + B``: two L-BFGS-B
+        workspaces, parameter-sized temporaries and the whitening ``B``:
+        ``8 (6 K (K + 1) + 4 b (K + 1))`` for SMS (diagonal + rank-1 factors),
+        ``8 * 3 b K`` for SVS (the temporaries of its 2 x 2 blocks).
+
+        * bytes = ``temperature + 8 N K + max(2 * 8 N K + S, T * fold) + 8 F C P +
+          chunk_bytes(1, K, threads=1)``: the temperature fit's chunks, the
+          features, the final fit's logits and softmax or ``fold = 8 N K (3 (F - 1)
+          + 1) / F + S`` (a fold's copies and temporaries) when searching, the
+          fold solutions of the candidates, a chunk of slack.
+        * flops = ``30 (1 + C F / 2) (4 N K**2 + SWEEP_FLOPS N K)`` for SMS
+          (without ``4 N K**2`` for SVS): tens of evaluations per whitened solve,
+          about half as many for a warm-started fold.
+        """
+        n, k = n_samples, n_classes
+        full = cls.structure == "full"
+        params = k * k + k if full else 2 * k
+        folds = options["n_folds"]
+        searched = any(
+            options[name] is None for name, part in PARTS.items() if full or part != "off"
+        )
+        candidates = len(options["grid"]) if searched else 0
+        rows = min(n, BLOCK_ROWS)
+        if full:
+            whitening = FLOAT64 * (6 * k * (k + 1) + 4 * rows * (k + 1))
+        else:
+            whitening = 3 * FLOAT64 * rows * k
+        solver = 2 * lbfgs_bytes(params, 20) + 30 * FLOAT64 * params + whitening
+        scores = FLOAT64 * n * k
+        fold = scores * (3 * (folds - 1) + 1) / folds + solver if candidates else 0
+        temperature = TemperatureScaler.fit_cost(n, k, TemperatureScaler().get_options())
+        memory = temperature.bytes + scores + max(
+            2 * scores + solver, min(folds, n_threads()) * fold
+        ) + FLOAT64 * folds * candidates * params + chunk_bytes(1, n_classes=k, threads=1)
+        evaluation = (4.0 * n * k * k if full else 0.0) + SWEEP_FLOPS * n * k
+        return Cost(bytes=int(memory), flops=temperature.flops
+                    + 30.0 * (1 + candidates * folds / 2) * evaluation)
+
     def _multipliers(self, options: dict) -> dict[str, float | None]:
         """Penalty part -> multiplier (None: searched); SVS has no off-diagonal part."""
         return {
@@ -214,12 +266,14 @@ class _StructuredScaler(Calibrator):
             if self.structure == "full" or part != "off"
         }
 
-    def _problem(self, x: np.ndarray, y: np.ndarray, multipliers: dict[str, float]):
+    def _problem(self, x: np.ndarray, y: np.ndarray, multipliers: dict[str, float],
+                 **options):
         """The penalised problem on rows ``x, y`` (the paper's rule with their N)."""
         n, k = x.shape
         scale = {"off": k * (k - 1) / n, "diag": k / n, "bias": k / n}
         return PenalisedSoftmax(
-            x, y, self.structure, **{part: m * scale[part] for part, m in multipliers.items()}
+            x, y, self.structure, **{part: m * scale[part] for part, m in multipliers.items()},
+            **options,
         )
 
     def _fit(self, x: np.ndarray, y: np.ndarray, *, kind: str, options: dict,
@@ -257,9 +311,10 @@ class _StructuredScaler(Calibrator):
                 return {part: m if value is None else value for part, value in fixed.items()}
 
             scores, solutions, evaluations = cross_validate_path(
-                lambda xx, yy, m: self._problem(xx, yy, with_multiplier(m)),
-                feats, y, fold_assignment(n, n_folds, FOLD_SEED), grid, [None] * n_folds,
-                tick, max_iter=opts["max_iter"], tol=max(opts["tol"], CV_TOL),
+                lambda xx, yy, m: self._problem(xx, yy, with_multiplier(m),
+                                                block_rows=CV_BLOCK_ROWS),
+                feats.astype(np.float32), y, fold_assignment(n, n_folds, FOLD_SEED), grid,
+                [None] * n_folds, tick, max_iter=opts["max_iter"], tol=max(opts["tol"], CV_TOL),
                 patience=PATIENCE, solve_options=SOLVER,
             )
             best = int(np.argmin(scores))

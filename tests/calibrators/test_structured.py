@@ -5,7 +5,9 @@ matrix scaling. Synthetic sets keep K >= 3 and N != K."""
 
 from __future__ import annotations
 
+import gc
 import json
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -231,6 +233,36 @@ def test_bad_input_is_refused(method):
     cal.fit(z, y)
     with pytest.raises(CalibrationInputError):
         cal.predict_proba(z[:, :3])  # K differs from the fit
+
+
+# -- the cost model ----------------------------------------------------------------
+def _measured_peak(method: str, options: dict, n: int, k: int) -> int:
+    z, y = confused_logits(n, k, seed=k)
+    z = z.astype(np.float32)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        calibrators.create(method, **options).fit(z, y)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize(
+    ("method", "options", "small", "large"),
+    [("svs", {"grid": [4.0, 1.0]}, (8_000, 100), (16_000, 100)),
+     ("sms", FIXED, (4_000, 100), (4_000, 200))],
+)
+def test_the_cost_model_bounds_and_follows_the_measured_peaks(method, options, small, large):
+    """As tests/calibrators/test_cost.py checks every other model: an upper bound within
+    4x of the tracemalloc peak at two sizes, whose ratio follows the measured one."""
+    measured = [_measured_peak(method, options, *size) for size in (small, large)]
+    estimated = [calibrators.estimate_cost(method, *size, options).bytes
+                 for size in (small, large)]
+    for got, bound in zip(measured, estimated, strict=True):
+        assert got <= bound <= 4 * got, (got, bound)
+    ratio = (estimated[1] / estimated[0]) / (measured[1] / measured[0])
+    assert 0.5 <= ratio <= 2.0, (measured, estimated)
 
 
 # -- held-out NLL on the shared CIFAR outputs ----------------------------------------------
