@@ -244,6 +244,17 @@ def _npy_accepted_case() -> Case:
                 warm=True)
 
 
+def _npz_accepted_case() -> Case:
+    rng = np.random.default_rng(3)
+    rows = 1_000_000
+    scores = pl.array_npy(rng.normal(size=(rows, K)))
+    body = pl.npz({"logits.npy": scores, "labels.npy": pl.array_npy(rng.integers(0, K, rows))})
+    return Case(f"npz dataset of {rows:,} x 10 float64 ({len(body) / MiB:.0f} MiB), accepted",
+                len(body), 201,
+                lambda s: _post(s, f"/v1/models/{MODEL}/datasets", body,
+                                "application/octet-stream"))
+
+
 CASES = [
     _bomb_case,
     _zero_npz_case,
@@ -255,6 +266,7 @@ CASES = [
     _json_short_rows_case,
     _json_accepted_case,
     _npy_accepted_case,
+    _npz_accepted_case,
 ]
 
 
