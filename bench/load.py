@@ -87,6 +87,7 @@ def start_server(tmp: Path, workers: int) -> tuple[subprocess.Popen, str, str]:
         "WELLTEMPERED_DATABASE_URL": f"sqlite:///{tmp / 'load.sqlite3'}",
         "WELLTEMPERED_DATA_DIR": str(tmp / "data"),
         "WELLTEMPERED_AUTH": "on",
+        "WELLTEMPERED_METRICS_ADDRESS": "",  # no metrics listener: its port may be taken
     }
     # the key, exactly as an operator gets it: the last line of `keys create`
     out = subprocess.run(

@@ -38,6 +38,7 @@ def serve(args: argparse.Namespace) -> int:
     from sqlalchemy.orm import sessionmaker
 
     from service import demo
+    from service.api import exporter, timeouts
     from service.api.app import create_app
     from service.jobs import fitting
     from service.observe import metrics
@@ -60,6 +61,11 @@ def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    try:
+        metrics_address = exporter.parse_address(settings.metrics_address)
+    except ValueError as exc:
+        print(f"welltempered serve: {exc}", file=sys.stderr)
+        return 2
     engine = make_engine(settings.database_url)
     try:
         migrate.ensure_schema(engine, settings.database_url)
@@ -80,7 +86,15 @@ def serve(args: argparse.Namespace) -> int:
     # uvicorn finishes in-flight requests on SIGTERM (at most shutdown_grace_seconds),
     # then re-raises the signal: this handler turns that into exit status 0.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    grace = settings.shutdown_grace_seconds
+    # Every connection gets a deadline for its headers (service/api/timeouts.py).
+    options: dict = {
+        "host": args.host,
+        "port": args.port,
+        "log_level": args.log_level,
+        "timeout_graceful_shutdown": settings.shutdown_grace_seconds,
+        "http": timeouts.guarded_protocol(settings.header_timeout_seconds),
+    }
+    listener = None
     if args.workers > 1:
         # Workers are new processes: hand them the settings through the environment.
         for name, value in settings.model_dump(exclude_none=True).items():
@@ -88,24 +102,45 @@ def serve(args: argparse.Namespace) -> int:
         # prometheus_client's multiprocess mode: the directory wiped once and in the
         # environment the workers start with (service/observe/metrics.py). A fixed
         # default place, so a server killed with SIGKILL leaves no stray directory.
-        metrics.export_multiprocess_dir(settings.data_dir / "prometheus-multiproc")
-        uvicorn.run(
-            "service.api.app:app_from_env",
-            factory=True,
-            host=args.host,
-            port=args.port,
-            workers=args.workers,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=grace,
+        multiprocess_dir = metrics.export_multiprocess_dir(
+            settings.data_dir / "prometheus-multiproc"
         )
+        # The metrics listener lives here, in the parent: one for all workers, adding
+        # up their files (service/api/exporter.py).
+        if metrics_address is not None:
+            listener = exporter.MetricsListener(
+                metrics_address, settings, multiprocess_dir=multiprocess_dir
+            )
+        app = "service.api.app:app_from_env"
+        options.update(factory=True, workers=args.workers)
     else:
-        uvicorn.run(
-            create_app(settings),
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=grace,
-        )
+        process_metrics = metrics.ServiceMetrics()
+        if metrics_address is not None:
+            listener = exporter.MetricsListener(metrics_address, settings, metrics=process_metrics)
+        app = create_app(settings, process_metrics)
+    if listener is not None:
+        host, port = metrics_address
+        try:
+            listener.start()
+        except OSError as exc:
+            print(
+                f"welltempered serve: cannot listen for metrics on {host}:{port} "
+                f"(WELLTEMPERED_METRICS_ADDRESS; empty for no listener): {exc}",
+                file=sys.stderr,
+            )
+            return 2
+        if not is_loopback(host):
+            logging.warning(
+                "the metrics listener on %s:%d answers anyone who can reach it with every "
+                "namespace's series: keep that port on an internal network",
+                host,
+                port,
+            )
+    try:
+        uvicorn.run(app, **options)
+    finally:
+        if listener is not None:
+            listener.stop()
     return 0
 
 

@@ -111,3 +111,24 @@ class RequestOverQuota(ContentTooLarge):
     """One request larger than a quota allows whatever the namespace holds (a dataset
     with more rows than ``dataset_rows``, or more bytes than the namespace may store).
     ``extra`` as for :class:`QuotaExceeded`."""
+
+
+class RequestTimeout(ServiceError):
+    """A client too slow to send its request body (``WELLTEMPERED_BODY_TIMEOUT_SECONDS``,
+    ``BODY_MIN_BYTES_PER_SECOND``): nothing of it was used, and the connection is closed."""
+
+
+class DatabaseUnavailable(ServiceError):
+    """The database connection failed during the request (dropped, refused, timed out).
+
+    ``applied`` says whether the request's change was committed: ``"no"`` (nothing was
+    written: retrying is safe), ``"yes"`` (committed before the failure) or
+    ``"unknown"`` (the connection failed during the commit itself: retry with the same
+    ``Idempotency-Key`` where the route takes one). The caller may retry after
+    ``retry_after`` whole seconds.
+    """
+
+    def __init__(self, detail: str, *, applied: str, retry_after: int = 1):
+        super().__init__(detail, applied=applied)
+        self.applied = applied
+        self.retry_after = retry_after

@@ -163,6 +163,38 @@ class Settings(BaseSettings):
         description="How often each serve process sweeps orphan array files (0: only at "
         "start-up and with `welltempered gc`).",
     )
+    # -- exposure and slow clients (service/api/exporter.py, timeouts.py; docs/operations.md) --
+    metrics_address: str = Field(
+        "127.0.0.1:9464",
+        description="host:port of the metrics listener started by `welltempered serve` "
+        "(GET /metrics without a key, every namespace's series): keep it on loopback or an "
+        "internal network. Empty: no listener (scrape the API's /metrics with a metrics key).",
+    )
+    header_timeout_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="How long a connection may take to send a request's headers (from when "
+        "it opens, or from the end of the previous response), and to finish sending a body "
+        "after the response; then it is closed.",
+    )
+    body_timeout_seconds: float = Field(
+        20.0,
+        gt=0,
+        description="Longest wait for the next piece of a request body the service is "
+        "reading, and the grace before body_min_bytes_per_second applies; then 408.",
+    )
+    body_min_bytes_per_second: int = Field(
+        500,
+        ge=0,
+        description="Slowest average rate a request body may arrive at, over the time the "
+        "service waits for it beyond body_timeout_seconds (0: no minimum); then 408.",
+    )
+    idempotency_key_seconds: float = Field(
+        86_400.0,
+        gt=0,
+        description="How long a feedback post's Idempotency-Key is remembered: a retry with "
+        "the same key within this time gets the first answer and is not counted again.",
+    )
 
     @property
     def is_sqlite(self) -> bool:

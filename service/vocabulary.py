@@ -27,10 +27,13 @@ __all__ = [
     "KINDS",
     "MAX_ID",
     "METHODS",
+    "METRICS_NAMESPACE",
+    "METRICS_SCOPE",
     "NAMESPACE_PATTERN",
     "NAME_PATTERN",
     "SCOPES",
     "STATUSES",
+    "TENANT_SCOPES",
     "UNFINISHED",
     "format_duration",
     "parse_duration",
@@ -54,8 +57,15 @@ UNFINISHED = ("queued", "running")
 #: Fitted: params and hold-out metrics exist (only ``succeeded`` may be served).
 FITTED = ("succeeded", "rejected")
 
-#: API key scopes, lowest first: each allows what the ones before it allow.
-SCOPES = ("predict", "write", "admin")
+#: The scopes of a tenant's API keys, lowest first: each allows what the ones before it
+#: allow, in the key's namespace. An ``admin`` key may create keys of these scopes.
+TENANT_SCOPES = ("predict", "write", "admin")
+#: The scope of the scraper's key: ``GET /metrics`` only, which carries every namespace's
+#: series, so it is outside the tenant hierarchy (no tenant key reads /metrics, and a
+#: metrics key reads nothing else). Created by the operator (``welltempered keys``).
+METRICS_SCOPE = "metrics"
+#: Every API key scope (the ``api_keys.scope`` CHECK constraint).
+SCOPES = (*TENANT_SCOPES, METRICS_SCOPE)
 KEY_STATES = ("active", "expired", "revoked")
 
 #: The alias predict, feedback and monitoring use when the request names no version.
@@ -68,6 +78,10 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 #: An alias, and a namespace: URL-safe, 1 to 64 characters.
 ALIAS_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 NAMESPACE_PATTERN = ALIAS_PATTERN
+#: The namespace stored on a metrics key: it reads the series of every namespace, and
+#: no tenant's namespace can be spelt this way (:data:`NAMESPACE_PATTERN`), so no
+#: tenant admin lists or revokes it.
+METRICS_NAMESPACE = "*"
 #: Ids and version numbers are 32-bit integers in the database: bound them at the
 #: edge, or a huge number would become a driver error instead of a 404/422.
 MAX_ID = 2**31 - 1

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 PROMETHEUS_YML = ROOT / "deploy" / "prometheus" / "prometheus.yml"
+PROMETHEUS_WITH_KEY_YML = ROOT / "deploy" / "prometheus" / "scrape-api-with-key.yml"
 ALERTS_YML = ROOT / "deploy" / "prometheus" / "alerts.yml"
 ALERTS_TEST_YML = ROOT / "deploy" / "prometheus" / "alerts.test.yml"
 GRAFANA = ROOT / "deploy" / "grafana"
@@ -280,13 +281,35 @@ def test_compose_mounts_exist_and_match_the_configs(compose):
     assert home == graf["./deploy/grafana/dashboards"] + "/" + DASHBOARD.name
 
 
-def test_scrape_config_points_at_the_api(compose):
+def test_scrape_config_points_at_the_metrics_listener(compose):
+    """Compose's Prometheus scrapes each replica's metrics listener (no key) on the compose
+    network; that port is never published, only the API's is."""
     config = load_yaml(PROMETHEUS_YML)
     (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "welltempered"]
     assert job.get("metrics_path", "/metrics") == "/metrics"
     (sd,) = job["dns_sd_configs"]
-    assert sd["names"] == ["api"] and sd["port"] == 8000
-    assert "8000:8000" in compose["services"]["api"]["ports"]
+    api = compose["services"]["api"]
+    host, port = api["environment"]["WELLTEMPERED_METRICS_ADDRESS"].rsplit(":", 1)
+    assert sd["names"] == ["api"] and sd["port"] == int(port) and host == "0.0.0.0"
+    assert api["ports"] == ["8000:8000"]  # the API only: never the listener's port
+
+
+def test_tenant_wide_views_are_published_on_loopback_only(compose):
+    """Prometheus and Grafana show every namespace's series, like /metrics: the host
+    publishes them on 127.0.0.1 only."""
+    for name in ("prometheus", "grafana"):
+        for mapping in compose["services"][name]["ports"]:
+            assert mapping.startswith("127.0.0.1:"), (name, mapping)
+
+
+def test_scraping_the_api_port_takes_a_metrics_key():
+    """The example for a Prometheus outside the compose network: the API's /metrics with
+    a bearer credentials file."""
+    config = load_yaml(PROMETHEUS_WITH_KEY_YML)
+    (job,) = config["scrape_configs"]
+    assert job.get("metrics_path", "/metrics") == "/metrics"
+    assert job["authorization"] == {"type": "Bearer", "credentials_file": "metrics-token"}
+    assert all(t.endswith(":8000") for t in job["static_configs"][0]["targets"])
 
 
 def test_grafana_datasource_is_the_one_the_dashboard_uses(compose, dashboard):
@@ -294,7 +317,7 @@ def test_grafana_datasource_is_the_one_the_dashboard_uses(compose, dashboard):
         "datasources"
     ]
     assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
-    assert "9090:9090" in compose["services"]["prometheus"]["ports"]
+    assert "127.0.0.1:9090:9090" in compose["services"]["prometheus"]["ports"]
     for panel in dashboard_panels(dashboard):
         if panel["type"] == "row":
             continue
@@ -423,6 +446,16 @@ def test_promtool_check_config():
 
 
 @pytest.mark.process
+def test_promtool_check_config_with_a_metrics_key(tmp_path):
+    """promtool requires the credentials file to exist: a stand-in key beside a copy."""
+    for path in (PROMETHEUS_WITH_KEY_YML, ALERTS_YML):
+        shutil.copy(path, tmp_path / path.name)
+    (tmp_path / "metrics-token").write_text("wt_" + "x" * 43 + "\n")
+    done = run(promtool(), "check", "config", str(tmp_path / PROMETHEUS_WITH_KEY_YML.name))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.process
 def test_promtool_check_rules():
     done = run(promtool(), "check", "rules", str(ALERTS_YML))
     assert done.returncode == 0, done.stdout + done.stderr
@@ -453,6 +486,21 @@ def test_promtool_parses_every_dashboard_expression(dashboard, tmp_path):
     done = run(promtool(), "check", "rules", str(path))
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"SUCCESS: {len(exprs)} rules found" in done.stdout
+
+
+@pytest.mark.process
+def test_haproxy_config_is_valid():
+    """deploy/haproxy/haproxy.cfg parses (unresolvable replica names are allowed: they
+    resolve at run time) and keeps the slow-client timeouts of docs/operations.md."""
+    haproxy = shutil.which("haproxy")
+    if haproxy is None:
+        skip_or_fail("haproxy not installed (run tools/ensure-promtool: Debian's haproxy)")
+    path = ROOT / "deploy" / "haproxy" / "haproxy.cfg"
+    done = run(haproxy, "-c", "-f", str(path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = path.read_text()
+    for line in ("timeout http-request 10s", "timeout client 20s", "option http-buffer-request"):
+        assert line in text, line
 
 
 @pytest.mark.process

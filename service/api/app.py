@@ -14,6 +14,7 @@ from starlette.types import Scope
 
 from service.api import openapi, problems
 from service.api.deps import AppState
+from service.api.faults import DatabaseFaultMiddleware
 from service.api.routers import (
     aliases,
     calibrators,
@@ -25,6 +26,7 @@ from service.api.routers import (
     predict,
     v2,
 )
+from service.api.timeouts import BodyTimeoutMiddleware
 from service.api.uploads import BodyLimitMiddleware
 from service.jobs.fitting import FitRunner, WorkerConfig, memory_budget, recover
 from service.jobs.sweeper import Sweeper
@@ -125,7 +127,15 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
     v2.install(app)  # the Open Inference Protocol, its infer authorising inline too
     auth.install(app, settings, on_rate_limited=metrics.observe_rate_limited)
     openapi.install(app)  # problem+json errors and Bearer auth in /openapi.json
+    # Innermost first: a database fault is replayed (reads) or answered 503 inside the
+    # body guards, and every answer of theirs (503, 413, 408) is counted.
+    app.add_middleware(DatabaseFaultMiddleware)
     app.add_middleware(BodyLimitMiddleware, limit_for=_limit_for(settings))
+    app.add_middleware(
+        BodyTimeoutMiddleware,
+        idle=settings.body_timeout_seconds,
+        min_rate=settings.body_min_bytes_per_second,
+    )
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: 413s, 401s counted too
     for module in (models, datasets, calibrators, aliases, keys, monitoring, health):
         app.include_router(module.router)

@@ -87,8 +87,15 @@ def get_model(
     principal: PrincipalDep,
     model: Annotated[str, Path(description="The model's name.")],
 ) -> Model:
-    """The caller's namespace's model: another namespace's is a 404 like a missing one."""
-    return registry.find_model(session, model, principal.namespace)
+    """The caller's namespace's model: another namespace's is a 404 like a missing one.
+
+    The lookup's transaction ends here (it took no lock), so the connection goes back
+    to the pool while the route reads its body: an upload may stream for minutes, and
+    15 slow ones must not hold the whole pool. The session takes a connection again,
+    checked, at its next query."""
+    row = registry.find_model(session, model, principal.namespace)
+    session.commit()
+    return row
 
 
 ModelDep = Annotated[Model, Depends(get_model)]

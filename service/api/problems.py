@@ -28,6 +28,7 @@ from service.errors import (
     ArgmaxChanged,
     Conflict,
     ContentTooLarge,
+    DatabaseUnavailable,
     FitTooLarge,
     Forbidden,
     InUse,
@@ -38,6 +39,7 @@ from service.errors import (
     NotReady,
     QuotaExceeded,
     RequestOverQuota,
+    RequestTimeout,
     ServiceError,
     TooManyRequests,
     Unauthorized,
@@ -95,6 +97,10 @@ PROBLEM_TYPES: dict[type[Exception], ProblemType] = {
     InUse: ProblemType(409, "in-use", "Still in use"),
     QuotaExceeded: ProblemType(409, "quota-exceeded", "Namespace quota exceeded"),
     RequestOverQuota: ProblemType(413, "request-over-quota", "Request larger than a quota"),
+    RequestTimeout: ProblemType(408, "request-timeout", "Request timeout"),
+    DatabaseUnavailable: ProblemType(
+        503, "database-unavailable", "Database unavailable", _retry_after
+    ),
 }
 
 

@@ -20,6 +20,7 @@ from service.vocabulary import (
     NAME_PATTERN,
     SCOPES,
     STATUSES,
+    TENANT_SCOPES,
 )
 
 # The closed lists of service.vocabulary as types: Literal[("a", "b")] is Literal["a", "b"].
@@ -28,6 +29,8 @@ Status = Literal[STATUSES]  # type: ignore[valid-type]
 Kind = Literal[KINDS]  # type: ignore[valid-type]
 ArgmaxPolicy = Literal[ARGMAX_POLICIES]  # type: ignore[valid-type]
 Scope = Literal[SCOPES]  # type: ignore[valid-type]
+#: What an admin key may create over HTTP: a metrics key is the operator's (the CLI's).
+TenantScope = Literal[TENANT_SCOPES]  # type: ignore[valid-type]
 KeyState = Literal[KEY_STATES]  # type: ignore[valid-type]
 
 
@@ -175,7 +178,7 @@ class AliasList(BaseModel):
 class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    scope: Scope
+    scope: TenantScope
     expires_in_seconds: int | None = Field(
         None, ge=1, le=10 * 365 * 86400, description="Lifetime; none: never expires."
     )

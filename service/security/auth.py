@@ -12,9 +12,13 @@ the hot path (predict) cheap. A key is found by its digest (a unique index);
 the digest is then compared again with :func:`hmac.compare_digest`, so no
 comparison of secret material is timing dependent in Python.
 
-Scopes are hierarchical: ``predict`` (predict, feedback, every read) <
+Tenant scopes are hierarchical: ``predict`` (predict, feedback, every read) <
 ``write`` (upload, fit, aliases, models) < ``admin`` (manage the keys of its
-namespace). A key may do what its scope and every lower scope allow.
+namespace). A key may do what its scope and every lower scope allow. The
+``metrics`` scope stands apart: ``GET /metrics`` carries the series of every
+namespace (names, versions, accuracy, traffic), so no tenant key may read it and
+a metrics key may read nothing else. Metrics keys belong to the namespace
+:data:`~service.vocabulary.METRICS_NAMESPACE`, which no tenant can have.
 
 Every route gets one dependency, :func:`authorize` (installed on the app's
 router by :func:`install`, so a route added later is covered too: deny by
@@ -23,10 +27,13 @@ default). It derives the scope a route needs from its method and template
 key; with ``WWW-Authenticate: Bearer``) or 403 (scope too low) as
 problem+json, and returns the caller's :class:`Principal`, which the model
 lookups use: another namespace's model is not found, with the same 404 as a
-missing one. Open routes: ``/healthz``, ``/readyz``, ``/metrics`` and the Open
-Inference Protocol's ``/v2/health/live`` and ``/v2/health/ready`` (probes and
-the scraper carry no keys; they expose no model data beyond the metric
-labels), ``/docs`` and ``/openapi.json`` (the API's shape is public).
+missing one. Open routes: ``/healthz``, ``/readyz`` and the Open Inference
+Protocol's ``/v2/health/live`` and ``/v2/health/ready`` (probes carry no keys, and
+these say nothing about any tenant), ``/docs`` and ``/openapi.json`` (the API's
+shape is public). ``/metrics`` on the API's address needs a ``metrics`` key (401
+without one, like every keyed route); a scraper without a key uses the metrics
+listener instead, bound to loopback by default (``WELLTEMPERED_METRICS_ADDRESS``,
+:mod:`service.api.exporter`).
 
 Once a key is known and not expired, and before its scope is checked, the
 request is counted against the key's rate limit (429 with ``Retry-After``; a
@@ -61,15 +68,17 @@ from service.security.limits import RateLimiter
 from service.settings import Settings
 from service.storage import keys as key_rows
 from service.storage.db import as_utc
-from service.vocabulary import DEFAULT_NAMESPACE, SCOPES
+from service.storage.retry import retry_read
+from service.vocabulary import DEFAULT_NAMESPACE, METRICS_SCOPE, TENANT_SCOPES
 
 KEY_PREFIX = "wt_"
 #: Characters of a key shown by ``keys list`` and in errors: "wt_" + 8 random ones.
 SHOWN_CHARS = 11
-RANK = {scope: i for i, scope in enumerate(SCOPES)}
-OPEN_PATHS = frozenset(
-    {"/healthz", "/readyz", "/metrics", "/v2/health/live", "/v2/health/ready"}
-)
+#: The tenant hierarchy; the metrics scope has no rank (:meth:`Principal.allows`).
+RANK = {scope: i for i, scope in enumerate(TENANT_SCOPES)}
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
+#: The one route of the metrics scope (every namespace's series).
+METRICS_PATH = "/metrics"
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 #: POST routes that a ``predict`` key may call (everything else that writes needs ``write``):
 #: /v1 predict and feedback, and the Open Inference Protocol's infer.
@@ -86,6 +95,9 @@ class Principal:
     prefix: str | None = None
 
     def allows(self, scope: str) -> bool:
+        """Tenant scopes by rank; the metrics scope only itself, and only by itself."""
+        if METRICS_SCOPE in (scope, self.scope):
+            return scope == self.scope
         return RANK[self.scope] >= RANK[scope]
 
 
@@ -109,9 +121,13 @@ def required_scope(method: str, route: str) -> str | None:
     ('predict', 'write')
     >>> required_scope("POST", "/v1/models/{model}/predict"), required_scope("GET", "/v1/keys")
     ('predict', 'admin')
+    >>> required_scope("GET", "/metrics"), required_scope("GET", "/readyz")
+    ('metrics', None)
     """
     if route in OPEN_PATHS:
         return None
+    if route == METRICS_PATH:
+        return METRICS_SCOPE
     if route == "/v1/keys" or route.startswith("/v1/keys/"):
         return "admin"
     if method.upper() in READ_METHODS:
@@ -189,7 +205,8 @@ async def authorize(request: Request) -> Principal:
     entry = auth.cache.get(digest)
     if entry is None:
         sessions = request.app.state.welltempered.sessions
-        entry = await anyio.to_thread.run_sync(_lookup, sessions, digest)
+        # A read: once more on a fresh connection if the first one was dropped.
+        entry = await anyio.to_thread.run_sync(retry_read, _lookup, sessions, digest)
         if entry is None:
             raise Unauthorized("The API key is unknown or revoked.")
         auth.cache.put(entry)

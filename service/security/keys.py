@@ -20,7 +20,13 @@ from service.settings import Settings
 from service.storage import keys as key_rows
 from service.storage import migrate
 from service.storage.db import ApiKey, as_utc, make_engine, utcnow
-from service.vocabulary import NAMESPACE_PATTERN, SCOPES, parse_duration
+from service.vocabulary import (
+    METRICS_NAMESPACE,
+    METRICS_SCOPE,
+    NAMESPACE_PATTERN,
+    SCOPES,
+    parse_duration,
+)
 
 _NAMESPACE = re.compile(NAMESPACE_PATTERN)
 
@@ -34,17 +40,34 @@ def check_namespace(namespace: str) -> str:
     return namespace
 
 
+def key_namespace(scope: str, namespace: str | None) -> str:
+    """The namespace a new key of ``scope`` is stored under: the tenant's, checked, or
+    :data:`~service.vocabulary.METRICS_NAMESPACE` for a metrics key (which has none)."""
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {', '.join(SCOPES)}. Got {scope!r}.")
+    if scope == METRICS_SCOPE:
+        if namespace not in (None, METRICS_NAMESPACE):
+            raise ValueError(
+                "a metrics key reads the series of every namespace and belongs to none: "
+                f"leave out the namespace. Got {namespace!r}."
+            )
+        return METRICS_NAMESPACE
+    if namespace is None:
+        raise ValueError(f"a {scope!r} key belongs to a namespace: give one. Got none.")
+    return check_namespace(namespace)
+
+
 def create_key(
     session: Session,
-    namespace: str,
+    namespace: str | None,
     scope: str,
     expires_in: timedelta | None = None,
     description: str | None = None,
 ) -> tuple[ApiKey, str]:
-    """A new key row (committed) and the key itself: the only time it exists in clear."""
-    check_namespace(namespace)
-    if scope not in SCOPES:
-        raise ValueError(f"scope must be one of {', '.join(SCOPES)}. Got {scope!r}.")
+    """A new key row (committed) and the key itself: the only time it exists in clear.
+
+    ``namespace`` is None for a metrics key (:func:`key_namespace`)."""
+    namespace = key_namespace(scope, namespace)
     key = new_key()
     row = key_rows.add_key(
         session,
@@ -75,8 +98,15 @@ def key_state(row: ApiKey, now: datetime | None = None) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
     create = sub.add_parser("create", help="create a key; prints it once, on the last line")
-    create.add_argument("--namespace", required=True)
-    create.add_argument("--scope", required=True, choices=SCOPES)
+    create.add_argument(
+        "--namespace", help="the tenant's namespace (every scope but metrics, which has none)"
+    )
+    create.add_argument(
+        "--scope",
+        required=True,
+        choices=SCOPES,
+        help=f"{METRICS_SCOPE!r}: GET /metrics only, every namespace's series (the scraper's)",
+    )
     create.add_argument("--expires", help="lifetime, e.g. 30d, 12h (default: never)")
     create.add_argument("--description")
     ls = sub.add_parser("list", help="list keys (id, prefix, namespace, scope, state)")

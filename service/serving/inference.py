@@ -24,6 +24,7 @@ import calibrators
 from calibrators.validation import PROBABILITY_FLOOR, CalibrationInputError
 from service.errors import InvalidInput
 from service.storage.registry import resolve_served
+from service.storage.retry import retry_read
 
 #: The outputs of every calibrator's graph (calibrators.onnx_export).
 OUTPUTS = ("probabilities", "label", "confidence", "entropy")
@@ -122,7 +123,9 @@ class ServingCache:
         hit = self._entries.get(key)
         if hit is not None and hit[0] > time.monotonic():
             return hit[1]
-        served = await anyio.to_thread.run_sync(self._resolve, model, alias, version, namespace)
+        served = await anyio.to_thread.run_sync(
+            retry_read, self._resolve, model, alias, version, namespace
+        )
         if len(self._entries) >= self.size:
             self._entries.clear()
         self._entries[key] = (time.monotonic() + self.ttl, served)

@@ -1,14 +1,16 @@
 """The registry's tables (SQLAlchemy 2.0 typed models) and the engine factory.
 
-Eight tables: ``models`` (a classifier to calibrate), ``datasets`` (immutable
+Nine tables: ``models`` (a classifier to calibrate), ``datasets`` (immutable
 labelled scores; the arrays are content-addressed files, see
 :mod:`service.storage.arrays`), ``calibrator_versions`` (one immutable fit per row,
 numbered per model; the row is also the background job), ``aliases``
 ((model, alias) -> version, moved in one UPDATE), ``feedback_bins``
 (time-bucketed reliability sums of labelled feedback, for live calibration),
 ``api_keys`` (the sha256 of each key, its namespace and scope), ``namespaces``
-(the row a quota check locks, :mod:`service.storage.usage`) and ``array_files``
-(the row that guards an array file's removal, :mod:`service.storage.array_refs`). The closed lists
+(the row a quota check locks, :mod:`service.storage.usage`), ``array_files``
+(the row that guards an array file's removal, :mod:`service.storage.array_refs`) and
+``idempotency_keys`` (writes made under an ``Idempotency-Key`` and their answers,
+:mod:`service.storage.idempotency`). The closed lists
 the CHECK constraints name come from :mod:`service.vocabulary`; the queries live in
 the other modules of this package.
 """
@@ -39,6 +41,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from service.storage.retry import track_writes
 from service.vocabulary import ARGMAX_POLICIES, DEFAULT_NAMESPACE, KINDS, SCOPES, STATUSES
 
 #: Deterministic constraint names, so migrations can refer to them (and SQLite
@@ -255,6 +258,24 @@ class ArrayFile(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class IdempotencyKey(Base):
+    """A write made under an ``Idempotency-Key`` header, and the answer it got.
+
+    Inserted in the transaction of the write itself, so the key exists exactly when
+    the write was applied: a retry with the same key (after a timeout, or a 503 whose
+    ``applied`` is ``unknown``) gets the stored answer instead of applying it twice.
+    Keys are per namespace and expire (:mod:`service.storage.idempotency`).
+    """
+
+    __tablename__ = "idempotency_keys"
+
+    namespace: Mapped[str] = mapped_column(String(64), primary_key=True)
+    key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
+    response: Mapped[dict[str, Any]]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+
+
 def _json_dumps(obj: Any) -> str:
     # orjson: exact float round trip, numpy scalars/arrays, NaN -> null (valid JSON).
     return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY).decode()
@@ -269,17 +290,39 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
     cursor.close()
 
 
-def make_engine(url: str) -> Engine:
-    """An engine with the service's JSON codec; SQLite gets WAL and a busy timeout."""
+#: ``application_name`` of the service's PostgreSQL connections (pg_stat_activity), unless
+#: the URL names one.
+APPLICATION_NAME = "welltempered"
+#: Seconds a new PostgreSQL connection may take (libpq's connect_timeout): a database
+#: that does not answer is a 503 within this time, not a request hanging for minutes.
+CONNECT_TIMEOUT_SECONDS = 10
+
+
+def make_engine(url: str, application_name: str = APPLICATION_NAME) -> Engine:
+    """An engine with the service's JSON codec; SQLite gets WAL and a busy timeout.
+
+    PostgreSQL connections are checked when they leave the pool (``pool_pre_ping``: a
+    connection the server dropped while idle is replaced, not handed to a request), take
+    at most :data:`CONNECT_TIMEOUT_SECONDS` to open, and carry ``application_name`` (a
+    URL's own ``application_name`` wins). Every engine reports its transactions to the
+    write log of the current request (:func:`service.storage.retry.track_writes`).
+    """
     kwargs: dict[str, Any] = {"json_serializer": _json_dumps, "json_deserializer": orjson.loads}
+    parsed = make_url(url)
     if url.startswith("sqlite"):
-        database = make_url(url).database
+        database = parsed.database
         if database and database != ":memory:":
             Path(database).parent.mkdir(parents=True, exist_ok=True)
         kwargs["connect_args"] = {"timeout": 30, "check_same_thread": False}
     else:
         kwargs["pool_pre_ping"] = True
+        if parsed.get_backend_name() == "postgresql":
+            connect_args: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT_SECONDS}
+            if "application_name" not in parsed.query:
+                connect_args["application_name"] = application_name
+            kwargs["connect_args"] = connect_args
     engine = create_engine(url, **kwargs)
     if url.startswith("sqlite"):
         event.listen(engine, "connect", _sqlite_pragmas)
+    track_writes(engine)
     return engine

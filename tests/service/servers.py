@@ -43,6 +43,9 @@ class Server:
             "WELLTEMPERED_DATA_DIR": str(self.data_dir),
             "WELLTEMPERED_AUTH": "off",
             "WELLTEMPERED_FIT_THREADS": "1",
+            # No metrics listener unless a test asks (a fixed port would clash between
+            # servers); tests/security/test_metrics_exposure.py gives it a free port.
+            "WELLTEMPERED_METRICS_ADDRESS": "",
             **{f"WELLTEMPERED_{k.upper()}": str(v) for k, v in self.env.items()},
         }
         out = open(self.log, "ab")

@@ -15,7 +15,7 @@ from service.security import keys
 from service.security.auth import key_digest, required_scope
 from service.storage import keys as key_rows
 from service.storage.db import make_engine
-from service.vocabulary import DEFAULT_ALIAS, SCOPES
+from service.vocabulary import DEFAULT_ALIAS, METRICS_SCOPE, SCOPES, TENANT_SCOPES
 from tests.service.helpers import (
     Clock,
     assert_problem,
@@ -69,8 +69,10 @@ def test_scope_rules_cover_every_route(tmp_path):
     for route in app.routes:
         for method in getattr(route, "methods", None) or ():
             need = required_scope(method, route.path)
-            if route.path in ("/healthz", "/readyz", "/metrics"):
+            if route.path in ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"):
                 assert need is None
+            elif route.path == "/metrics":
+                assert need == METRICS_SCOPE
             elif route.path.startswith("/v1/"):
                 assert need in SCOPES, (method, route.path)
 
@@ -88,7 +90,7 @@ def test_open_routes_need_no_key(app_client):
 
 
 def test_scopes_are_hierarchical(app_client, make_key):
-    predict, write, admin = (make_key("team-a", s) for s in SCOPES)
+    predict, write, admin = (make_key("team-a", s) for s in TENANT_SCOPES)
     body = {"name": "m", "num_classes": 3}
     body_403 = assert_problem(
         app_client.post("/v1/models", json=body, headers=bearer(predict)), 403
@@ -211,7 +213,8 @@ def test_rate_limit_per_key(limited_client, make_key):
     c, clock = limited_client, limited_client.app.state.welltempered_auth.limiter.clock
     a, b = make_key("rl-team-a", "write"), make_key("rl-team-b", "predict")
     predict_key = make_key("rl-team-a", "predict")
-    before = rate_limited_total("rl-team-a", c.get("/metrics").text)
+    scraper = bearer(make_key(None, METRICS_SCOPE))
+    before = rate_limited_total("rl-team-a", c.get("/metrics", headers=scraper).text)
     for _ in range(10):  # open routes: never limited, even with a key
         assert c.get("/healthz", headers=bearer(a)).status_code == 200
     assert [c.get("/v1/models", headers=bearer(a)).status_code for _ in range(3)] == [200] * 3
@@ -236,7 +239,7 @@ def test_rate_limit_per_key(limited_client, make_key):
     assert_problem(r, 429, "WELLTEMPERED_RATE_LIMIT_BURST")
     assert r.headers["retry-after"] == "1"
     # counted by the key's namespace (two refusals of `a`, one of predict_key), not by key
-    exposition = c.get("/metrics").text
+    exposition = c.get("/metrics", headers=scraper).text
     assert rate_limited_total("rl-team-a", exposition) == before + 3
     assert rate_limited_total("rl-team-b", exposition) == 0
     assert a[:11] not in exposition and predict_key[:11] not in exposition

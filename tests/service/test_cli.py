@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -86,6 +87,8 @@ def test_serve_demo_process(tmp_path):
     proc = subprocess.Popen(
         [*cmd, "serve", "--demo", "--port", str(port), "--log-level", "warning"],
         cwd=tmp_path,
+        # the metrics listener on a free port: the default one may be taken here
+        env={**os.environ, "WELLTEMPERED_METRICS_ADDRESS": f"127.0.0.1:{_free_port()}"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )

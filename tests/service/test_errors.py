@@ -372,6 +372,14 @@ def test_every_domain_error_has_its_own_problem_type():
         ),
         (errors.MalformedJSON("{"), 400, "malformed-json", {}, {}),
         (CalibrationInputError("NaN"), 422, "invalid-input", {}, {}),
+        (
+            errors.DatabaseUnavailable("lost", applied="no", retry_after=2),
+            503,
+            "database-unavailable",
+            {"retry-after": "2"},
+            {"applied": "no"},
+        ),
+        (errors.RequestTimeout("slow"), 408, "request-timeout", {}, {}),
     ],
 )
 def test_error_response_is_the_wire_format(error, status, slug, headers, extra):

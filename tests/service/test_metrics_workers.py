@@ -93,6 +93,7 @@ def server(request, tmp_path_factory):
             WELLTEMPERED_AUTH="off",
             WELLTEMPERED_FIT_EXECUTOR="thread",
             PROMETHEUS_MULTIPROC_DIR=str(mp_dir),
+            WELLTEMPERED_METRICS_ADDRESS="",  # no listener: a fixed port would clash
         )
         log = (tmp / "serve.log").open("w")
         command = [WELLTEMPERED, "serve", "--workers", "2", "--port", str(port)]

@@ -22,7 +22,7 @@ from service.api.app import create_app
 from service.observe import monitoring
 from service.security import keys
 from service.storage.db import make_engine
-from service.vocabulary import DEFAULT_NAMESPACE
+from service.vocabulary import DEFAULT_NAMESPACE, METRICS_SCOPE
 from tests.service.helpers import (
     assert_problem,
     bodies,
@@ -312,12 +312,14 @@ def test_metrics_observe_predict_feedback_and_fits(client):
 
 @pytest.fixture
 def tenants(database_url, tmp_path):
-    """An app with auth on and a client per namespace (team-a, team-b), each with a write key."""
+    """An app with auth on and a client per namespace (team-a, team-b), each with a write
+    key, and the scraper's client ("metrics", with a metrics key)."""
     settings = make_settings(database_url, tmp_path, auth="on", key_cache_seconds=0.0)
     with TestClient(create_app(settings), raise_server_exceptions=False) as app_client:
         engine = make_engine(database_url)
         with sessionmaker(engine)() as session:
             made = {ns: keys.create_key(session, ns, "write")[1] for ns in ("team-a", "team-b")}
+            made[METRICS_SCOPE] = keys.create_key(session, None, METRICS_SCOPE)[1]
         engine.dispose()
         clients = {
             ns: TestClient(
@@ -335,7 +337,7 @@ def tenants(database_url, tmp_path):
 def test_metrics_keep_two_namespaces_with_the_same_model_name_apart(tenants):
     """Two tenants each have a model "m" (version 1): the counters of the process and the
     database gauges are one series per namespace, with that namespace's figures."""
-    anyone = tenants["team-a"]  # /metrics is open; any client reads the same
+    anyone = tenants[METRICS_SCOPE]  # the scraper's key reads every namespace's series
     # rows predicted, rows fed back: different per namespace, so mixing would show
     sent = {"team-a": (40, 30), "team-b": (90, 120)}
     before = families(anyone.get("/metrics").text)

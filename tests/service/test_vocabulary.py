@@ -45,7 +45,10 @@ def test_the_api_documents_the_same_lists(settings):
     policy = schemas["ModelCreate"]["properties"]["argmax_policy"]
     assert policy["enum"] == list(vocabulary.ARGMAX_POLICIES)
     assert policy["default"] == vocabulary.DEFAULT_ARGMAX_POLICY
-    assert schemas["KeyCreate"]["properties"]["scope"]["enum"] == list(vocabulary.SCOPES)
+    # an admin creates tenant keys only; a metrics key is the operator's (the CLI's)
+    assert schemas["KeyCreate"]["properties"]["scope"]["enum"] == list(vocabulary.TENANT_SCOPES)
+    assert schemas["KeyOut"]["properties"]["scope"]["enum"] == list(vocabulary.SCOPES)
+    assert vocabulary.SCOPES == (*vocabulary.TENANT_SCOPES, vocabulary.METRICS_SCOPE)
     assert schemas["VersionOut"]["properties"]["status"]["enum"] == list(vocabulary.STATUSES)
 
 

@@ -10,6 +10,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from service.api.deps import AppState, StateDep
 from service.api.problems import problem_response
 from service.storage import migrate
+from service.storage.retry import retry_read
 
 router = APIRouter(tags=["health"])
 log = logging.getLogger("welltempered.health")
@@ -26,7 +27,9 @@ def readiness(state: AppState) -> tuple[bool, str]:
     """``(True, revision)`` when the database is reachable and at the latest revision,
     else ``(False, why)``; also the readiness of /v2/health/ready."""
     try:
-        current = migrate.current_revision(state.engine)
+        # Once more on a fresh connection if a pooled one was dropped: a killed
+        # connection is not an unreachable database.
+        current = retry_read(migrate.current_revision, state.engine)
     except SQLAlchemyError:
         # The driver's message can hold host names and SQL: it goes to the log only.
         log.warning("readiness check: the database is unreachable", exc_info=True)

@@ -11,21 +11,22 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import numpy as np
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 
 from service.api import ingest
 from service.api.deps import KindQuery, ModelDep, SessionDep, StateDep, VersionDep
 from service.api.openapi import LABELS, SCORE_PROPERTIES
 from service.api.uploads import NPZ_TYPES, Upload, labelled_body
-from service.errors import InvalidInput
+from service.errors import Conflict, InvalidInput
 from service.observe import metrics as obs
 from service.observe import monitoring
 from service.observe.svg import CONTENT_TYPE as SVG
 from service.observe.svg import reliability_svg
 from service.security import limits
 from service.serving import inference
-from service.storage import registry
-from service.storage.db import CalibratorVersion
+from service.storage import idempotency, registry
+from service.storage.db import CalibratorVersion, IdempotencyKey, Model
+from service.storage.retry import retry_read
 from service.vocabulary import DEFAULT_ALIAS, MAX_ID
 
 router = APIRouter(tags=["monitoring"])
@@ -74,8 +75,11 @@ def metrics(state: StateDep) -> Response:
     settings = state.settings
 
     def snapshot() -> obs.Snapshot:
-        return monitoring.snapshot(
-            state.sessions, settings.monitoring_window_seconds, settings.feedback_bucket_seconds
+        return retry_read(
+            monitoring.snapshot,
+            state.sessions,
+            settings.monitoring_window_seconds,
+            settings.feedback_bucket_seconds,
         )
 
     body, content_type = state.metrics.render(snapshot)
@@ -180,21 +184,57 @@ _FEEDBACK_DOC = {
 }
 
 
+IdempotencyKeyHeader = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        min_length=1,
+        max_length=255,
+        pattern=r"^[\x21-\x7e]+$",
+        description="Any string unique to this post (a UUID). A retry with the same key "
+        "within WELLTEMPERED_IDEMPOTENCY_KEY_SECONDS gets the first answer again (with "
+        "Idempotent-Replayed: true) and its rows are not counted twice: retry with it after "
+        "a timeout or a 503 whose 'applied' is 'unknown'.",
+    ),
+]
+
+
+def replayed(prior: IdempotencyKey | None, model: Model, response: Response) -> dict[str, Any]:
+    """The stored answer of an earlier post with the same Idempotency-Key."""
+    if prior is None:  # the concurrent post that held the key rolled back
+        raise Conflict("A post with the same Idempotency-Key was in progress: retry it.")
+    if prior.model_id != model.id:
+        raise Conflict(
+            "This Idempotency-Key was used for feedback to another model of the namespace: "
+            "use a new key for each post."
+        )
+    response.headers["Idempotent-Replayed"] = "true"
+    return prior.response
+
+
 @router.post(f"{_MODEL}/feedback", openapi_extra=_FEEDBACK_DOC)
 def post_feedback(
     model: ModelDep,
     session: SessionDep,
     state: StateDep,
     body: FeedbackBodyDep,
+    response: Response,
     version: FeedbackVersionQuery = None,
     kind: KindQuery = None,
+    idempotency_key: IdempotencyKeyHeader = None,
 ) -> dict[str, Any]:
     """Labels for rows served earlier: calibrated by the version that served them (default:
     the default alias), folded into the time-bucketed reliability statistics.
 
     The body is JSON or a .npz (the arrays a dataset upload accepts); at most
-    ``max_feedback_rows`` rows, else 413 and nothing is recorded."""
+    ``max_feedback_rows`` rows, else 413 and nothing is recorded. With an
+    ``Idempotency-Key``, a post is counted once however often it is retried."""
     settings = state.settings
+    ttl = settings.idempotency_key_seconds
+    if idempotency_key is not None:
+        prior = idempotency.find(session, model.namespace, idempotency_key, ttl)
+        if prior is not None:
+            return replayed(prior, model, response)
     bounds = ingest.bounds(settings, "feedback", model.num_classes, model.name)
     labelled, version = feedback_rows(body, bounds, version, kind)
     n = int(labelled.labels.shape[0])
@@ -202,12 +242,13 @@ def post_feedback(
     row = monitoring.monitored_version(session, model, version)
     registry.check_servable(row, model)
     onnx = state.serving.onnx.get(inference.version_key(row), lambda: row.params)
+    # The reads are done: end their transaction, so the connection goes back to the
+    # pool during the computation and the write below runs on a checked one, briefly.
+    session.commit()
     out = inference.run(onnx, inference.as_onnx_input(labelled.scores, labelled.kind))
     stats = monitoring.feedback_statistics(out["probabilities"], labelled.labels)
     bucket = monitoring.bucket_start(time.time(), settings.feedback_bucket_seconds)
-    monitoring.record_feedback(session, row.id, stats, bucket)
-    state.metrics.observe_feedback(model.namespace, model.name, row.version, n)
-    return {
+    answer = {
         "model": model.name,
         "version": row.version,
         "rows": n,
@@ -215,6 +256,15 @@ def post_feedback(
         "bucket_start": bucket,
         "bucket_seconds": settings.feedback_bucket_seconds,
     }
+    if idempotency_key is not None:
+        # In the transaction record_feedback commits: the key exists iff the rows count.
+        if not idempotency.claim(session, model.namespace, idempotency_key, model.id, answer, ttl):
+            session.rollback()
+            prior = idempotency.find(session, model.namespace, idempotency_key, ttl)
+            return replayed(prior, model, response)
+    monitoring.record_feedback(session, row.id, stats, bucket)
+    state.metrics.observe_feedback(model.namespace, model.name, row.version, n)
+    return answer
 
 
 # ---------------------------------------------------------------------------

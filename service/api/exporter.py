@@ -1,0 +1,175 @@
+"""The metrics listener: ``GET /metrics`` without a key, on its own address.
+
+``/metrics`` carries every namespace's series (namespaces, model names, versions,
+hold-out and live quality, traffic), so it is not served to anyone who can reach
+the API: on the API's address it needs a key of the ``metrics`` scope
+(:mod:`service.security.auth`), and ``welltempered serve`` also starts this
+listener on ``WELLTEMPERED_METRICS_ADDRESS`` (default ``127.0.0.1:9464``, loopback
+only; empty for none) for a scraper on the same host or on an internal network.
+
+Which process serves it
+-----------------------
+``welltempered serve`` runs it in a thread of its own process: with one worker that
+is the process that also serves the API, and the listener exports its
+:class:`~service.observe.metrics.ServiceMetrics`; with ``--workers N`` it is the
+parent that supervises the workers (one listener for the whole server, alive as
+long as it is, where N workers could not share one port), and it exports the
+workers' prometheus_client multiprocess files
+(:func:`~service.observe.metrics.render_multiprocess`), so every scrape adds up
+all workers, as the API's ``/metrics`` in any worker does. Both export the
+database gauges, read at scrape time through the listener's own small engine.
+
+The listener is a uvicorn server on its own event loop thread, with the same header
+deadline as the API (:mod:`service.api.timeouts`); it answers ``GET /metrics``
+only (404 elsewhere, 405 for other methods), plain text, no key.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import uvicorn
+from sqlalchemy import Engine
+from sqlalchemy.orm import sessionmaker
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from service.api.timeouts import guarded_protocol
+from service.observe import metrics as obs
+from service.observe import monitoring
+from service.settings import Settings
+from service.storage.db import APPLICATION_NAME, make_engine
+from service.storage.retry import retry_read
+
+Render = Callable[[], tuple[bytes, str]]
+
+
+def parse_address(text: str) -> tuple[str, int] | None:
+    """``host:port`` (``[::1]:9464`` for IPv6) as ``(host, port)``; None for ``""``.
+
+    >>> parse_address("127.0.0.1:9464"), parse_address("[::1]:9464"), parse_address("")
+    (('127.0.0.1', 9464), ('::1', 9464), None)
+    """
+    text = text.strip()
+    if not text:
+        return None
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            "WELLTEMPERED_METRICS_ADDRESS is host:port (127.0.0.1:9464, [::1]:9464, "
+            f"0.0.0.0:9464), or empty for no metrics listener. Got {text!r}."
+        )
+    return host, int(port)
+
+
+def metrics_app(render: Render) -> Starlette:
+    """The listener's application: ``GET /metrics`` is ``render()`` (run in a thread)."""
+
+    def scrape(request: Request) -> Response:
+        body, content_type = render()
+        return Response(body, headers={"Content-Type": content_type})
+
+    return Starlette(routes=[Route("/metrics", scrape, methods=["GET"])])
+
+
+class MetricsListener:
+    """``GET /metrics`` on ``address`` in a thread of this process (module docstring).
+
+    Parameters
+    ----------
+    address : (str, int)
+        Where to listen (:func:`parse_address`).
+    settings : Settings
+        The database and the monitoring window of the database gauges, the header
+        deadline.
+    metrics : ServiceMetrics, optional
+        This process's metrics (one worker). None: the workers' files in
+        ``multiprocess_dir`` (the parent of several workers).
+    multiprocess_dir : str, optional
+        ``PROMETHEUS_MULTIPROC_DIR`` of the workers, when ``metrics`` is None.
+    """
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        settings: Settings,
+        metrics: obs.ServiceMetrics | None = None,
+        multiprocess_dir: str | None = None,
+    ):
+        if (metrics is None) == (multiprocess_dir is None):
+            raise ValueError(
+                "give either this process's metrics or the workers' multiprocess directory. "
+                f"Got metrics={metrics!r}, multiprocess_dir={multiprocess_dir!r}."
+            )
+        self.address = address
+        self.settings = settings
+        self.metrics = metrics
+        self.multiprocess_dir = multiprocess_dir
+        self.engine: Engine | None = None
+        self.server: uvicorn.Server | None = None
+        self.thread: threading.Thread | None = None
+
+    def render(self) -> tuple[bytes, str]:
+        """One scrape: the process's (or workers') events and the database gauges."""
+        settings, sessions = self.settings, sessionmaker(self.engine)
+
+        def snapshot() -> obs.Snapshot:
+            return retry_read(
+                monitoring.snapshot,
+                sessions,
+                settings.monitoring_window_seconds,
+                settings.feedback_bucket_seconds,
+            )
+
+        if self.metrics is not None:
+            return self.metrics.render(snapshot)
+        return obs.render_multiprocess(self.multiprocess_dir, snapshot)
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Bind the address (``OSError`` if it is taken), then serve in a daemon thread."""
+        host, port = self.address
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+        except OSError:
+            sock.close()
+            raise
+        self.engine = make_engine(
+            self.settings.database_url, application_name=f"{APPLICATION_NAME}-metrics"
+        )
+        config = uvicorn.Config(
+            metrics_app(self.render),
+            lifespan="off",
+            access_log=False,
+            log_level="warning",
+            http=guarded_protocol(self.settings.header_timeout_seconds),
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run,
+            kwargs={"sockets": [sock]},
+            name="welltempered-metrics",
+            daemon=True,
+        )
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise OSError(f"the metrics listener on {host}:{port} did not start")
+            time.sleep(0.01)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+        if self.thread is not None:
+            self.thread.join(timeout)
+        if self.engine is not None:
+            self.engine.dispose()

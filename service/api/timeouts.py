@@ -1,0 +1,240 @@
+"""Slow clients: a deadline for request headers, and for request bodies an idle timeout
+and a minimum rate.
+
+uvicorn bounds only the idle time *between* requests (``timeout_keep_alive``, which
+any byte resets) and nothing else: a connection that opens and sends nothing, or
+sends its headers one byte a second, is held forever, and so is an upload that
+trickles in while the service holds a temp file for it. Two guards, one per phase:
+
+Headers (:class:`GuardedH11Protocol`, the protocol ``welltempered serve`` runs)
+    uvicorn's h11 protocol with one timer: from when the connection opens, or from
+    the end of the previous response, the client has ``header_timeout`` seconds to
+    deliver the next request's headers, however it paces them. The same deadline
+    applies to the rest of a body the application answered without reading (a 401 or
+    413 before the upload), which uvicorn would otherwise drain for as long as bytes
+    keep coming. At the deadline a connection holding part of a request gets a 408
+    and is closed; an idle one is closed silently, as uvicorn closes idle keep-alive
+    connections. It never reaches the application (nothing to count or log there).
+
+Bodies (:class:`BodyTimeoutMiddleware`, ASGI)
+    Only the time the application spends *waiting* in ``receive()`` for the next
+    piece of a body counts against the client; time the application spends on what
+    it already has does not (uvicorn then stops reading the socket, so a client
+    cannot send anyway). Each wait may last at most ``idle`` seconds, and the total
+    wait may not pass ``idle + received / min_rate`` seconds (the rule of Apache's
+    mod_reqtimeout ``body=20,MinRate=500``): a body trickling at 1 byte/s is
+    refused after about ``idle`` seconds, however regularly its bytes come, while a
+    large upload at any reasonable rate earns all the time it needs. The refusal is
+    a 408 problem with ``Connection: close``; the application is told the client
+    left (so it removes its temp file), and whatever it answers after that is
+    dropped, as :class:`service.api.uploads.BodyLimitMiddleware` does for a 413.
+
+A load balancer in front (HAProxy's ``timeout http-request``/``timeout client``,
+``deploy/haproxy/haproxy.cfg``) does the same job before a connection reaches a
+worker; these guards keep a server that is reached directly safe too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Callable
+
+import anyio
+import h11
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from service.api.problems import error_response
+from service.errors import RequestTimeout
+
+log = logging.getLogger("welltempered.timeouts")
+
+_REQUEST_TIMEOUT = (
+    b"HTTP/1.1 408 Request Timeout\r\n"
+    b"content-type: text/plain; charset=utf-8\r\n"
+    b"connection: close\r\n"
+    b"content-length: 36\r\n\r\n"
+    b"The request headers took too long.\r\n"
+)
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for each request's headers (module docstring).
+
+    uvicorn builds one per connection; give it as ``http=guarded_protocol(seconds)``.
+    """
+
+    def __init__(self, *args, header_timeout: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.header_timeout = header_timeout
+        self._deadline: asyncio.TimerHandle | None = None
+
+    # -- uvicorn's hooks ---------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._deadline is not None and not self._client_owes_bytes():
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self._client_owes_bytes():
+            self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    # -- the deadline ------------------------------------------------------------
+
+    def _client_owes_bytes(self) -> bool:
+        """The client owes bytes that no application is waiting for: the headers of its
+        next request, or the rest of a body that was answered without being read."""
+        state = self.conn.their_state
+        if state is h11.IDLE:
+            return True
+        answered = self.cycle is not None and self.cycle.response_complete
+        return state is h11.SEND_BODY and answered
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(self.header_timeout, self._expire)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing() or not self._client_owes_bytes():
+            return
+        partial_request = self.conn.their_state is h11.IDLE and bool(self.conn.trailing_data[0])
+        if partial_request:
+            self.transport.write(_REQUEST_TIMEOUT)
+        log.debug(
+            "closed a connection from %s: no complete request within %gs",
+            self.client,
+            self.header_timeout,
+        )
+        self.transport.close()
+
+
+def guarded_protocol(header_timeout: float) -> Callable[..., GuardedH11Protocol]:
+    """uvicorn's ``http`` argument: :class:`GuardedH11Protocol` with this header deadline.
+
+    A :func:`functools.partial` of a module-level class, so it pickles into the worker
+    processes of ``uvicorn.run(..., workers=N)``.
+    """
+    return functools.partial(GuardedH11Protocol, header_timeout=float(header_timeout))
+
+
+class BodyTimeoutMiddleware:
+    """408 for a request body the client sends too slowly (module docstring).
+
+    Parameters
+    ----------
+    idle : float
+        Longest single wait for the next piece of the body, and the grace before
+        ``min_rate`` applies.
+    min_rate : int
+        Bytes per second the body must average over the service's waiting time
+        beyond ``idle`` (0: no minimum).
+    clock : callable, optional
+        Seconds, monotonic (tests).
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        idle: float,
+        min_rate: int,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.app = app
+        self.idle = idle
+        self.min_rate = min_rate
+        self.clock = clock
+
+    def allowance(self, waited: float, received: int) -> float:
+        """Seconds the next wait may last, given the total wait so far and bytes received.
+
+        >>> BodyTimeoutMiddleware(None, idle=20, min_rate=500).allowance(0.0, 0)
+        20.0
+        >>> BodyTimeoutMiddleware(None, idle=20, min_rate=500).allowance(19.0, 1000)
+        3.0
+        """
+        if self.min_rate <= 0:
+            return float(self.idle)
+        return float(min(self.idle, self.idle + received / self.min_rate - waited))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        waited = 0.0
+        received = 0
+        body_done = timed_out = started = False
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if timed_out:  # the 408 is out: whatever the app answers after it is dropped
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        async def timed_receive() -> Message:
+            nonlocal waited, received, body_done, timed_out, started
+            if timed_out:
+                return {"type": "http.disconnect"}
+            if body_done:  # e.g. listening for a disconnect during the response: untimed
+                return await receive()
+            allowed = max(0.0, self.allowance(waited, received))
+            start = self.clock()
+            message: Message | None = None
+            with anyio.move_on_after(allowed):
+                message = await receive()
+            waited += self.clock() - start
+            if message is None:
+                timed_out = True
+                log.info(
+                    "408: %s %s sent %d body bytes in %.1fs of waiting",
+                    scope.get("method"),
+                    scope.get("path"),
+                    received,
+                    waited,
+                )
+                if not started:
+                    detail = (
+                        f"The request body arrived too slowly ({received} bytes in "
+                        f"{waited:.0f} s of waiting): each piece must come within "
+                        f"{self.idle:g} s, and the body must average "
+                        f"{self.min_rate} bytes/s after that."
+                    )
+                    response = error_response(
+                        Request(scope), RequestTimeout(detail), headers={"Connection": "close"}
+                    )
+                    started = True
+                    await response(scope, receive, send)
+                return {"type": "http.disconnect"}
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
+            else:
+                body_done = True
+            return message
+
+        try:
+            await self.app(scope, timed_receive, guarded_send)
+        except Exception:
+            if not timed_out:
+                raise
+            # The app failed on the disconnect it was told of: the 408 already answered.
