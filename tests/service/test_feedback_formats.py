@@ -328,5 +328,11 @@ def test_feedback_formats_are_documented(client):
     assert "ground_truth" in binary["description"]
     assert "WELLTEMPERED_MAX_FEEDBACK_ROWS" in op["requestBody"]["description"]
     params = {(p["in"], p["name"]): p for p in op["parameters"]}
-    assert set(params) == {("path", "model"), ("query", "version"), ("query", "kind")}
+    assert set(params) == {
+        ("path", "model"),
+        ("query", "version"),
+        ("query", "kind"),
+        ("header", "Idempotency-Key"),
+    }
+    assert "not counted twice" in params["header", "Idempotency-Key"]["description"]
     assert {"400", "413", "415", "422"} <= set(op["responses"])
