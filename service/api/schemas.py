@@ -99,8 +99,10 @@ class FitRequest(BaseModel):
     dataset_id: int = Field(ge=1, le=MAX_ID)
     method: Method = AUTO
     holdout: float = Field(
-        DEFAULT_HOLDOUT, gt=0, lt=1,
-        description="Share of rows held out to evaluate (and police argmax)."
+        DEFAULT_HOLDOUT,
+        gt=0,
+        lt=1,
+        description="Share of rows held out to evaluate (and police argmax).",
     )
     seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed of the holdout permutation.")
     options: dict[str, Any] = Field(
