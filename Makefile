@@ -27,7 +27,7 @@ test: lint
 	$(BIN)/python -m pytest
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "$(FAST)"
+	$(BIN)/python -m pytest -q -n auto -m "$(FAST)"
 
 # ruff, and the import contracts of pyproject.toml ([tool.importlinter]).
 lint: $(STAMP)
