@@ -71,6 +71,17 @@ def onnx_outputs(model, z32: np.ndarray) -> dict[str, np.ndarray]:
     return dict(zip(OUTPUT_NAMES, runner.run(list(OUTPUT_NAMES), {INPUT_NAME: z32}), strict=True))
 
 
+def assert_onnx_matches_numpy(cal: Calibrator, z32: np.ndarray, atol: float = 1e-6) -> None:
+    """The ONNX graph's four outputs equal the numpy path on float32 logits ``z32``."""
+    out = onnx_outputs(cal.to_onnx(), z32)
+    p = cal.predict_proba(z32)
+    assert np.abs(out["probabilities"] - p).max() <= atol
+    assert np.abs(out["confidence"] - p.max(axis=1)).max() <= atol
+    entropy = -np.sum(p * np.log(np.maximum(p, 1e-300)), axis=1)
+    assert np.abs(out["entropy"] - entropy).max() <= atol
+    np.testing.assert_array_equal(out["label"], z32.argmax(axis=1))
+
+
 def from_arrays(method: str, k: int, **arrays) -> Calibrator:
     """A fitted calibrator of ``method`` with the given arrays, through from_params."""
     params = {"method": method, "n_classes": k}

@@ -22,7 +22,12 @@ from sklearn.base import clone
 import calibrators
 from calibrators import CalibrationInputError, NotFittedError
 from calibrators.order_preserving import FEATURE_RANKS, FLOOR, N_KNOTS, IntraOrderPreserving
-from tests.calibrators.helpers import held_out_nll, labelled_logits, onnx_outputs
+from tests.calibrators.helpers import (
+    assert_onnx_matches_numpy,
+    held_out_nll,
+    labelled_logits,
+    onnx_outputs,
+)
 from tests.helpers import load_shared
 
 #: Largest allowed |ONNX - numpy| on probabilities, confidence and entropy.
@@ -267,13 +272,7 @@ def test_onnx_parity(k, n_top):
     test[1, :2] = 1e4
     test[2, 0] = -1e4
     test[3, : k // 2 + 1] = 2.5  # ties, across the top n_top + 1 when k > n_top
-    out = onnx_outputs(cal.to_onnx(), test)
-    p = cal.predict_proba(test)
-    assert np.abs(out["probabilities"] - p).max() <= ATOL
-    assert np.abs(out["confidence"] - p.max(axis=1)).max() <= ATOL
-    entropy = -np.sum(p * np.log(np.maximum(p, 1e-300)), axis=1)
-    assert np.abs(out["entropy"] - entropy).max() <= ATOL
-    np.testing.assert_array_equal(out["label"], test.argmax(axis=1))
+    assert_onnx_matches_numpy(cal, test, ATOL)
     # probabilities fed as their log, with a zero (-inf)
     q = np.exp(test - test.max(axis=1, keepdims=True))
     q = (q / q.sum(axis=1, keepdims=True)).astype(np.float32)
