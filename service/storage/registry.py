@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -218,8 +218,13 @@ def create_version(
     holdout: float,
     seed: int,
     options: dict[str, Any],
+    enqueue: Callable[[Session, CalibratorVersion], None] | None = None,
 ) -> CalibratorVersion:
-    """A queued version with the next number of this model (atomic UPDATE ... RETURNING)."""
+    """A queued version with the next number of this model (atomic UPDATE ... RETURNING).
+
+    ``enqueue(session, version)`` runs after the row is flushed and before the commit:
+    the job queue writes its job in the same transaction (:mod:`service.jobs.engine`).
+    """
     after = session.execute(
         update(Model)
         .where(Model.id == model.id)
@@ -243,6 +248,9 @@ def create_version(
     )
     session.add(row)
     try:
+        session.flush()
+        if enqueue is not None:
+            enqueue(session, row)
         session.commit()
     except IntegrityError:  # the dataset was deleted meanwhile
         session.rollback()

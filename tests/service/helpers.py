@@ -81,6 +81,14 @@ def make_settings(database_url: str, tmp_path: Path, **overrides) -> Settings:
     return Settings(**values)
 
 
+def hold_queue(client: TestClient) -> None:
+    """From now on, fits this client submits stay queued: the queue neither writes their
+    job (PostgreSQL) nor hands them to a thread (SQLite)."""
+    queue = client.app.state.welltempered.fits.queue
+    queue.enqueue = lambda *args: None
+    queue.submitted = lambda *args: None
+
+
 def logits_data(n: int = 300, k: int = 4, seed: int = 0, scale: float = 3.0):
     """Over-confident synthetic logits with labels: a true signal times ``scale``."""
     rng = np.random.default_rng(seed)
