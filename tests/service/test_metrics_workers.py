@@ -198,7 +198,9 @@ def test_two_workers_metrics_add_up(server):
         assert fams["welltempered_live_labelled_rows"][key] == server["feedback_rows"]
         assert fams["welltempered_prediction_entropy_nats_count"][model] == (server["rows"])
         assert fams["welltempered_fit_duration_seconds_count"][(("method", "temperature"),)] == 1
-        assert fams["welltempered_fit_jobs"][(("status", "succeeded"),)] == 1
+        assert (
+            fams["welltempered_fit_jobs"][(("namespace", "default"), ("status", "succeeded"))] == 1
+        )
         assert fams["welltempered_database_up"][()] == 1
         for name in ("welltempered_live_ece_ratio", "welltempered_live_ece_bound_ratio"):
             assert fams[name] == seen[0][name]
