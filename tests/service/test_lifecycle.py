@@ -24,6 +24,7 @@ from service.vocabulary import DEFAULT_ALIAS, DEFAULT_NAMESPACE
 from tests.service.helpers import (
     assert_problem,
     create_model,
+    dead_process_temp,
     fit,
     hold_queue,
     logits_data,
@@ -356,15 +357,17 @@ def test_the_sweep_removes_old_orphans_and_keeps_named_files(client):
     named = dataset_files(client, "m", ds)
     arrays = store(client)
     orphan = arrays.put(np.arange(10.0))  # written, never committed (a killed upload)
-    leftover = arrays.temp_path(".npz")
+    leftover = dead_process_temp(arrays, ".npz")
+    mine = arrays.temp_path(".npz")  # an upload of this (live) process, however old
     state = client.app.state.welltempered
     done = array_refs.sweep(state.sessions, arrays, grace_seconds=60)
     assert done.files_removed == 0 and done.young_kept == 1 and leftover.exists()
     old = time.time() - 120
-    for path in (arrays.path(orphan), leftover, *(arrays.path(s) for s in named)):
+    for path in (arrays.path(orphan), leftover, mine, *(arrays.path(s) for s in named)):
         os.utime(path, (old, old))
     done = array_refs.sweep(state.sessions, arrays, grace_seconds=60)
     assert (done.files_removed, done.tmp_removed, done.young_kept) == (1, 1, 0)
+    assert mine.exists() and not leftover.exists()
     assert done.bytes_removed > 0
     assert files_on_disk(client) == named and not leftover.exists()
 
@@ -381,7 +384,7 @@ def test_orphans_of_a_killed_upload_go_at_the_next_start(settings):
         named = dataset_files(c, "m", ds)
         arrays = store(c)
     orphans = {arrays.put(np.full((50, 4), 7.0)), arrays.put(np.zeros(50, dtype=np.int64))}
-    spool = arrays.temp_path(".npz")
+    spool = dead_process_temp(arrays, ".npz")
     assert named | orphans == {f.sha256 for f in arrays.files()}
     with TestClient(create_app(settings)) as c:
         if settings.is_sqlite:

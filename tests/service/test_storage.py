@@ -15,7 +15,7 @@ from service.storage import fits, registry
 from service.storage.arrays import ArrayStore
 from service.storage.db import make_engine
 from service.vocabulary import DEFAULT_NAMESPACE
-from tests.service.helpers import create_model, logits_data, upload, wait_for
+from tests.service.helpers import create_model, dead_process_temp, logits_data, upload, wait_for
 
 
 def test_put_is_content_addressed_and_atomic(tmp_path, monkeypatch):
@@ -38,11 +38,16 @@ def test_put_is_content_addressed_and_atomic(tmp_path, monkeypatch):
     assert list(arrays.tmp.iterdir()) == []
 
 
-def test_clean_tmp_removes_leftovers(tmp_path):
+def test_clean_tmp_removes_leftovers_of_dead_processes_only(tmp_path):
     arrays = ArrayStore(tmp_path)
-    leftover = arrays.temp_path(".npz")
+    leftover = dead_process_temp(arrays, ".npz")
     leftover.write_bytes(b"half an upload")
-    assert arrays.clean_tmp() == 1 and not leftover.exists()
+    mine = arrays.temp_path(".npz")  # this process is alive: its upload stays
+    elsewhere = arrays.tmp / "other.host-1-abc.npz"  # another host's: by age only
+    elsewhere.write_bytes(b"x")
+    assert arrays.clean_tmp(older_than_seconds=3600) == 0
+    assert arrays.clean_tmp() == 2
+    assert not leftover.exists() and not elsewhere.exists() and mine.exists()
 
 
 def test_fits_left_by_a_dead_process_run_at_the_next_start(settings):
