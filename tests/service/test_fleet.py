@@ -201,3 +201,59 @@ def test_cancel_a_running_fit_on_a_worker(fleet_db, tmp_path):
         assert time.monotonic() - t0 < 5, started
         assert pid_of(started) == w.pid
         assert version(c, "m", v)["status"] == "cancelled"
+
+
+@pytest.mark.postgres
+def test_rolling_restart_of_both_replicas_behind_the_load_balancer(fleet_db, tmp_path):
+    """Two real API replicas behind HAProxy (the shipped config, tests/fleet_lb.py) and 8
+    clients predicting; each replica in turn gets SIGTERM and is started again: not one
+    request fails."""
+    import threading
+
+    from tests import fleet_lb
+
+    data = tmp_path / "data"
+    a = Server(fleet_db, data, host="127.0.0.2", **FAST_HEARTBEATS)
+    b = Server(fleet_db, data, host="127.0.0.3", run_fits="false", **FAST_HEARTBEATS)
+    with a, b, a.client() as c:
+        ds = prepare(c, "m", 1000, 10)
+        v = submit(c, "m", ds, "temperature")
+        wait_until(c, "m", v, lambda body: body["status"] == "succeeded")
+        assert c.put("/v1/models/m/aliases/production", json={"version": v}).status_code == 200
+        row = {"logits": logits_data(n=1, k=10)[0].tolist()}
+        with fleet_lb.running_haproxy([(a.host, a.port), (b.host, b.port)]) as lb:
+            lb.wait_until_up(2)
+            stop = threading.Event()
+            answered: list[int] = []
+            failures: list[str] = []
+
+            def client(i: int) -> None:
+                with httpx.Client(base_url=lb.base_url, timeout=30) as h:
+                    while not stop.is_set():
+                        try:
+                            r = h.post("/v1/models/m/predict", json=row)
+                        except httpx.HTTPError as exc:
+                            failures.append(f"client {i}: {exc!r}")
+                            continue
+                        if r.status_code == 200 and r.json()["version"] == v:
+                            answered.append(i)
+                        else:
+                            failures.append(f"client {i}: {r.status_code} {r.text[:200]}")
+
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+            for t in threads:
+                t.start()
+            try:
+                time.sleep(1.0)
+                for replica, name in ((a, "s1"), (b, "s2")):
+                    assert replica.stop() == 0
+                    lb.wait_until({name: "DOWN"})
+                    replica.start()
+                    lb.wait_until({name: "UP"})
+                    time.sleep(1.0)
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join(timeout=60)
+        assert failures == [], failures[:10]
+        assert len(answered) > 100
