@@ -28,7 +28,8 @@ of :class:`calibrators.linear.PenalisedSoftmax` (L-BFGS-B in variables whitened 
 per-class curvature blocks: diagonal + rank-1 for a full ``W``, exact 2 x 2 blocks
 of ``(w_i, b_i)`` for a diagonal one). Only the ranking of the candidates matters
 in the search, so its fits run on float32 copies of the features, to a looser
-tolerance (``CV_TOL``); the final fit is float64, to ``tol``. The folds are a fixed
+tolerance (``CV_TOL``); the final fit is float64, to ``tol``, its evaluations split
+over the threads by rows (:class:`_RowSplit`). The folds are a fixed
 permutation of the rows (``FOLD_SEED``): a fit is deterministic.
 
 SVS is linear in K per row, so it must fit language-model vocabularies (K =
@@ -49,6 +50,7 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -100,6 +102,12 @@ SOLVER = {"block_classes": 0, "diagonal_blocks": True}
 #: O(K) parameters, not for N x K features. SMS always holds them: its K**2
 #: parameters outgrow the features long before the features outgrow memory.
 HELD_ELEMENTS = 1 << 22
+#: The final fit's evaluations run on up to this many parts of the rows at once
+#: (:class:`_RowSplit`), each of at least SPLIT_ELEMENTS features (smaller parts
+#: cost more in threads than they save): fixed numbers, so that the fitted values
+#: do not depend on the machine's thread count.
+SPLIT_PARTS = 4
+SPLIT_ELEMENTS = 1 << 16
 #: Penalty options and the parts of the penalty they weigh.
 PARTS = {"reg_off_diagonal": "off", "reg_diagonal": "diag", "reg_intercept": "bias"}
 
@@ -269,6 +277,43 @@ class _ChunkedDiagonal(PenalisedSoftmax):
             return np.sum(u[np.arange(u.shape[0]), y[rows]], dtype=np.float64, keepdims=True)
 
         return -float(x.sum(chunk)[0]) / len(x)
+
+
+class _RowSplit(PenalisedSoftmax):
+    """:class:`calibrators.linear.PenalisedSoftmax` whose loss and gradient are
+    evaluated on parts of the rows at once, on up to ``n_threads()`` threads.
+
+    ``min(SPLIT_PARTS, N K // SPLIT_ELEMENTS)`` consecutive parts, each the same problem
+    on its rows (views, no copies). With weights ``n_i / N`` their losses and
+    gradients average to the whole problem's, penalty included (the weights sum
+    to 1). The solvers and the whitening are inherited. For the final fit, whose
+    evaluations would otherwise be one thread's work while the search's folds use
+    every thread.
+    """
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, structure: str, **options):
+        super().__init__(x, y, structure, **options)
+        parts = max(1, min(SPLIT_PARTS, self.n * self.k // SPLIT_ELEMENTS))
+        bounds = np.linspace(0, self.n, parts + 1)
+        bounds = bounds.astype(int)
+        self.parts = [
+            (PenalisedSoftmax(x[a:b], y[a:b], structure, **options), (b - a) / self.n)
+            for a, b in pairwise(bounds)
+        ]
+
+    def __call__(self, theta: np.ndarray):
+        if len(self.parts) == 1:
+            return super().__call__(theta)
+        self.evaluations += 1
+        workers = min(len(self.parts), n_threads())
+        if workers == 1:
+            results = [part(theta) for part, _ in self.parts]
+        else:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                results = list(pool.map(lambda part: part[0](theta), self.parts))
+        loss = sum(w * r[0] for (_, w), r in zip(self.parts, results, strict=True))
+        grad = sum(w * r[1] for (_, w), r in zip(self.parts, results, strict=True))
+        return loss, grad
 
 
 class _StructuredScaler(Calibrator):
@@ -449,12 +494,16 @@ class _StructuredScaler(Calibrator):
             if self.structure == "full" or part != "off"
         }
 
-    def _problem(self, x: np.ndarray, y: np.ndarray, multipliers: dict[str, float],
-                 **options):
-        """The penalised problem on rows ``x, y`` (the paper's rule with their N)."""
+    def _problem(self, x: np.ndarray, y: np.ndarray, multipliers: dict[str, float], *,
+                 split: bool = False, **options):
+        """The penalised problem on rows ``x, y`` (the paper's rule with their N);
+        ``split``: evaluated on all threads (:class:`_RowSplit`)."""
         n, k = x.shape
         scale = {"off": k * (k - 1) / n, "diag": k / n, "bias": k / n}
-        problem = PenalisedSoftmax if isinstance(x, np.ndarray) else _ChunkedDiagonal
+        if not isinstance(x, np.ndarray):
+            problem = _ChunkedDiagonal
+        else:
+            problem = _RowSplit if split else PenalisedSoftmax
         return problem(
             x, y, self.structure, **{part: m * scale[part] for part, m in multipliers.items()},
             **options,
@@ -510,7 +559,7 @@ class _StructuredScaler(Calibrator):
                   for m, s in zip(grid[: len(scores)], scores, strict=True)]
         else:
             multipliers = fixed
-        prob = self._problem(feats, y, multipliers)
+        prob = self._problem(feats, y, multipliers, split=True)
         res = prob.solve(prob.initial() if warm is None else warm, max_iter=opts["max_iter"],
                          tol=opts["tol"], **SOLVER)
         evaluations += prob.evaluations

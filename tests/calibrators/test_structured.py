@@ -358,3 +358,23 @@ def test_svs_cost_at_language_model_scale_is_independent_of_the_rows():
     assert large.bytes - small.bytes < 8 * 16 * (200_000 - 2_000)  # per-row vectors only
     sms = calibrators.estimate_cost("sms", 2_000, k)
     assert sms.bytes > 8 * k * k  # its K**2 weights: no chunking makes that fit
+
+
+@pytest.mark.parametrize("structure", ["diagonal", "full"])
+def test_the_split_evaluation_equals_the_whole_problem(structure, monkeypatch):
+    """The final fit's loss and gradient on parts of the rows (on threads) are the
+    whole problem's, penalty included; the parts do not depend on the thread count."""
+    monkeypatch.setattr(structured, "SPLIT_ELEMENTS", 100)
+    z, y = confused_logits(503, 6, seed=7)
+    x = structured_features(z, 0.8, 1e-4)
+    options = {"off": 0.01, "diag": 0.02, "bias": 0.03}
+    whole = structured.PenalisedSoftmax(x, y, structure, **options)
+    split = structured._RowSplit(x, y, structure, **options)
+    assert [round(w * 503) for _, w in split.parts] == [125, 126, 126, 126]
+    theta = whole.initial() + np.random.default_rng(0).normal(size=whole.initial().shape) * 0.1
+    (a, ga), (b, gb) = whole(theta), split(theta)
+    assert b == pytest.approx(a, rel=1e-13)
+    np.testing.assert_allclose(gb, ga, rtol=0, atol=1e-14)
+    monkeypatch.setattr(numerics, "n_threads", lambda: 1)
+    monkeypatch.setattr(structured, "n_threads", lambda: 1)
+    assert split(theta)[0] == b  # the same sums, one thread
