@@ -20,10 +20,15 @@ it. SVS has a diagonal ``W`` (``K`` scales), SMS a full one.
 
 The penalty multipliers ``lam`` scale the paper's rule (``lam = 1`` for all three
 is its default). Those left None are chosen together, as one multiplier, by
-k-fold cross-validation over ``grid``: each fold's problem uses its own N in the
-rule, the grid is walked from the strongest penalty down, each fit warm-started
-from its neighbour, until the CV NLL rises; the final fit on all rows starts from
-the mean of the folds' solutions. Every fit is solved to optimality by the solver
+cross-validation over ``grid``: the rows are dealt into ``n_folds`` folds, and for
+the first ``SCORED_FOLDS`` of them a problem on the other folds' rows is fitted and
+scored on the fold's; each problem uses its own N in the rule, the grid is walked
+from the strongest penalty down, each fit warm-started from its neighbour, until
+the CV NLL rises; the final fit on all rows starts from the mean of the fits'
+solutions. The fits' size (``(F - 1) / F`` of the rows) is what decides which
+penalty wins, since weak penalties pay off only with enough rows; scoring two
+folds rather than all four halves the search's work, and on the shared CIFAR
+outputs chooses the same penalties (``bench/README.md``). Every fit is solved to optimality by the solver
 of :class:`calibrators.linear.PenalisedSoftmax` (L-BFGS-B in variables whitened by
 per-class curvature blocks: diagonal + rank-1 for a full ``W``, exact 2 x 2 blocks
 of ``(w_i, b_i)`` for a diagonal one). Only the ranking of the candidates matters
@@ -90,6 +95,8 @@ CV_TOL = 1e-3
 CV_BLOCK_ROWS = 1024
 #: The walk along the grid stops at the first candidate worse than the best.
 PATIENCE = 1
+#: Folds the search fits and scores (the first ones; at most ``n_folds``).
+SCORED_FOLDS = 2
 #: Seed of the fold permutation.
 FOLD_SEED = 0
 #: Whitening of :meth:`calibrators.linear.PenalisedSoftmax.solve`: diagonal + rank-1
@@ -332,6 +339,8 @@ class _StructuredScaler(Calibrator):
         Candidate multipliers for the cross-validation (stored sorted, strongest
         first, without repeats).
     n_folds : int, default=4
+        Folds of the search: each fit is on ``(n_folds - 1) / n_folds`` of the rows
+        (``min(n_folds, SCORED_FOLDS)`` fits per candidate).
     max_iter : int, default=1000
         L-BFGS iterations per fit.
     tol : float, default=1e-9
@@ -424,8 +433,9 @@ class _StructuredScaler(Calibrator):
     def fit_cost(cls, n_samples: int, n_classes: int, options) -> Cost:
         """Memory and work of the fit: the features, the folds, the solver's state.
 
-        ``P`` parameters (``2 K`` for SVS, ``K**2 + K`` for SMS); ``F`` folds, ``T =
-        min(F, n_threads())`` of them fitted at once; ``C = len(grid)`` candidates
+        ``P`` parameters (``2 K`` for SVS, ``K**2 + K`` for SMS); ``F`` folds, of
+        which ``G = min(F, SCORED_FOLDS)`` are fitted per candidate, ``T = min(G,
+        n_threads())`` of them at once; ``C = len(grid)`` candidates
         when a multiplier is searched, else 0; ``b = min(N, BLOCK_ROWS)``. The
         solver holds ``S = 2 lbfgs_bytes(P, 20) + 8 * 30 P + B``: two L-BFGS-B
         workspaces, parameter-sized temporaries and the whitening ``B``:
@@ -434,13 +444,13 @@ class _StructuredScaler(Calibrator):
         ``E = HELD_ELEMENTS`` for SVS (infinite for SMS) and ``M = min(N K, E)``.
 
         * held features (SMS; SVS with ``N K <= E``): ``temperature + 8 M + max(2 *
-          8 M + S, T * fold) + 8 F C P + chunk_bytes(1, K, threads=1)``: the
+          8 M + S, T * fold) + 8 G C P + chunk_bytes(1, K, threads=1)``: the
           temperature fit's chunks, the features, the final fit's logits and
           softmax or ``fold = 8 M (3 (F - 1) + 1) / F + S`` (a fold's copies and
           temporaries) when searching, the fold solutions of the candidates, a
           chunk of slack.
         * chunked features (SVS with ``N K > E``): ``temperature + 8 N (F + 6) +
-          T (S + chunk_bytes(8, K) + 8 * 5 K n_threads()) + 8 F C P``: per-row
+          T (S + chunk_bytes(8, K) + 8 * 5 K n_threads()) + 8 G C P``: per-row
           labels, folds and row indices; per fold in flight the solver and, per
           thread, eight float64 temporaries of a row chunk (scores, logits,
           features, logits of the model, curvature weights) and a running sum of
@@ -449,7 +459,7 @@ class _StructuredScaler(Calibrator):
         * bytes = the first with held features; with chunked ones the larger of the
           two (the first capped at ``M = E``), so that the model never decreases
           in N or K across ``E``.
-        * flops = ``30 (1 + C F / 2) (4 N K**2 + SWEEP_FLOPS N K)`` for SMS
+        * flops = ``30 (1 + C G / 2) (4 N K**2 + SWEEP_FLOPS N K)`` for SMS
           (without ``4 N K**2`` for SVS, and ``3 SWEEP_FLOPS N K`` per evaluation
           with chunked features, which are recomputed each time): tens of
           evaluations per whitened solve, about half as many for a warm-started fold.
@@ -458,6 +468,7 @@ class _StructuredScaler(Calibrator):
         full = cls.structure == "full"
         params = k * k + k if full else 2 * k
         folds = options["n_folds"]
+        scored = min(folds, SCORED_FOLDS)
         searched = any(
             options[name] is None for name, part in PARTS.items() if full or part != "off"
         )
@@ -471,9 +482,9 @@ class _StructuredScaler(Calibrator):
         solver = 2 * lbfgs_bytes(params, 20) + 30 * FLOAT64 * params + whitening
         scores = FLOAT64 * held
         fold = scores * (3 * (folds - 1) + 1) / folds + solver if candidates else 0
-        threads = min(folds, n_threads()) if candidates else 1
+        threads = min(scored, n_threads()) if candidates else 1
         temperature = TemperatureScaler.fit_cost(n, k, TemperatureScaler().get_options())
-        solutions = FLOAT64 * folds * candidates * params
+        solutions = FLOAT64 * scored * candidates * params
         memory = temperature.bytes + scores + max(
             2 * scores + solver, threads * fold
         ) + solutions + chunk_bytes(1, n_classes=k, threads=1)
@@ -485,7 +496,7 @@ class _StructuredScaler(Calibrator):
             memory = max(memory, chunked)
             evaluation *= 3
         return Cost(bytes=int(memory), flops=temperature.flops
-                    + 30.0 * (1 + candidates * folds / 2) * evaluation)
+                    + 30.0 * (1 + candidates * scored / 2) * evaluation)
 
     def _multipliers(self, options: dict) -> dict[str, float | None]:
         """Penalty part -> multiplier (None: searched); SVS has no off-diagonal part."""
@@ -536,7 +547,8 @@ class _StructuredScaler(Calibrator):
                     f"{', '.join(o for o, p in PARTS.items() if p in searched)} explicitly for "
                     f"tiny sets. Got {n} rows."
                 )
-            total = len(grid) * n_folds + 1
+            scored = min(n_folds, SCORED_FOLDS)
+            total = len(grid) * scored + 1
             done = [0]
 
             def tick(fits):
@@ -550,7 +562,7 @@ class _StructuredScaler(Calibrator):
                 lambda xx, yy, m: self._problem(xx, yy, with_multiplier(m),
                                                 block_rows=CV_BLOCK_ROWS),
                 feats.astype(np.float32), y, fold_assignment(n, n_folds, FOLD_SEED), grid,
-                [None] * n_folds, tick, max_iter=opts["max_iter"], tol=max(opts["tol"], CV_TOL),
+                [None] * scored, tick, max_iter=opts["max_iter"], tol=max(opts["tol"], CV_TOL),
                 patience=PATIENCE, solve_options=SOLVER,
             )
             best = int(np.argmin(scores))
@@ -581,7 +593,8 @@ class _StructuredScaler(Calibrator):
             "evaluations": evaluations,
             "seconds": time.perf_counter() - started,
             "features": "held" if isinstance(feats, np.ndarray) else "chunked",
-            "cross_validation": {"n_folds": opts["n_folds"], "candidates": cv} if cv else None,
+            "cross_validation": {"n_folds": opts["n_folds"], "scored_folds": min(opts["n_folds"], SCORED_FOLDS),
+                                 "candidates": cv} if cv else None,
         }
 
 
