@@ -21,21 +21,23 @@ it. SVS has a diagonal ``W`` (``K`` scales), SMS a full one.
 The penalty multipliers ``lam`` scale the paper's rule (``lam = 1`` for all three
 is its default). Those left None are chosen together, as one multiplier, by
 cross-validation over ``grid``: the rows are dealt into ``n_folds`` folds, and for
-the first ``SCORED_FOLDS`` of them a problem on the other folds' rows is fitted and
-scored on the fold's; each problem uses its own N in the rule, the grid is walked
-from the strongest penalty down, each fit warm-started from its neighbour, until
-the CV NLL rises; the final fit on all rows starts from the mean of the fits'
-solutions. The fits' size (``(F - 1) / F`` of the rows) is what decides which
-penalty wins, since weak penalties pay off only with enough rows; scoring two
-folds rather than all four halves the search's work, and on the shared CIFAR
-outputs chooses the same penalties (``bench/README.md``). Every fit is solved to optimality by the solver
-of :class:`calibrators.linear.PenalisedSoftmax` (L-BFGS-B in variables whitened by
-per-class curvature blocks: diagonal + rank-1 for a full ``W``, exact 2 x 2 blocks
-of ``(w_i, b_i)`` for a diagonal one). Only the ranking of the candidates matters
-in the search, so its fits run on float32 copies of the features, to a looser
-tolerance (``CV_TOL``); the final fit is float64, to ``tol``, its evaluations split
-over the threads by rows (:class:`_RowSplit`). The folds are a fixed
-permutation of the rows (``FOLD_SEED``): a fit is deterministic.
+each of them (SMS: the first ``SMS_SCORED_FOLDS``) a problem on the other folds'
+rows is fitted and scored on the fold's; each problem uses its own N in the rule,
+the grid is walked from the strongest penalty down, each fit warm-started from
+its neighbour, until the CV NLL rises; the final fit on all rows starts from the
+mean of the fits' solutions. The fits' size (``(F - 1) / F`` of the rows) is what
+decides which penalty wins, since weak penalties pay off only with enough rows;
+for SMS, whose evaluations cost ``O(N K**2)``, scoring two folds rather than all
+four halves the search's work and on the shared CIFAR outputs chooses the same
+penalties; SVS's search is cheap and its CV curve flatter (two folds mislead it
+on CIFAR-100), so it scores all (``bench/README.md`` has both). Every fit is solved to
+optimality by the solver of :class:`calibrators.linear.PenalisedSoftmax` (L-BFGS-B
+in variables whitened by per-class curvature blocks: diagonal + rank-1 for a full
+``W``, exact 2 x 2 blocks of ``(w_i, b_i)`` for a diagonal one). Only the ranking
+of the candidates matters in the search, so its fits run on float32 copies of the
+features, to a looser tolerance (``CV_TOL``); the final fit is float64, to
+``tol``, its evaluations split over the threads by rows (:class:`_RowSplit`). The
+folds are a fixed permutation of the rows (``FOLD_SEED``): a fit is deterministic.
 
 SVS is linear in K per row, so it must fit language-model vocabularies (K =
 262,144) without an N x K copy: above ``HELD_ELEMENTS`` features its fit never
@@ -95,8 +97,8 @@ CV_TOL = 1e-3
 CV_BLOCK_ROWS = 1024
 #: The walk along the grid stops at the first candidate worse than the best.
 PATIENCE = 1
-#: Folds the search fits and scores (the first ones; at most ``n_folds``).
-SCORED_FOLDS = 2
+#: Folds the SMS search fits and scores (the first ones; at most ``n_folds``).
+SMS_SCORED_FOLDS = 2
 #: Seed of the fold permutation.
 FOLD_SEED = 0
 #: Whitening of :meth:`calibrators.linear.PenalisedSoftmax.solve`: diagonal + rank-1
@@ -340,7 +342,7 @@ class _StructuredScaler(Calibrator):
         first, without repeats).
     n_folds : int, default=4
         Folds of the search: each fit is on ``(n_folds - 1) / n_folds`` of the rows
-        (``min(n_folds, SCORED_FOLDS)`` fits per candidate).
+        (``n_folds`` fits per candidate; ``min(n_folds, SMS_SCORED_FOLDS)`` for SMS).
     max_iter : int, default=1000
         L-BFGS iterations per fit.
     tol : float, default=1e-9
@@ -434,7 +436,7 @@ class _StructuredScaler(Calibrator):
         """Memory and work of the fit: the features, the folds, the solver's state.
 
         ``P`` parameters (``2 K`` for SVS, ``K**2 + K`` for SMS); ``F`` folds, of
-        which ``G = min(F, SCORED_FOLDS)`` are fitted per candidate, ``T = min(G,
+        which ``G`` are fitted per candidate (:meth:`_scored_folds`), ``T = min(G,
         n_threads())`` of them at once; ``C = len(grid)`` candidates
         when a multiplier is searched, else 0; ``b = min(N, BLOCK_ROWS)``. The
         solver holds ``S = 2 lbfgs_bytes(P, 20) + 8 * 30 P + B``: two L-BFGS-B
@@ -468,7 +470,7 @@ class _StructuredScaler(Calibrator):
         full = cls.structure == "full"
         params = k * k + k if full else 2 * k
         folds = options["n_folds"]
-        scored = min(folds, SCORED_FOLDS)
+        scored = cls._scored_folds(folds)
         searched = any(
             options[name] is None for name, part in PARTS.items() if full or part != "off"
         )
@@ -497,6 +499,12 @@ class _StructuredScaler(Calibrator):
             evaluation *= 3
         return Cost(bytes=int(memory), flops=temperature.flops
                     + 30.0 * (1 + candidates * scored / 2) * evaluation)
+
+    @classmethod
+    def _scored_folds(cls, n_folds: int) -> int:
+        """Folds fitted and scored per candidate: all for SVS, at most
+        ``SMS_SCORED_FOLDS`` for SMS (see the module docstring)."""
+        return min(n_folds, SMS_SCORED_FOLDS) if cls.structure == "full" else n_folds
 
     def _multipliers(self, options: dict) -> dict[str, float | None]:
         """Penalty part -> multiplier (None: searched); SVS has no off-diagonal part."""
@@ -547,7 +555,7 @@ class _StructuredScaler(Calibrator):
                     f"{', '.join(o for o, p in PARTS.items() if p in searched)} explicitly for "
                     f"tiny sets. Got {n} rows."
                 )
-            scored = min(n_folds, SCORED_FOLDS)
+            scored = self._scored_folds(n_folds)
             total = len(grid) * scored + 1
             done = [0]
 
@@ -593,8 +601,10 @@ class _StructuredScaler(Calibrator):
             "evaluations": evaluations,
             "seconds": time.perf_counter() - started,
             "features": "held" if isinstance(feats, np.ndarray) else "chunked",
-            "cross_validation": {"n_folds": opts["n_folds"], "scored_folds": min(opts["n_folds"], SCORED_FOLDS),
-                                 "candidates": cv} if cv else None,
+            "cross_validation": {
+                "n_folds": opts["n_folds"], "scored_folds": self._scored_folds(opts["n_folds"]),
+                "candidates": cv,
+            } if cv else None,
         }
 
 

@@ -378,3 +378,18 @@ def test_the_split_evaluation_equals_the_whole_problem(structure, monkeypatch):
     monkeypatch.setattr(numerics, "n_threads", lambda: 1)
     monkeypatch.setattr(structured, "n_threads", lambda: 1)
     assert split(theta)[0] == b  # the same sums, one thread
+
+
+@pytest.mark.parametrize(("method", "scored"), [("svs", 4), ("sms", 2)])
+def test_the_search_scores_all_folds_for_svs_and_two_for_sms(method, scored, monkeypatch):
+    fits = []
+    original = structured.cross_validate_path
+
+    def spy(make_problem, feats, y, fold_of, candidates, warm, *args, **kwargs):
+        fits.append((len(warm), int(fold_of.max()) + 1))
+        return original(make_problem, feats, y, fold_of, candidates, warm, *args, **kwargs)
+
+    monkeypatch.setattr(structured, "cross_validate_path", spy)
+    cal, _, _ = fitted(method, n=400, k=4, grid=[1.0, 0.1])
+    assert fits == [(scored, 4)]  # scored folds of 4: each fit on 3/4 of the rows
+    assert cal.fit_info_["cross_validation"]["scored_folds"] == scored
