@@ -56,6 +56,9 @@ DEFAULT_GRID = (1e5, 1e4, 1e3, 1e2, 10.0, 1.0)
 CV_TOL = 1e-6
 #: Stop walking the grid after this many candidates in a row worse than the best.
 PATIENCE = 2
+#: After each stage of the search, the chosen penalty times and divided by this
+#: factor are tried too (None: no second pass).
+REFINE_FACTOR = None
 #: Full W (matrix, Dirichlet) up to this many classes is solved with per-class
 #: curvature blocks (see ``_Problem.solve``): 2 arrays of K (K+1)**2 float64, 34 MB
 #: at K = 128; above it, with their diagonal + rank-1 approximation.
@@ -792,6 +795,20 @@ class _LinearScaler(LinearSoftmax):
                 scores, thetas, evals = self._cross_validate(feats, y, fold_of, cands, warm, tick)
                 evaluations += evals
                 best = int(np.argmin(scores))
+                if REFINE_FACTOR:
+                    # A finer pass: the chosen value times and divided by the factor
+                    # (the tie of stage 1 kept), each warm-started from the choice.
+                    tried = len(scores)
+                    for f in (REFINE_FACTOR, 1.0 / REFINE_FACTOR):
+                        a, b = cands[best]
+                        cand = (a * f, b * f if mu is None else b) if stage == "lam" else (a, b * f)
+                        more, sols, evals = self._cross_validate(
+                            feats, y, fold_of, [cand], thetas[best], lambda _: None)
+                        evaluations += evals
+                        cands, scores, thetas = ([*cands[:tried], cand], scores + more,
+                                                 thetas + sols)
+                        tried += 1
+                    best = int(np.argmin(scores))
                 lam, mu = cands[best]
                 warm = thetas[best]
                 cv.extend(
