@@ -4,7 +4,8 @@ The scores live in a memory-mapped file (``--path``, written once in row chunks)
 so the process never holds them in its own memory; every method must work in
 memory proportional to a chunk of rows. Everything is measured in one process and
 reported against the floor, one lean float32 numpy logsumexp pass over the same
-memmap in row chunks (see ``bench/temperature.py``):
+memmap in row chunks (see ``bench/temperature.py``), measured (best of 3) again
+right before each method:
 
 * seconds and process CPU seconds of ``calibrators.create(method).fit(z, y)``;
 * ``traced``: the peak of tracemalloc (numpy and scipy buffers) during the fit;
@@ -165,34 +166,44 @@ def main(argv=None) -> None:
     z, y = make_memmap(path, n, k)
     print(f"memmap {path} ({z.nbytes / 2**30:.2f} GiB float32) ready in "
           f"{time.perf_counter() - t0:.1f} s")
-    floor = []
-    tracemalloc.start()
-    with PeakAnon() as anon:
-        for _ in range(3):
-            t0 = time.perf_counter()
-            floor_pass(z)
-            floor.append(time.perf_counter() - t0)
-    floor_traced = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    base = min(floor)
-    print(f"floor: one lean float32 logsumexp pass, best of 3: {base:.2f} s "
-          f"(rounds {', '.join(f'{f:.2f}' for f in floor)}); traced "
-          f"{floor_traced / 2**20:.1f} MiB, anon {anon.extra / 2**20:.1f} MiB\n")
-    print("| method | seconds | CPU s | x floor | passes | NLL | T | traced MiB | anon MiB "
-          "| estimate MiB | estimate / traced |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    def measure_floor() -> tuple[float, list[float], int, int]:
+        rounds = []
+        tracemalloc.start()
+        with PeakAnon() as anon:
+            for _ in range(3):
+                t0 = time.perf_counter()
+                floor_pass(z)
+                rounds.append(time.perf_counter() - t0)
+        traced = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return min(rounds), rounds, traced, anon.extra
+
+    # The floor is measured again before every method (best of 3 each time), and each
+    # method's ratio is to the floor measured just before it: load from other jobs
+    # comes and goes within a run of several minutes.
+    rows = []
     for method in args.methods.split(","):
         cost = calibrators.estimate_cost(method, n, k)
         if cost.bytes > _mem_available():
-            print(f"| {method} | skipped: estimate {cost.bytes / 2**30:.1f} GiB > available "
-                  f"{_mem_available() / 2**30:.1f} GiB | | | | | | | | | |")
+            rows.append(f"| {method} | skipped: estimate {cost.bytes / 2**30:.1f} GiB > "
+                        f"available {_mem_available() / 2**30:.1f} GiB | | | | | | | | | | |")
             continue
+        base, rounds, traced, anon = measure_floor()
+        print(f"floor before {method}: one lean float32 logsumexp pass, best of 3: "
+              f"{base:.2f} s (rounds {', '.join(f'{f:.2f}' for f in rounds)}); traced "
+              f"{traced / 2**20:.1f} MiB, anon {anon / 2**20:.1f} MiB", flush=True)
         r = run(method, z, y)
         temperature = "-" if r["temperature"] is None else f"{r['temperature']:.4f}"
-        print(f"| {method} | {r['seconds']:.1f} | {r['cpu']:.1f} | {r['seconds'] / base:.1f} "
-              f"| {r['passes']} | {r['nll']:.5f} | {temperature} | {r['traced'] / 2**20:.1f} "
-              f"| {r['anon'] / 2**20:.1f} | {cost.bytes / 2**20:.1f} "
-              f"| {cost.bytes / r['traced']:.2f} |", flush=True)
+        rows.append(
+            f"| {method} | {r['seconds']:.1f} | {r['cpu']:.1f} | {base:.2f} "
+            f"| {r['seconds'] / base:.1f} | {r['passes']} | {r['nll']:.5f} | {temperature} "
+            f"| {r['traced'] / 2**20:.1f} | {r['anon'] / 2**20:.1f} | {cost.bytes / 2**20:.1f} "
+            f"| {cost.bytes / r['traced']:.2f} |")
+        print(rows[-1], flush=True)
+    print("\n| method | seconds | CPU s | floor s | x floor | passes | NLL | T | traced MiB "
+          "| anon MiB | estimate MiB | estimate / traced |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("\n".join(rows))
     print(f"\n# load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if not args.keep:
         del z
