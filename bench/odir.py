@@ -300,6 +300,7 @@ def refine(files: list[str], rounds: int, factor: float) -> None:
     from calibrators.holdout import split_indices
     from calibrators.metrics import nll_loss
 
+    default = _linear.REFINE_FACTOR
     print(f"machine: {machine()}")
     print(f"refine: second pass at x{factor:.4g} and /{factor:.4g} around each stage's choice")
     print("| data | method | pass | held-out NLL | fit s (best) | fit s (rounds) | "
@@ -319,7 +320,7 @@ def refine(files: list[str], rounds: int, factor: float) -> None:
                     t0 = time.perf_counter()
                     fits[setting] = calibrators.create(method).fit(x, y, kind="probabilities")
                     times[setting].append(time.perf_counter() - t0)
-            _linear.REFINE_FACTOR = None
+            _linear.REFINE_FACTOR = default
             for setting in (None, factor):
                 cal, info = fits[setting], fits[setting].fit_info_
                 nll = nll_loss(cal.predict_proba(xt, kind="probabilities"), yt)
