@@ -4,12 +4,15 @@ The scores live in a memory-mapped file (``--path``, written once in row chunks)
 so the process never holds them in its own memory; every method must work in
 memory proportional to a chunk of rows. Everything is measured in one process and
 reported against the floor, one lean float32 numpy logsumexp pass over the same
-memmap in row chunks (see ``bench/temperature.py``):
+memmap in row chunks (see ``bench/temperature.py``), measured (best of 3) again
+right before each method:
 
 * seconds and process CPU seconds of ``calibrators.create(method).fit(z, y)``;
 * ``traced``: the peak of tracemalloc (numpy and scipy buffers) during the fit;
 * ``anon``: the peak anonymous resident memory (``RssAnon``, sampled every 5 ms)
   above its level before the fit: allocations, without the memmap's file pages;
+* ``NLL``: the fitted calibrator's mean NLL on the fitted rows, computed by this
+  script a row chunk at a time after the fit (not part of its time or memory);
 * ``estimate``: ``calibrators.estimate_cost(method, N, K).bytes``, the model the
   service's cost guard uses. A method whose estimate exceeds the memory
   available (``MemAvailable``) is skipped, as the guard would refuse it.
@@ -109,6 +112,17 @@ class PeakAnon:
         return False
 
 
+def chunked_nll(cal, z: np.ndarray, y: np.ndarray) -> float:
+    """Mean NLL of the fitted calibrator on ``z, y``, predicted a row chunk at a time."""
+    total = 0.0
+    step = max(1, (1 << 18) // z.shape[1])
+    for start in range(0, z.shape[0], step):
+        p = cal.predict_proba(z[start : start + step])
+        rows = np.arange(p.shape[0])
+        total -= float(np.log(np.maximum(p[rows, y[start : start + step]], 1e-300)).sum())
+    return total / z.shape[0]
+
+
 def run(method: str, z: np.ndarray, y: np.ndarray) -> dict:
     tracemalloc.start()
     try:
@@ -120,9 +134,12 @@ def run(method: str, z: np.ndarray, y: np.ndarray) -> dict:
     finally:
         tracemalloc.stop()
     info = cal.fit_info_
+    passes = info.get("passes")
+    if passes is None and "evaluations" in info:  # svs: loss evaluations, each one pass
+        passes = f"{info['evaluations']} evaluations"
     return {
         "seconds": seconds, "cpu": cpu, "traced": traced, "anon": anon.extra,
-        "passes": info.get("passes"), "nll": info.get("nll"),
+        "passes": passes, "nll": chunked_nll(cal, z, y),
         "temperature": info.get("temperature", getattr(cal, "temperature_", None)),
     }
 
@@ -137,7 +154,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=2_000)
     parser.add_argument("--k", type=int, default=262_144)
-    parser.add_argument("--methods", default="temperature,ets,pts,svs")
+    parser.add_argument("--methods", default="temperature,svs,pts,ets")
     parser.add_argument("--path", type=Path, default=None,
                         help="the memmap file (default: /tmp/welltempered-large-k-NxK.npy)")
     parser.add_argument("--keep", action="store_true", help="keep the memmap file")
@@ -149,28 +166,44 @@ def main(argv=None) -> None:
     z, y = make_memmap(path, n, k)
     print(f"memmap {path} ({z.nbytes / 2**30:.2f} GiB float32) ready in "
           f"{time.perf_counter() - t0:.1f} s")
-    floor = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        floor_pass(z)
-        floor.append(time.perf_counter() - t0)
-    base = min(floor)
-    print(f"floor: one lean float32 logsumexp pass, best of 3: {base:.2f} s\n")
-    print("| method | seconds | CPU s | x floor | passes | NLL | T | traced MiB | anon MiB "
-          "| estimate MiB | estimate / traced |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    def measure_floor() -> tuple[float, list[float], int, int]:
+        rounds = []
+        tracemalloc.start()
+        with PeakAnon() as anon:
+            for _ in range(3):
+                t0 = time.perf_counter()
+                floor_pass(z)
+                rounds.append(time.perf_counter() - t0)
+        traced = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return min(rounds), rounds, traced, anon.extra
+
+    # The floor is measured again before every method (best of 3 each time), and each
+    # method's ratio is to the floor measured just before it: load from other jobs
+    # comes and goes within a run of several minutes.
+    rows = []
     for method in args.methods.split(","):
         cost = calibrators.estimate_cost(method, n, k)
         if cost.bytes > _mem_available():
-            print(f"| {method} | skipped: estimate {cost.bytes / 2**30:.1f} GiB > available "
-                  f"{_mem_available() / 2**30:.1f} GiB | | | | | | | | | |")
+            rows.append(f"| {method} | skipped: estimate {cost.bytes / 2**30:.1f} GiB > "
+                        f"available {_mem_available() / 2**30:.1f} GiB | | | | | | | | | | |")
             continue
+        base, rounds, traced, anon = measure_floor()
+        print(f"floor before {method}: one lean float32 logsumexp pass, best of 3: "
+              f"{base:.2f} s (rounds {', '.join(f'{f:.2f}' for f in rounds)}); traced "
+              f"{traced / 2**20:.1f} MiB, anon {anon / 2**20:.1f} MiB", flush=True)
         r = run(method, z, y)
         temperature = "-" if r["temperature"] is None else f"{r['temperature']:.4f}"
-        print(f"| {method} | {r['seconds']:.1f} | {r['cpu']:.1f} | {r['seconds'] / base:.1f} "
-              f"| {r['passes']} | {r['nll']:.5f} | {temperature} | {r['traced'] / 2**20:.1f} "
-              f"| {r['anon'] / 2**20:.1f} | {cost.bytes / 2**20:.1f} "
-              f"| {cost.bytes / r['traced']:.2f} |", flush=True)
+        rows.append(
+            f"| {method} | {r['seconds']:.1f} | {r['cpu']:.1f} | {base:.2f} "
+            f"| {r['seconds'] / base:.1f} | {r['passes']} | {r['nll']:.5f} | {temperature} "
+            f"| {r['traced'] / 2**20:.1f} | {r['anon'] / 2**20:.1f} | {cost.bytes / 2**20:.1f} "
+            f"| {cost.bytes / r['traced']:.2f} |")
+        print(rows[-1], flush=True)
+    print("\n| method | seconds | CPU s | floor s | x floor | passes | NLL | T | traced MiB "
+          "| anon MiB | estimate MiB | estimate / traced |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("\n".join(rows))
     print(f"\n# load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if not args.keep:
         del z

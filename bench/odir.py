@@ -24,6 +24,7 @@ Usage::
 
     .venv/bin/python bench/odir.py                       # full size
     .venv/bin/python bench/odir.py --n 5000 --k 20       # quick check
+    .venv/bin/python bench/odir.py --refine              # the second pass, shared files
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import os
 import platform
 import time
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -42,6 +44,8 @@ import calibrators
 from calibrators import linear as _linear
 from calibrators.metrics import report
 
+#: The shared CIFAR outputs (``--refine``).
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 SEED = 20240917
 SCALE, MARGIN, LEAK = 7.0, 3.5, 0.6
 METHODS = ("temperature", "vector", "matrix", "dirichlet")
@@ -173,7 +177,13 @@ def main(argv=None) -> None:
         action="store_true",
         help="skip the memory tracing (it costs a little time)",
     )
+    ap.add_argument("--refine", action="store_true",
+                    help="instead: the search with and without a second pass on the shared files")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of --refine")
     args = ap.parse_args(argv)
+    if args.refine:
+        refine(["wideresnet-16-4-cifar-100", "lenet-5-cifar-10"], args.rounds, math.sqrt(10))
+        return
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
 
     print(f"machine: {machine()}")
@@ -276,6 +286,49 @@ def main(argv=None) -> None:
             f"{info['iterations']} iterations, {info['message']!r}"
         )
 
+    print(f"machine at the end: {machine()}")
+
+
+def refine(files: list[str], rounds: int, factor: float) -> None:
+    """Item 5 of issue 11: the search with and without ``linear.REFINE_FACTOR``.
+
+    Vector, matrix and Dirichlet scaling on the shared files (the shared split: fit on
+    the first half of ``default_rng(0).permutation(N)``, held-out NLL on the rest),
+    each fitted ``rounds`` times per setting, the settings interleaved within each
+    round; the fastest round of each is kept.
+    """
+    from calibrators.holdout import split_indices
+    from calibrators.metrics import nll_loss
+
+    default = _linear.REFINE_FACTOR
+    print(f"machine: {machine()}")
+    print(f"refine: second pass at x{factor:.4g} and /{factor:.4g} around each stage's choice")
+    print("| data | method | pass | held-out NLL | fit s (best) | fit s (rounds) | "
+          "lambda | mu | evaluations |")
+    print("| --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: |")
+    for stem in files:
+        with np.load(DATA / f"{stem}.npz") as data:
+            probs, labels = data["predictions"], data["ground_truth"]
+        fit, test = split_indices(len(labels), 0.5, seed=0)
+        (x, y), (xt, yt) = (probs[fit], labels[fit]), (probs[test], labels[test])
+        for method in ("vector", "matrix", "dirichlet"):
+            times = {None: [], factor: []}
+            fits = {}
+            for _ in range(rounds):
+                for setting in (None, factor):
+                    _linear.REFINE_FACTOR = setting
+                    t0 = time.perf_counter()
+                    fits[setting] = calibrators.create(method).fit(x, y, kind="probabilities")
+                    times[setting].append(time.perf_counter() - t0)
+            _linear.REFINE_FACTOR = default
+            for setting in (None, factor):
+                cal, info = fits[setting], fits[setting].fit_info_
+                nll = nll_loss(cal.predict_proba(xt, kind="probabilities"), yt)
+                name = "coarse" if setting is None else "refined"
+                print(f"| {stem} | {method} | {name} | {nll:.5f} | {min(times[setting]):.3f} | "
+                      f"{', '.join(f'{t:.2f}' for t in times[setting])} | "
+                      f"{_fmt(info['reg_lambda'])} | {_fmt(info['reg_mu'])} | "
+                      f"{info['evaluations']} |", flush=True)
     print(f"machine at the end: {machine()}")
 
 

@@ -18,8 +18,12 @@ When ``reg_lambda`` / ``reg_mu`` are not given they are chosen by k-fold
 cross-validation over a log-spaced grid: within each fold the grid is walked
 from the strongest penalty to the weakest, each fit warm-started from its
 neighbour's solution (so it starts near its own optimum; ``bench/odir.py``
-measures what that saves). The final model is refitted on all rows at the
-chosen penalties. Everything is deterministic for a given ``seed``.
+measures what that saves). After each stage a finer second pass tries the
+chosen penalty times and divided by ``REFINE_FACTOR`` (``sqrt(10)``, half a step
+of the grid; beyond its ends too): the CV NLL along the grid is not always
+unimodal, and the weakest or strongest candidate is sometimes the best. The
+final model is refitted on all rows at the chosen penalties. Everything is
+deterministic for a given ``seed``.
 
 References
 ----------
@@ -30,6 +34,7 @@ calibration", NeurIPS 2019.
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
@@ -56,6 +61,9 @@ DEFAULT_GRID = (1e5, 1e4, 1e3, 1e2, 10.0, 1.0)
 CV_TOL = 1e-6
 #: Stop walking the grid after this many candidates in a row worse than the best.
 PATIENCE = 2
+#: After each stage of the search, the chosen penalty times and divided by this
+#: factor are tried too (None: no second pass; ``bench/odir.py --refine``).
+REFINE_FACTOR = math.sqrt(10)
 #: Full W (matrix, Dirichlet) up to this many classes is solved with per-class
 #: curvature blocks (see ``_Problem.solve``): 2 arrays of K (K+1)**2 float64, 34 MB
 #: at K = 128; above it, with their diagonal + rank-1 approximation.
@@ -705,7 +713,8 @@ class _LinearScaler(LinearSoftmax):
           ``fold = 8 N K (3 (F - 1) + 1) / F + S`` (a fold's copies and
           temporaries) when a penalty is cross-validated (else 0); the fold
           solutions of the ``C`` candidates tried (``len(grid)`` per searched
-          penalty); a chunk of slack for small temporaries.
+          penalty, 2 more with ``REFINE_FACTOR``); a chunk of slack for small
+          temporaries.
         * flops = ``100 (1 + C F / 2) (4 N K**2 + SWEEP_FLOPS N K)`` for a full
           ``W`` (without ``4 N K**2`` for a diagonal one): about 100 loss
           evaluations per solve, the warm-started fold solves about half as many.
@@ -715,7 +724,7 @@ class _LinearScaler(LinearSoftmax):
         params = k * k + k if full else 2 * k
         folds = options["n_folds"]
         searched = [options["reg_mu"] is None, full and options["reg_lambda"] is None]
-        candidates = sum(searched) * len(options["grid"])
+        candidates = sum(searched) * (len(options["grid"]) + (2 if REFINE_FACTOR else 0))
         rows = min(n, BLOCK_ROWS)
         whitening = 0
         if full:
@@ -792,6 +801,20 @@ class _LinearScaler(LinearSoftmax):
                 scores, thetas, evals = self._cross_validate(feats, y, fold_of, cands, warm, tick)
                 evaluations += evals
                 best = int(np.argmin(scores))
+                if REFINE_FACTOR:
+                    # A finer pass: the chosen value times and divided by the factor
+                    # (the tie of stage 1 kept), each warm-started from the choice.
+                    tried = len(scores)
+                    for f in (REFINE_FACTOR, 1.0 / REFINE_FACTOR):
+                        a, b = cands[best]
+                        cand = (a * f, b * f if mu is None else b) if stage == "lam" else (a, b * f)
+                        more, sols, evals = self._cross_validate(
+                            feats, y, fold_of, [cand], thetas[best], lambda _: None)
+                        evaluations += evals
+                        cands, scores, thetas = ([*cands[:tried], cand], scores + more,
+                                                 thetas + sols)
+                        tried += 1
+                    best = int(np.argmin(scores))
                 lam, mu = cands[best]
                 warm = thetas[best]
                 cv.extend(

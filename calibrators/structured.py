@@ -20,16 +20,31 @@ it. SVS has a diagonal ``W`` (``K`` scales), SMS a full one.
 
 The penalty multipliers ``lam`` scale the paper's rule (``lam = 1`` for all three
 is its default). Those left None are chosen together, as one multiplier, by
-k-fold cross-validation over ``grid``: each fold's problem uses its own N in the
-rule, the grid is walked from the strongest penalty down, each fit warm-started
-from its neighbour, until the CV NLL rises; the final fit on all rows starts from
-the mean of the folds' solutions. Every fit is solved to optimality by the solver
-of :class:`calibrators.linear.PenalisedSoftmax` (L-BFGS-B in variables whitened by
-per-class curvature blocks: diagonal + rank-1 for a full ``W``, exact 2 x 2 blocks
-of ``(w_i, b_i)`` for a diagonal one). Only the ranking of the candidates matters
-in the search, so its fits run on float32 copies of the features, to a looser
-tolerance (``CV_TOL``); the final fit is float64, to ``tol``. The folds are a fixed
-permutation of the rows (``FOLD_SEED``): a fit is deterministic.
+cross-validation over ``grid``: the rows are dealt into ``n_folds`` folds, and for
+each of them (SMS: the first ``SMS_SCORED_FOLDS``) a problem on the other folds'
+rows is fitted and scored on the fold's; each problem uses its own N in the rule,
+the grid is walked from the strongest penalty down, each fit warm-started from
+its neighbour, until the CV NLL rises; the final fit on all rows starts from the
+mean of the fits' solutions. The fits' size (``(F - 1) / F`` of the rows) is what
+decides which penalty wins, since weak penalties pay off only with enough rows;
+for SMS, whose evaluations cost ``O(N K**2)``, scoring two folds rather than all
+four halves the search's work and on the shared CIFAR outputs chooses the same
+penalties; SVS's search is cheap and its CV curve flatter (two folds mislead it
+on CIFAR-100), so it scores all (``bench/README.md`` has both). Every fit is solved to
+optimality by the solver of :class:`calibrators.linear.PenalisedSoftmax` (L-BFGS-B
+in variables whitened by per-class curvature blocks: diagonal + rank-1 for a full
+``W``, exact 2 x 2 blocks of ``(w_i, b_i)`` for a diagonal one). Only the ranking
+of the candidates matters in the search, so its fits run on float32 copies of the
+features, to a looser tolerance (``CV_TOL``); the final fit is float64, to
+``tol``, its evaluations split over the threads by rows (:class:`_RowSplit`). The
+folds are a fixed permutation of the rows (``FOLD_SEED``): a fit is deterministic.
+
+SVS is linear in K per row, so it must fit language-model vocabularies (K =
+262,144) without an N x K copy: above ``HELD_ELEMENTS`` features its fit never
+holds them, but recomputes them from the scores one row chunk at a time on every
+pass (:class:`FeatureRows`), and sums the loss, gradient and curvature over the
+chunks (:class:`_ChunkedDiagonal`): the same problem and solver, memory for a few
+chunks per thread and the ``O(K)`` solver state, independent of N.
 
 References
 ----------
@@ -41,6 +56,8 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -49,13 +66,22 @@ from calibrators.base import Calibrator, Integer, Positive, Progress
 from calibrators.cost import FLOAT64, SWEEP_FLOPS, Cost, chunk_bytes, lbfgs_bytes
 from calibrators.linear import (
     BLOCK_ROWS,
+    DAMPING,
     PenalisedSoftmax,
     check_grid,
     cross_validate_path,
     fold_assignment,
 )
 from calibrators.linear_softmax import WEIGHT_SHAPES
-from calibrators.numerics import map_rows, n_threads, single_threaded_blas, softmax
+from calibrators.numerics import (
+    log_softmax,
+    map_rows,
+    n_threads,
+    row_chunks,
+    single_threaded_blas,
+    softmax,
+    softmax_terms,
+)
 from calibrators.temperature import TemperatureScaler
 from calibrators.validation import CalibrationInputError, logits64
 
@@ -71,17 +97,32 @@ CV_TOL = 1e-3
 CV_BLOCK_ROWS = 1024
 #: The walk along the grid stops at the first candidate worse than the best.
 PATIENCE = 1
+#: Folds the SMS search fits and scores (the first ones; at most ``n_folds``).
+SMS_SCORED_FOLDS = 2
 #: Seed of the fold permutation.
 FOLD_SEED = 0
 #: Whitening of :meth:`calibrators.linear.PenalisedSoftmax.solve`: diagonal + rank-1
 #: curvature blocks for a full W at any K (the penalty keeps them close to the
 #: exact blocks, for a fraction of their cost), 2 x 2 blocks for a diagonal W.
 SOLVER = {"block_classes": 0, "diagonal_blocks": True}
+#: SVS holds its features (float64, N x K) up to this many entries (32 MiB); above it
+#: every pass recomputes them from the scores one row chunk at a time
+#: (:class:`FeatureRows`), so a fit at K = 262,144 needs memory for chunks and
+#: O(K) parameters, not for N x K features. SMS always holds them: its K**2
+#: parameters outgrow the features long before the features outgrow memory.
+HELD_ELEMENTS = 1 << 22
+#: The final fit's evaluations run on up to this many parts of the rows at once
+#: (:class:`_RowSplit`), each of at least SPLIT_ELEMENTS features (smaller parts
+#: cost more in threads than they save): fixed numbers, so that the fitted values
+#: do not depend on the machine's thread count.
+SPLIT_PARTS = 4
+SPLIT_ELEMENTS = 1 << 16
 #: Penalty options and the parts of the penalty they weigh.
 PARTS = {"reg_off_diagonal": "off", "reg_diagonal": "diag", "reg_intercept": "bias"}
 
 
-def structured_features(z: np.ndarray, beta: float, smoothing: float) -> np.ndarray:
+def structured_features(z: np.ndarray, beta: float, smoothing: float, *,
+                        overwrite: bool = False) -> np.ndarray:
     """The preprocessed features ``log((softmax(beta z) + c) / (1 + K c))``.
 
     Parameters
@@ -92,6 +133,8 @@ def structured_features(z: np.ndarray, beta: float, smoothing: float) -> np.ndar
         Inverse temperature.
     smoothing : float
         ``c > 0``, added to every probability before the log.
+    overwrite : bool, default False
+        Compute in the memory of ``z`` (no temporary of its size).
 
     Returns
     -------
@@ -105,11 +148,181 @@ def structured_features(z: np.ndarray, beta: float, smoothing: float) -> np.ndar
     >>> float(np.exp(x).sum().round(12)), float(x.min().round(4))  # log(0.01 / 1.03)
     (1.0, -4.6347)
     """
-    x = softmax(beta * z)
+    if overwrite:
+        z *= beta
+        x = softmax_terms(z, overwrite=True)[0]
+    else:
+        x = softmax(beta * z)
     x += smoothing
     np.log(x, out=x)
     x -= math.log1p(z.shape[1] * smoothing)
     return x
+
+
+class FeatureRows:
+    """The features of some rows of the scores, computed one row chunk at a time.
+
+    Stands where an (n_rows, K) array of :func:`structured_features` would, for
+    the fits that must not hold one (:data:`HELD_ELEMENTS`): indexing rows gives
+    another :class:`FeatureRows` (an index array, no copy of the scores), and
+    :meth:`sum` adds up a function of the features of consecutive row chunks,
+    each computed from the scores when it is needed and dropped after.
+
+    Parameters
+    ----------
+    z : ndarray of shape (N, K)
+        Validated scores (any float dtype; a memmap is read chunk by chunk).
+    kind : {"logits", "probabilities"}
+    beta, smoothing : float
+        The preprocessing (:func:`structured_features`).
+    rows : ndarray of shape (n_rows,), int, optional
+        The rows of ``z`` these features are of (default: all, in order).
+    dtype : numpy dtype, default float64
+        The dtype of the feature chunks.
+    """
+
+    def __init__(self, z, kind: str, beta: float, smoothing: float, rows=None,
+                 dtype=np.float64):
+        self.z, self.kind, self.beta, self.smoothing = z, kind, beta, smoothing
+        self.rows, self.dtype = rows, np.dtype(dtype)
+        self.shape = (z.shape[0] if rows is None else len(rows), z.shape[1])
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key) -> FeatureRows:
+        local = np.arange(self.shape[0])[key]
+        rows = local if self.rows is None else self.rows[local]
+        return FeatureRows(self.z, self.kind, self.beta, self.smoothing, rows, self.dtype)
+
+    def astype(self, dtype) -> FeatureRows:
+        return FeatureRows(self.z, self.kind, self.beta, self.smoothing, self.rows, dtype)
+
+    def block(self, rows: slice) -> np.ndarray:
+        """The features of rows ``rows`` (positions in these rows), shape (n, K)."""
+        z = self.z[rows if self.rows is None else self.rows[rows]]
+        x = structured_features(logits64(z, self.kind), self.beta, self.smoothing,
+                                overwrite=True)
+        return x if x.dtype == self.dtype else x.astype(self.dtype)
+
+    def sum(self, fn) -> np.ndarray:
+        """``sum(fn(rows, self.block(rows)) for rows in row chunks)``, ``fn`` returning
+        float64 arrays of one shape: each of ``n_threads()`` threads adds up every
+        ``n_threads()``-th chunk as it goes, so only one chunk and one running total
+        per thread are alive (a list of per-chunk results would be N / rows-per-chunk
+        arrays of the result's size: gigabytes at K = 262,144)."""
+        slices = list(row_chunks(*self.shape))
+        workers = min(n_threads(), len(slices))
+
+        def run(group):
+            total = None
+            for rows in group:
+                part = fn(rows, self.block(rows))
+                total = part if total is None else np.add(total, part, out=total)
+            return total
+
+        if workers == 1:
+            return run(slices)
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return sum(pool.map(run, [slices[i::workers] for i in range(workers)]))
+
+
+class _ChunkedDiagonal(PenalisedSoftmax):
+    """:class:`calibrators.linear.PenalisedSoftmax` with a diagonal ``W`` on
+    :class:`FeatureRows`: the loss, gradient, curvature blocks and held-out NLL
+    summed over row chunks (float64 accumulators), the solvers inherited. The same
+    problem as on the held features, to the rounding of the sums."""
+
+    def __init__(self, x: FeatureRows, y: np.ndarray, structure: str, **options):
+        if structure != "diagonal":
+            raise ValueError(f"chunked features need a diagonal W. Got {structure!r}.")
+        super().__init__(x, y, structure, **options)
+
+    def __call__(self, theta: np.ndarray):
+        self.evaluations += 1
+        w, b = self.unpack(theta)
+
+        def chunk(rows, x):
+            y = self.y[rows]
+            at = np.arange(len(y))
+            u = self.logits(theta, x)
+            uy = u[at, y]
+            p, row_max, log_total = softmax_terms(u, overwrite=True)
+            p[at, y] -= 1.0
+            return np.concatenate([[np.sum(log_total - (uy - row_max), dtype=np.float64)],
+                                   np.einsum("nk,nk->k", p, x, dtype=np.float64),
+                                   p.sum(axis=0, dtype=np.float64)])
+
+        sums = self.x.sum(chunk) / self.n
+        loss, gw, gb = float(sums[0]), sums[1 : self.k + 1], sums[self.k + 1 :]
+        d = w - 1.0
+        loss += self.c_diag * float(d @ d) + self.c_bias * float(b @ b)
+        return loss, np.concatenate([gw + 2.0 * self.c_diag * d, gb + 2.0 * self.c_bias * b])
+
+    def diagonal_blocks(self, theta: np.ndarray) -> np.ndarray:
+        """As :meth:`PenalisedSoftmax.diagonal_blocks`, from sums over row chunks."""
+        x = self.x[:: -(-self.n // self.block_rows)]
+
+        def chunk(rows, xc):
+            q = np.exp(log_softmax(self.logits(theta, xc)))
+            q *= 1.0 - q
+            qx = q * xc
+            return np.stack([np.einsum("nk,nk->k", qx, xc, dtype=np.float64),
+                             qx.sum(axis=0, dtype=np.float64), q.sum(axis=0, dtype=np.float64),
+                             xc.sum(axis=0, dtype=np.float64),
+                             np.einsum("nk,nk->k", xc, xc, dtype=np.float64)])
+
+        qxx, qx, q, sx, sxx = x.sum(chunk) / len(x)
+        damping = DAMPING * float(q.mean())
+        blocks = np.empty((self.k, 2, 2))
+        blocks[:, 0, 0] = qxx + 2.0 * self.c_diag + damping * sxx
+        blocks[:, 0, 1] = blocks[:, 1, 0] = qx + damping * sx
+        blocks[:, 1, 1] = q + 2.0 * self.c_bias + damping
+        return blocks
+
+    def nll(self, theta: np.ndarray, x: FeatureRows, y: np.ndarray) -> float:
+        def chunk(rows, xc):
+            u = log_softmax(self.logits(theta, xc))
+            return np.sum(u[np.arange(u.shape[0]), y[rows]], dtype=np.float64, keepdims=True)
+
+        return -float(x.sum(chunk)[0]) / len(x)
+
+
+class _RowSplit(PenalisedSoftmax):
+    """:class:`calibrators.linear.PenalisedSoftmax` whose loss and gradient are
+    evaluated on parts of the rows at once, on up to ``n_threads()`` threads.
+
+    ``min(SPLIT_PARTS, N K // SPLIT_ELEMENTS)`` consecutive parts, each the same problem
+    on its rows (views, no copies). With weights ``n_i / N`` their losses and
+    gradients average to the whole problem's, penalty included (the weights sum
+    to 1). The solvers and the whitening are inherited. For the final fit, whose
+    evaluations would otherwise be one thread's work while the search's folds use
+    every thread.
+    """
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, structure: str, **options):
+        super().__init__(x, y, structure, **options)
+        parts = max(1, min(SPLIT_PARTS, self.n * self.k // SPLIT_ELEMENTS))
+        bounds = np.linspace(0, self.n, parts + 1)
+        bounds = bounds.astype(int)
+        self.parts = [
+            (PenalisedSoftmax(x[a:b], y[a:b], structure, **options), (b - a) / self.n)
+            for a, b in pairwise(bounds)
+        ]
+
+    def __call__(self, theta: np.ndarray):
+        if len(self.parts) == 1:
+            return super().__call__(theta)
+        self.evaluations += 1
+        workers = min(len(self.parts), n_threads())
+        if workers == 1:
+            results = [part(theta) for part, _ in self.parts]
+        else:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                results = list(pool.map(lambda part: part[0](theta), self.parts))
+        loss = sum(w * r[0] for (_, w), r in zip(self.parts, results, strict=True))
+        grad = sum(w * r[1] for (_, w), r in zip(self.parts, results, strict=True))
+        return loss, grad
 
 
 class _StructuredScaler(Calibrator):
@@ -128,6 +341,8 @@ class _StructuredScaler(Calibrator):
         Candidate multipliers for the cross-validation (stored sorted, strongest
         first, without repeats).
     n_folds : int, default=4
+        Folds of the search: each fit is on ``(n_folds - 1) / n_folds`` of the rows
+        (``n_folds`` fits per candidate; ``min(n_folds, SMS_SCORED_FOLDS)`` for SMS).
     max_iter : int, default=1000
         L-BFGS iterations per fit.
     tol : float, default=1e-9
@@ -144,7 +359,9 @@ class _StructuredScaler(Calibrator):
     bias_ : ndarray of shape (K,)
     fit_info_ : dict
         The multipliers used, the penalty coefficients, the search's candidates
-        and CV NLL, and how the final fit converged.
+        and CV NLL, how the final fit converged, and ``features``: "held" (an
+        N x K array) or "chunked" (:class:`FeatureRows`, SVS above
+        ``HELD_ELEMENTS``).
     """
 
     structure: ClassVar[str]
@@ -218,46 +435,76 @@ class _StructuredScaler(Calibrator):
     def fit_cost(cls, n_samples: int, n_classes: int, options) -> Cost:
         """Memory and work of the fit: the features, the folds, the solver's state.
 
-        ``P`` parameters (``2 K`` for SVS, ``K**2 + K`` for SMS); ``F`` folds, ``T =
-        min(F, n_threads())`` of them fitted at once; ``C = len(grid)`` candidates
+        ``P`` parameters (``2 K`` for SVS, ``K**2 + K`` for SMS); ``F`` folds, of
+        which ``G`` are fitted per candidate (:meth:`_scored_folds`), ``T = min(G,
+        n_threads())`` of them at once; ``C = len(grid)`` candidates
         when a multiplier is searched, else 0; ``b = min(N, BLOCK_ROWS)``. The
         solver holds ``S = 2 lbfgs_bytes(P, 20) + 8 * 30 P + B``: two L-BFGS-B
         workspaces, parameter-sized temporaries and the whitening ``B``:
         ``8 (6 K (K + 1) + 4 b (K + 1))`` for SMS (diagonal + rank-1 factors),
-        ``8 * 3 b K`` for SVS (the temporaries of its 2 x 2 blocks).
+        ``8 * 3 min(b K, E)`` for SVS (the temporaries of its 2 x 2 blocks), with
+        ``E = HELD_ELEMENTS`` for SVS (infinite for SMS) and ``M = min(N K, E)``.
 
-        * bytes = ``temperature + 8 N K + max(2 * 8 N K + S, T * fold) + 8 F C P +
-          chunk_bytes(1, K, threads=1)``: the temperature fit's chunks, the
-          features, the final fit's logits and softmax or ``fold = 8 N K (3 (F - 1)
-          + 1) / F + S`` (a fold's copies and temporaries) when searching, the
-          fold solutions of the candidates, a chunk of slack.
-        * flops = ``30 (1 + C F / 2) (4 N K**2 + SWEEP_FLOPS N K)`` for SMS
-          (without ``4 N K**2`` for SVS): tens of evaluations per whitened solve,
-          about half as many for a warm-started fold.
+        * held features (SMS; SVS with ``N K <= E``): ``temperature + 8 M + max(2 *
+          8 M + S, T * fold) + 8 G C P + chunk_bytes(1, K, threads=1)``: the
+          temperature fit's chunks, the features, the final fit's logits and
+          softmax or ``fold = 8 M (3 (F - 1) + 1) / F + S`` (a fold's copies and
+          temporaries) when searching, the fold solutions of the candidates, a
+          chunk of slack.
+        * chunked features (SVS with ``N K > E``): ``temperature + 8 N (F + 6) +
+          T (S + chunk_bytes(8, K) + 8 * 5 K n_threads()) + 8 G C P``: per-row
+          labels, folds and row indices; per fold in flight the solver and, per
+          thread, eight float64 temporaries of a row chunk (scores, logits,
+          features, logits of the model, curvature weights) and a running sum of
+          five K-vectors; the fold solutions. No term in ``N K``: at K = 262,144 it
+          is the ``O(K)`` solver state and a few one-row chunks per thread.
+        * bytes = the first with held features; with chunked ones the larger of the
+          two (the first capped at ``M = E``), so that the model never decreases
+          in N or K across ``E``.
+        * flops = ``30 (1 + C G / 2) (4 N K**2 + SWEEP_FLOPS N K)`` for SMS
+          (without ``4 N K**2`` for SVS, and ``3 SWEEP_FLOPS N K`` per evaluation
+          with chunked features, which are recomputed each time): tens of
+          evaluations per whitened solve, about half as many for a warm-started fold.
         """
         n, k = n_samples, n_classes
         full = cls.structure == "full"
         params = k * k + k if full else 2 * k
         folds = options["n_folds"]
+        scored = cls._scored_folds(folds)
         searched = any(
             options[name] is None for name, part in PARTS.items() if full or part != "off"
         )
         candidates = len(options["grid"]) if searched else 0
         rows = min(n, BLOCK_ROWS)
+        held = n * k if full else min(n * k, HELD_ELEMENTS)
         if full:
             whitening = FLOAT64 * (6 * k * (k + 1) + 4 * rows * (k + 1))
         else:
-            whitening = 3 * FLOAT64 * rows * k
+            whitening = 3 * FLOAT64 * min(rows * k, HELD_ELEMENTS)
         solver = 2 * lbfgs_bytes(params, 20) + 30 * FLOAT64 * params + whitening
-        scores = FLOAT64 * n * k
+        scores = FLOAT64 * held
         fold = scores * (3 * (folds - 1) + 1) / folds + solver if candidates else 0
+        threads = min(scored, n_threads()) if candidates else 1
         temperature = TemperatureScaler.fit_cost(n, k, TemperatureScaler().get_options())
+        solutions = FLOAT64 * scored * candidates * params
         memory = temperature.bytes + scores + max(
-            2 * scores + solver, min(folds, n_threads()) * fold
-        ) + FLOAT64 * folds * candidates * params + chunk_bytes(1, n_classes=k, threads=1)
+            2 * scores + solver, threads * fold
+        ) + solutions + chunk_bytes(1, n_classes=k, threads=1)
         evaluation = (4.0 * n * k * k if full else 0.0) + SWEEP_FLOPS * n * k
+        if not full and n * k > HELD_ELEMENTS:
+            chunked = temperature.bytes + FLOAT64 * n * (folds + 6) + threads * (
+                solver + chunk_bytes(8, n_classes=k) + FLOAT64 * 5 * k * n_threads()
+            ) + solutions
+            memory = max(memory, chunked)
+            evaluation *= 3
         return Cost(bytes=int(memory), flops=temperature.flops
-                    + 30.0 * (1 + candidates * folds / 2) * evaluation)
+                    + 30.0 * (1 + candidates * scored / 2) * evaluation)
+
+    @classmethod
+    def _scored_folds(cls, n_folds: int) -> int:
+        """Folds fitted and scored per candidate: all for SVS, at most
+        ``SMS_SCORED_FOLDS`` for SMS (see the module docstring)."""
+        return min(n_folds, SMS_SCORED_FOLDS) if cls.structure == "full" else n_folds
 
     def _multipliers(self, options: dict) -> dict[str, float | None]:
         """Penalty part -> multiplier (None: searched); SVS has no off-diagonal part."""
@@ -266,12 +513,17 @@ class _StructuredScaler(Calibrator):
             if self.structure == "full" or part != "off"
         }
 
-    def _problem(self, x: np.ndarray, y: np.ndarray, multipliers: dict[str, float],
-                 **options):
-        """The penalised problem on rows ``x, y`` (the paper's rule with their N)."""
+    def _problem(self, x: np.ndarray, y: np.ndarray, multipliers: dict[str, float], *,
+                 split: bool = False, **options):
+        """The penalised problem on rows ``x, y`` (the paper's rule with their N);
+        ``split``: evaluated on all threads (:class:`_RowSplit`)."""
         n, k = x.shape
         scale = {"off": k * (k - 1) / n, "diag": k / n, "bias": k / n}
-        return PenalisedSoftmax(
+        if not isinstance(x, np.ndarray):
+            problem = _ChunkedDiagonal
+        else:
+            problem = _RowSplit if split else PenalisedSoftmax
+        return problem(
             x, y, self.structure, **{part: m * scale[part] for part, m in multipliers.items()},
             **options,
         )
@@ -286,8 +538,11 @@ class _StructuredScaler(Calibrator):
         n, k = x.shape
         temperature = TemperatureScaler().fit(x, y, kind=kind)
         beta, smoothing = float(temperature.weight_), 1.0 / (n * k)
-        feats = map_rows(lambda block: structured_features(logits64(block, kind), beta,
-                                                           smoothing), x)
+        if self.structure == "full" or n * k <= HELD_ELEMENTS:
+            feats = map_rows(lambda block: structured_features(
+                logits64(block, kind), beta, smoothing, overwrite=True), x)
+        else:
+            feats = FeatureRows(x, kind, beta, smoothing)
         fixed = self._multipliers(opts)
         searched = [part for part, m in fixed.items() if m is None]
         grid = opts["grid"]
@@ -300,7 +555,8 @@ class _StructuredScaler(Calibrator):
                     f"{', '.join(o for o, p in PARTS.items() if p in searched)} explicitly for "
                     f"tiny sets. Got {n} rows."
                 )
-            total = len(grid) * n_folds + 1
+            scored = self._scored_folds(n_folds)
+            total = len(grid) * scored + 1
             done = [0]
 
             def tick(fits):
@@ -314,7 +570,7 @@ class _StructuredScaler(Calibrator):
                 lambda xx, yy, m: self._problem(xx, yy, with_multiplier(m),
                                                 block_rows=CV_BLOCK_ROWS),
                 feats.astype(np.float32), y, fold_assignment(n, n_folds, FOLD_SEED), grid,
-                [None] * n_folds, tick, max_iter=opts["max_iter"], tol=max(opts["tol"], CV_TOL),
+                [None] * scored, tick, max_iter=opts["max_iter"], tol=max(opts["tol"], CV_TOL),
                 patience=PATIENCE, solve_options=SOLVER,
             )
             best = int(np.argmin(scores))
@@ -323,7 +579,7 @@ class _StructuredScaler(Calibrator):
                   for m, s in zip(grid[: len(scores)], scores, strict=True)]
         else:
             multipliers = fixed
-        prob = self._problem(feats, y, multipliers)
+        prob = self._problem(feats, y, multipliers, split=True)
         res = prob.solve(prob.initial() if warm is None else warm, max_iter=opts["max_iter"],
                          tol=opts["tol"], **SOLVER)
         evaluations += prob.evaluations
@@ -344,7 +600,11 @@ class _StructuredScaler(Calibrator):
             "gradient_max": float(np.max(np.abs(res.jac))),
             "evaluations": evaluations,
             "seconds": time.perf_counter() - started,
-            "cross_validation": {"n_folds": opts["n_folds"], "candidates": cv} if cv else None,
+            "features": "held" if isinstance(feats, np.ndarray) else "chunked",
+            "cross_validation": {
+                "n_folds": opts["n_folds"], "scored_folds": self._scored_folds(opts["n_folds"]),
+                "candidates": cv,
+            } if cv else None,
         }
 
 

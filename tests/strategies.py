@@ -1,4 +1,5 @@
-"""Shared hypothesis strategies: labelled logit matrices of awkward shapes."""
+"""Shared hypothesis strategies: labelled logit matrices of awkward shapes, logits
+with ties and extreme values, random fitted params."""
 
 from __future__ import annotations
 
@@ -17,6 +18,26 @@ def logits_and_labels(draw, *, min_rows=1, max_rows=40, min_classes=2, max_class
     z = draw(hnp.arrays(dtype, (n, k), elements=elements))
     y = draw(hnp.arrays(np.int64, (n,), elements=st.integers(0, k - 1)))
     return z, y
+
+
+@st.composite
+def tied_extreme_logits(draw):
+    """Logits (N, K), N != K, K in 2..50, with ties, +-1e4 and a constant row.
+
+    Entries are multiples of 1/64 (exact in float32) from a small pool per matrix,
+    so ties are common and distinct entries differ by at least 1/64, a gap float64
+    resolves (a gap below float64 rounding is lost by any softmax, temperature
+    scaling's included). For the order-preservation properties of the
+    accuracy-preserving calibrators.
+    """
+    k = draw(st.integers(2, 50))
+    n = draw(st.integers(1, 30).filter(lambda n: n != k))
+    pool = draw(st.lists(st.integers(-640_000, 640_000), min_size=1, max_size=6))
+    pool = [v / 64 for v in pool] + [1e4, -1e4, 0.0]
+    z = draw(hnp.arrays(np.float64, (n, k), elements=st.sampled_from(pool)))
+    constant = draw(st.integers(0, n - 1))
+    z[constant] = z[constant, 0]  # one constant row
+    return z
 
 
 @st.composite

@@ -82,6 +82,15 @@ def assert_onnx_matches_numpy(cal: Calibrator, z32: np.ndarray, atol: float = 1e
     np.testing.assert_array_equal(out["label"], z32.argmax(axis=1))
 
 
+def assert_order_kept(z: np.ndarray, v: np.ndarray) -> None:
+    """Within each row: equal scores -> equal outputs, larger -> at least as large."""
+    less = z[:, :, None] < z[:, None, :]
+    equal = z[:, :, None] == z[:, None, :]
+    assert np.all(v[:, :, None] <= v[:, None, :], where=less)
+    assert np.all(v[:, :, None] == v[:, None, :], where=equal)
+    np.testing.assert_array_equal(v.argmax(axis=1), z.argmax(axis=1))
+
+
 def from_arrays(method: str, k: int, **arrays) -> Calibrator:
     """A fitted calibrator of ``method`` with the given arrays, through from_params."""
     params = {"method": method, "n_classes": k}

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 from scipy.optimize import minimize
 
 import calibrators
@@ -25,10 +24,12 @@ from calibrators.ensemble import simplex_weights
 from calibrators.parameterized import features, nll_terms
 from tests.calibrators.helpers import (
     assert_onnx_matches_numpy,
+    assert_order_kept,
     held_out_nll,
     labelled_logits,
     onnx_outputs,
 )
+from tests.strategies import tied_extreme_logits
 
 METHODS = ("ets", "pts")
 #: Largest allowed |ONNX - numpy| on probabilities, confidence and entropy.
@@ -36,25 +37,6 @@ ATOL = 1e-6
 
 
 # -- order kept, by construction -------------------------------------------------
-@st.composite
-def awkward_logits(draw):
-    """Logits (N, K), N != K, K in 2..50, with ties, +-1e4 and constant rows.
-
-    Entries are multiples of 1/64 (exact in float32), drawn from a small pool per
-    matrix so that ties are common; distinct entries differ by at least 1/64, a gap
-    float64 softmax resolves (gaps below float64 rounding are lost by any
-    softmax-based calibrator, temperature scaling included).
-    """
-    k = draw(st.integers(2, 50))
-    n = draw(st.integers(1, 30).filter(lambda n: n != k))
-    pool = draw(st.lists(st.integers(-640_000, 640_000), min_size=1, max_size=6))
-    pool = [v / 64 for v in pool] + [1e4, -1e4, 0.0]
-    z = draw(hnp.arrays(np.float64, (n, k), elements=st.sampled_from(pool)))
-    constant = draw(st.integers(0, n - 1))
-    z[constant] = z[constant, 0]  # one constant row
-    return z
-
-
 @st.composite
 def random_params(draw, method: str, k: int):
     """Fitted params of ``method`` with wide random values (any the class accepts)."""
@@ -76,20 +58,11 @@ def random_params(draw, method: str, k: int):
     }
 
 
-def assert_order_kept(z: np.ndarray, v: np.ndarray) -> None:
-    """Within each row: equal scores -> equal outputs, larger -> at least as large."""
-    less = z[:, :, None] < z[:, None, :]
-    equal = z[:, :, None] == z[:, None, :]
-    assert np.all(v[:, :, None] <= v[:, None, :], where=less)
-    assert np.all(v[:, :, None] == v[:, None, :], where=equal)
-    np.testing.assert_array_equal(v.argmax(axis=1), z.argmax(axis=1))
-
-
 @pytest.mark.parametrize("method", METHODS)
 @settings(max_examples=150)
 @given(data=st.data())
 def test_the_order_of_every_row_is_kept_ties_stay_ties(method, data):
-    z = data.draw(awkward_logits())
+    z = data.draw(tied_extreme_logits())
     cal = calibrators.from_params(data.draw(random_params(method, z.shape[1])))
     assert cal.preserves_argmax
     u = cal._forward(z)  # the calibrated logits (ONNX's label is their argmax)

@@ -24,11 +24,13 @@ from calibrators import CalibrationInputError, NotFittedError
 from calibrators.order_preserving import FEATURE_RANKS, FLOOR, N_KNOTS, IntraOrderPreserving
 from tests.calibrators.helpers import (
     assert_onnx_matches_numpy,
+    assert_order_kept,
     held_out_nll,
     labelled_logits,
     onnx_outputs,
 )
 from tests.helpers import load_shared
+from tests.strategies import tied_extreme_logits
 
 #: Largest allowed |ONNX - numpy| on probabilities, confidence and entropy.
 ATOL = 1e-6
@@ -52,25 +54,6 @@ def temperature_params(k: int, n_top: int, beta: float) -> dict:
 
 # -- the order of every row, by construction ---------------------------------------
 @st.composite
-def awkward_logits(draw):
-    """Logits (N, K), N != K, K in 2..50, with ties, +-1e4 and a constant row.
-
-    Entries are multiples of 1/64 (exact in float32) from a small pool per matrix,
-    so ties are common and distinct entries differ by at least 1/64, a gap float64
-    resolves (a gap below float64 rounding is lost by any softmax, temperature
-    scaling's included).
-    """
-    k = draw(st.integers(2, 50))
-    n = draw(st.integers(1, 30).filter(lambda n: n != k))
-    pool = draw(st.lists(st.integers(-640_000, 640_000), min_size=1, max_size=6))
-    pool = [v / 64 for v in pool] + [1e4, -1e4, 0.0]
-    z = draw(hnp.arrays(np.float64, (n, k), elements=st.sampled_from(pool)))
-    constant = draw(st.integers(0, n - 1))
-    z[constant] = z[constant, 0]
-    return z
-
-
-@st.composite
 def random_params(draw, k: int):
     """Any params the class accepts: wide ``beta``, negative entries (read as 0), any n_top."""
     n_top = draw(st.integers(1, 12))
@@ -82,19 +65,10 @@ def random_params(draw, k: int):
     )
 
 
-def assert_order_kept(z: np.ndarray, v: np.ndarray) -> None:
-    """Within each row: equal scores -> equal outputs, larger -> at least as large."""
-    less = z[:, :, None] < z[:, None, :]
-    equal = z[:, :, None] == z[:, None, :]
-    assert np.all(v[:, :, None] <= v[:, None, :], where=less)
-    assert np.all(v[:, :, None] == v[:, None, :], where=equal)
-    np.testing.assert_array_equal(v.argmax(axis=1), z.argmax(axis=1))
-
-
 @settings(max_examples=200)
 @given(data=st.data())
 def test_the_order_of_every_row_is_kept_ties_stay_ties(data):
-    z = data.draw(awkward_logits())
+    z = data.draw(tied_extreme_logits())
     cal = calibrators.from_params(data.draw(random_params(z.shape[1])))
     assert cal.preserves_argmax
     u = cal._forward(z)  # the calibrated logits (ONNX's label is their argmax)

@@ -15,7 +15,7 @@ from scipy.optimize import minimize
 from sklearn.base import clone
 
 import calibrators
-from calibrators import CalibrationInputError
+from calibrators import CalibrationInputError, numerics, structured
 from calibrators.numerics import log_softmax, softmax
 from calibrators.structured import structured_features
 from tests.calibrators.helpers import labelled_logits, onnx_outputs
@@ -300,3 +300,96 @@ def test_sms_is_close_to_or_below_matrix_scaling_on_lenet():
 def test_sms_is_close_to_or_below_matrix_scaling_on_cifar_100():
     stem = "wideresnet-16-4-cifar-100"
     _close_to_or_below(_held_out("sms", stem), _held_out("matrix", stem))
+
+
+# -- language-model vocabularies: SVS on chunked features ---------------------------------
+@pytest.mark.parametrize("options", [dict(FIXED, tol=1e-12), {"grid": [4.0, 1.0, 0.25, 1 / 16]}],
+                         ids=["fixed", "searched"])
+def test_chunked_svs_fit_equals_the_held_one(options, monkeypatch):
+    z, y = confused_logits(600, 7, seed=5)
+    held = calibrators.create("svs", **options).fit(z, y)
+    monkeypatch.setattr(structured, "HELD_ELEMENTS", 0)
+    monkeypatch.setattr(numerics, "CHUNK_ELEMENTS", 64)  # 9 rows a chunk: 67 chunks
+    chunked = calibrators.create("svs", **options).fit(z, y)
+    assert (held.fit_info_["features"], chunked.fit_info_["features"]) == ("held", "chunked")
+    # The search runs in float32, whose sums round differently in chunks: its CV NLL
+    # agree to float32 rounding, the final float64 fits to 1e-10 from nearby starts.
+    cv = [held.fit_info_["cross_validation"], chunked.fit_info_["cross_validation"]]
+    if cv[0] is not None:
+        assert [c["multiplier"] for c in cv[0]["candidates"]] == [
+            c["multiplier"] for c in cv[1]["candidates"]]
+        np.testing.assert_allclose([c["cv_nll"] for c in cv[0]["candidates"]],
+                                   [c["cv_nll"] for c in cv[1]["candidates"]], rtol=1e-6)
+    assert held.fit_info_["multipliers"] == chunked.fit_info_["multipliers"]
+    np.testing.assert_allclose(chunked.weight_, held.weight_, rtol=0, atol=1e-10)
+    np.testing.assert_allclose(chunked.bias_, held.bias_, rtol=0, atol=1e-10)
+    assert chunked.fit_info_["loss"] == pytest.approx(held.fit_info_["loss"], rel=1e-12)
+
+
+def _svs_peak(n: int, k: int, options: dict) -> int:
+    z, y = confused_logits(n, k, seed=k)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        calibrators.create("svs", **options).fit(z, y)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("options", [FIXED, {"grid": [1.0, 0.25]}], ids=["fixed", "searched"])
+def test_chunked_svs_memory_does_not_grow_with_the_rows(options, monkeypatch):
+    """Eight times the rows: the held fit's peak grows by float64 copies of the
+    extra rows, the chunked fit's by per-row vectors (labels, folds) only."""
+    k, small, large = 256, 500, 4_000
+    extra = 8 * (large - small) * k  # one float64 copy of the extra rows
+    held = _svs_peak(large, k, options) - _svs_peak(small, k, options)
+    monkeypatch.setattr(structured, "HELD_ELEMENTS", 0)
+    monkeypatch.setattr(numerics, "CHUNK_ELEMENTS", 32 * k)  # 32 rows a chunk: 16 to 125
+    grown = _svs_peak(large, k, options) - _svs_peak(small, k, options)
+    assert held > extra  # what the check would see if the features were held
+    assert grown < extra / 8, (grown, extra)
+
+
+def test_svs_cost_at_language_model_scale_is_independent_of_the_rows():
+    k = 262_144
+    small, large = (calibrators.estimate_cost("svs", n, k) for n in (2_000, 200_000))
+    assert small.bytes < small.input_bytes  # below the 1.95 GiB of float32 scores
+    assert large.bytes - small.bytes < 8 * 16 * (200_000 - 2_000)  # per-row vectors only
+    sms = calibrators.estimate_cost("sms", 2_000, k)
+    assert sms.bytes > 8 * k * k  # its K**2 weights: no chunking makes that fit
+
+
+@pytest.mark.parametrize("structure", ["diagonal", "full"])
+def test_the_split_evaluation_equals_the_whole_problem(structure, monkeypatch):
+    """The final fit's loss and gradient on parts of the rows (on threads) are the
+    whole problem's, penalty included; the parts do not depend on the thread count."""
+    monkeypatch.setattr(structured, "SPLIT_ELEMENTS", 100)
+    z, y = confused_logits(503, 6, seed=7)
+    x = structured_features(z, 0.8, 1e-4)
+    options = {"off": 0.01, "diag": 0.02, "bias": 0.03}
+    whole = structured.PenalisedSoftmax(x, y, structure, **options)
+    split = structured._RowSplit(x, y, structure, **options)
+    assert [round(w * 503) for _, w in split.parts] == [125, 126, 126, 126]
+    theta = whole.initial() + np.random.default_rng(0).normal(size=whole.initial().shape) * 0.1
+    (a, ga), (b, gb) = whole(theta), split(theta)
+    assert b == pytest.approx(a, rel=1e-13)
+    np.testing.assert_allclose(gb, ga, rtol=0, atol=1e-14)
+    monkeypatch.setattr(numerics, "n_threads", lambda: 1)
+    monkeypatch.setattr(structured, "n_threads", lambda: 1)
+    assert split(theta)[0] == b  # the same sums, one thread
+
+
+@pytest.mark.parametrize(("method", "scored"), [("svs", 4), ("sms", 2)])
+def test_the_search_scores_all_folds_for_svs_and_two_for_sms(method, scored, monkeypatch):
+    fits = []
+    original = structured.cross_validate_path
+
+    def spy(make_problem, feats, y, fold_of, candidates, warm, *args, **kwargs):
+        fits.append((len(warm), int(fold_of.max()) + 1))
+        return original(make_problem, feats, y, fold_of, candidates, warm, *args, **kwargs)
+
+    monkeypatch.setattr(structured, "cross_validate_path", spy)
+    cal, _, _ = fitted(method, n=400, k=4, grid=[1.0, 0.1])
+    assert fits == [(scored, 4)]  # scored folds of 4: each fit on 3/4 of the rows
+    assert cal.fit_info_["cross_validation"]["scored_folds"] == scored
