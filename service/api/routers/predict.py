@@ -214,6 +214,10 @@ def respond(
         "model": served.model,
         "version": served.version,
     }
+    if served.class_names is not None:  # the model's names of the classes answered
+        payload["label_names"] = served.class_names[out["label"]].tolist()
+        if query.top_k is not None:
+            payload["top_k_names"] = served.class_names[out["top_k_indices"]].tolist()
     return Response(
         orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY),
         media_type="application/json",
@@ -266,7 +270,8 @@ def install(app: FastAPI) -> None:
                 f"version}}, or with Accept: {NPY} the probabilities as .npy (version in "
                 f"{VERSION_HEADER}). With ?top_k=k, top_k_indices and top_k_probabilities "
                 "(n, k) replace probabilities; the .npy is then (n, k) records "
-                "(index int64, probability float32).",
+                "(index int64, probability float32). When the model has class_names, the "
+                "JSON adds label_names (n) and, with top_k, top_k_names (n, k).",
                 "content": {"application/json": {}, NPY: {}},
             }
         },
