@@ -1,4 +1,6 @@
-"""lifecycle: ``models.description`` and ``models.updated_at`` (PATCH of a model),
+"""lifecycle: models.description, updated_at; calibrator_versions.rejection, source.
+
+``models.description`` and ``models.updated_at`` (PATCH of a model),
 ``calibrator_versions.rejection`` (why the argmax policy rejected a version) and
 ``calibrator_versions.source`` (``fit``, or ``params`` for posted parameters).
 
