@@ -121,6 +121,7 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
         lifespan=lifespan,
         docs_url=None,  # service.api.docs serves them, with their assets
         redoc_url=None,
+        generate_unique_id_function=openapi.operation_id,
     )
     problems.install(app)
     docs.install(app)  # open, like /openapi.json: before auth

@@ -5,9 +5,17 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    WithJsonSchema,
+    model_validator,
+)
 
 from calibrators.holdout import DEFAULT_HOLDOUT
+from service.api.fit_options import OPTIONS_SCHEMA
 from service.api.pagination import NextCursor
 from service.storage.db import as_utc
 from service.vocabulary import (
@@ -150,7 +158,7 @@ class FitRequest(BaseModel):
         description="Share of rows held out to evaluate (and police argmax).",
     )
     seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed of the holdout permutation.")
-    options: dict[str, Any] = Field(
+    options: Annotated[dict[str, Any], WithJsonSchema(OPTIONS_SCHEMA)] = Field(
         default_factory=dict,
         description="Keyword options of calibrators.create(method, ...); for 'auto', "
         'keyed by method: {"matrix": {...}}.',
@@ -230,6 +238,31 @@ class VersionSummary(BaseModel):
 class VersionList(BaseModel):
     calibrators: list[VersionSummary]
     next_cursor: NextCursor = None
+
+
+class PredictOut(BaseModel):
+    """The JSON answer of predict (documentation: the route serialises it itself)."""
+
+    probabilities: list[list[float]] | None = Field(
+        None, description="(n, K) calibrated probabilities; absent with top_k."
+    )
+    top_k_indices: list[list[int]] | None = Field(
+        None, description="With top_k: (n, k) classes, most probable first."
+    )
+    top_k_probabilities: list[list[float]] | None = Field(
+        None, description="With top_k: (n, k) their probabilities."
+    )
+    labels: list[int] = Field(description="(n) predicted class of each row.")
+    confidence: list[float] = Field(description="(n) its probability.")
+    entropy: list[float] = Field(description="(n) entropy of each row, in nats.")
+    model: str
+    version: int = Field(description="The calibrator version that answered.")
+    label_names: list[str] | None = Field(
+        None, description="When the model has class_names: (n) the name of each label."
+    )
+    top_k_names: list[list[str]] | None = Field(
+        None, description="When the model has class_names, with top_k: (n, k) their names."
+    )
 
 
 class AliasPut(BaseModel):

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Depends, Request, Response
 
 from calibrators.holdout import split_indices
 from service.api.deps import ModelDep, SessionDep, StateDep, VersionDep
+from service.api.openapi import BINARY, OCTET_STREAM
 from service.api.pagination import Page, pages
 from service.api.schemas import (
     DeletedOut,
@@ -175,7 +176,7 @@ def delete_version(
 @router.get(
     "/{version}/onnx",
     response_class=Response,
-    responses={200: {"content": {"application/octet-stream": {}}, "description": "ONNX model"}},
+    responses={200: {"content": {OCTET_STREAM: BINARY}, "description": "ONNX model"}},
 )
 def get_onnx(model: ModelDep, version: VersionDep) -> Response:
     if version.status not in FITTED:

@@ -87,7 +87,12 @@ def dataset_out(dataset: Dataset, model: Model, *, with_metrics: bool = True) ->
     status_code=201,
     response_model=DatasetOut,
     openapi_extra=_UPLOAD_DOC,
-    responses={200: {"description": "Identical content was already uploaded: that dataset."}},
+    responses={
+        200: {
+            "description": "Identical content was already uploaded: that dataset.",
+            "model": DatasetOut,
+        }
+    },
 )
 def upload_dataset(
     model: ModelDep,
