@@ -121,6 +121,10 @@ def test_the_journey(served, generated):
         "gen", client=client, body=types.File(payload=io.BytesIO(npz(logits=z, labels=y)))
     )
     assert again.status_code == 200 and again.parsed.id == ds.id  # a repeated upload parses
+    other = npz(logits=z[:100], labels=y[:100])  # multipart, with a file field
+    form = m.UploadDatasetFilesBody(file=types.File(payload=io.BytesIO(other), file_name="o.npz"))
+    by_form = upload.sync_detailed("gen", client=client, body=form)
+    assert by_form.status_code == 201 and by_form.parsed.n == 100
 
     start = import_module(f"{PACKAGE}.api.calibrators.start_fit")
     options = m.TemperatureOptions(max_passes=40)
