@@ -2,7 +2,9 @@
 # The welltempered API: `welltempered serve` (uvicorn, several worker processes) on :8000.
 # CPU only: the service needs numpy, scipy and onnxruntime; torch is a test-only
 # dependency (pyproject.toml) and is not installed here.
-# Build and run with docker-compose.yml (PostgreSQL, migrate step, Prometheus, Grafana).
+# The same image runs `welltempered worker` (fits) and `welltempered migrate`. Build and
+# run with docker-compose.yml (PostgreSQL, migrate step, API replicas behind HAProxy,
+# workers, Prometheus, Grafana).
 
 FROM python:3.11-slim AS build
 ENV PIP_NO_CACHE_DIR=1 \

@@ -9,6 +9,7 @@ from sqlalchemy import Connection
 
 from service.settings import Settings
 from service.storage.db import Base, make_engine
+from service.storage.migrate import include_name
 
 config = context.config
 # Only the `alembic` command reads alembic.ini; service.storage.migrate builds its Config in code
@@ -33,6 +34,7 @@ def _configure(connection: Connection | None = None, url: str | None = None) -> 
         render_as_batch=dialect.startswith("sqlite"),
         compare_type=True,
         compare_server_default=True,
+        include_name=include_name,
         literal_binds=connection is None,
     )
 

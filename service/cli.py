@@ -1,4 +1,4 @@
-"""``welltempered``: serve, migrate, fit (offline), keys, gc. One function per subcommand.
+"""``welltempered``: serve, worker, migrate, fit (offline), keys, gc. One function per subcommand.
 
 A new subcommand is one entry in :data:`COMMANDS`: a name, a help line, a
 function that adds its arguments, and one that runs it and returns the exit code.
@@ -86,10 +86,9 @@ def serve(args: argparse.Namespace) -> int:
     from service import demo
     from service.api import exporter, timeouts
     from service.api.app import create_app
-    from service.jobs import fitting
     from service.observe import metrics
     from service.settings import Settings
-    from service.storage import array_refs, migrate
+    from service.storage import array_refs, fits, migrate
     from service.storage.arrays import ArrayStore
     from service.storage.db import make_engine
 
@@ -116,12 +115,15 @@ def serve(args: argparse.Namespace) -> int:
     engine = make_engine(settings.database_url)
     try:
         migrate.ensure_schema(engine, settings.database_url)
-        # Once, before any worker exists (several uvicorn workers must not each do it).
-        failed = fitting.recover(sessionmaker(engine))
-        if failed:
-            logging.warning("marked %d fit(s) left by a stopped server as failed", failed)
-        # No worker exists yet, nothing is in flight: every orphan goes, however young.
-        array_refs.sweep(sessionmaker(engine), ArrayStore(settings.data_dir), grace_seconds=0)
+        if settings.is_sqlite:
+            # The only process of this database file. Once, before any uvicorn worker
+            # exists (several must not each do it): fits left running by a stopped
+            # server are queued again, and every orphan file goes, however young.
+            # PostgreSQL: other replicas and workers may be busy; nothing is touched.
+            requeued = fits.requeue_running(sessionmaker(engine))
+            if requeued:
+                logging.warning("queued again %d fit(s) left running by a stopped server", requeued)
+            array_refs.sweep(sessionmaker(engine), ArrayStore(settings.data_dir), grace_seconds=0)
         if args.demo:
             demo.install(settings, engine)
     except migrate.NotMigrated as exc:
@@ -188,6 +190,66 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         if listener is not None:
             listener.stop()
+    return 0
+
+
+def _worker_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        metavar="N",
+        help="fits run at once by this worker (default: WELLTEMPERED_FIT_WORKERS)",
+    )
+    p.add_argument("--log-level", default="info")
+
+
+def worker(args: argparse.Namespace) -> int:
+    """Run fits from the queue until SIGTERM/SIGINT (PostgreSQL only)."""
+    import asyncio
+
+    from sqlalchemy.orm import sessionmaker
+
+    from service.jobs.queue import job_engine
+    from service.settings import Settings
+    from service.storage import migrate
+    from service.storage.db import make_engine
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
+    settings = Settings()
+    if settings.is_sqlite:
+        print(
+            "welltempered worker: fit workers share a PostgreSQL database with the API "
+            "(WELLTEMPERED_DATABASE_URL=postgresql+psycopg://...); with SQLite, `serve` runs "
+            "the fits itself.",
+            file=sys.stderr,
+        )
+        return 2
+    concurrency = settings.fit_workers if args.concurrency is None else args.concurrency
+    if concurrency < 1:
+        print(
+            f"welltempered worker: --concurrency must be >= 1. Got {concurrency}.", file=sys.stderr
+        )
+        return 2
+    use_database("worker", settings.database_url, create=False)  # PostgreSQL: says which
+    engine = make_engine(settings.database_url, application_name="welltempered-worker")
+    try:
+        migrate.ensure_schema(engine, settings.database_url)
+        jobs = job_engine(settings, sessionmaker(engine, expire_on_commit=False))
+        logging.info(
+            "worker %s: %d fit(s) at once, heartbeat every %g s",
+            jobs.name,
+            concurrency,
+            settings.worker_heartbeat_seconds,
+        )
+        # SIGTERM/SIGINT: the job engine stops taking jobs, gives the running ones
+        # WELLTEMPERED_FIT_GRACE_SECONDS, then hands them back; exit status 0.
+        asyncio.run(jobs.run_worker(concurrency, install_signal_handlers=True))
+    except migrate.NotMigrated as exc:
+        print(f"welltempered worker: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        engine.dispose()
     return 0
 
 
@@ -307,6 +369,7 @@ class Command:
 
 COMMANDS: list[Command] = [
     Command("serve", "run the HTTP service (uvicorn)", _serve_arguments, serve),
+    Command("worker", "run fits from the queue (PostgreSQL)", _worker_arguments, worker),
     Command("migrate", "upgrade the database to the latest schema", _no_arguments, migrate_command),
     Command("fit", "fit a calibrator offline from a .npz file", _fit_arguments, fit),
     Command("keys", "create, list or revoke API keys", _keys_arguments, keys_command),

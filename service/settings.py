@@ -80,7 +80,48 @@ class Settings(BaseSettings):
     )
     recover_jobs: bool = Field(
         True,
-        description="On startup, mark fits left queued/running by a dead process as failed.",
+        description="SQLite: on startup, queue again the fits a dead process left running "
+        "(`serve` does it once before its workers start). PostgreSQL: unused (workers that "
+        "die are detected by their heartbeats).",
+    )
+    # -- fit jobs (service/jobs/; docs/operations.md, "Scaling") --
+    run_fits: bool = Field(
+        True,
+        description="Whether this serve process runs fits. false: API only (PostgreSQL: "
+        "`welltempered worker` processes run them; SQLite: fits stay queued).",
+    )
+    max_queued_fits_per_namespace: int = Field(
+        16,
+        ge=1,
+        description="Fits queued or running in one namespace beyond which its new ones are "
+        "refused with 429 and Retry-After.",
+    )
+    max_running_fits_per_namespace: int = Field(
+        2,
+        ge=1,
+        description="Fits of one namespace running at once, fleet-wide; the others wait, "
+        "and other namespaces' fits go first (round-robin).",
+    )
+    fit_max_attempts: int = Field(
+        5,
+        ge=1,
+        description="Attempts of one fit (its workers died or were stopped) after which it "
+        "is marked failed.",
+    )
+    fit_grace_seconds: float = Field(
+        10.0,
+        ge=0,
+        description="On a clean stop of a process that runs fits, how long running fits "
+        "may go on; then they are stopped and handed back to the queue (never failed).",
+    )
+    worker_heartbeat_seconds: float = Field(
+        10.0, gt=0, description="Interval of a fit worker's heartbeat (PostgreSQL)."
+    )
+    worker_stalled_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="A fit worker silent for this long is presumed dead: its fits are "
+        "retried by another worker (PostgreSQL).",
     )
     # -- monitoring (service/observe/monitoring.py, docs/operations.md) --
     feedback_bucket_seconds: int = Field(
@@ -129,10 +170,10 @@ class Settings(BaseSettings):
     )
     max_classes: int = Field(10_000, ge=2, description="Largest num_classes (K) of a model.")
     max_queued_fits: int = Field(
-        16,
+        256,
         ge=1,
-        description="Fits queued or running (all namespaces) beyond which a new one is "
-        "refused with 429 and Retry-After.",
+        description="Fits queued or running in all namespaces beyond which a new one is "
+        "refused with 429 and Retry-After (the per-namespace limit comes first).",
     )
     shutdown_grace_seconds: float = Field(
         30.0,

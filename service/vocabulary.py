@@ -51,8 +51,9 @@ METHODS: tuple[str, ...] = (*calibrators.METHODS, AUTO)
 ARGMAX_POLICIES = ("require", "warn", "off")
 DEFAULT_ARGMAX_POLICY = "require"
 
-#: The life of a calibrator version (which is also its fit job).
-STATUSES = ("queued", "running", "succeeded", "rejected", "failed")
+#: The life of a calibrator version (which is also its fit job). ``cancelled``: a
+#: user stopped it (``POST .../cancel``) while it was queued or running.
+STATUSES = ("queued", "running", "succeeded", "rejected", "failed", "cancelled")
 #: Waiting for, or in, a fit worker.
 UNFINISHED = ("queued", "running")
 #: Fitted: params and hold-out metrics exist (only ``succeeded`` may be served).

@@ -16,14 +16,20 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.observe import metrics as obs
+from tests import fleet_lb
+from tests.fleet_lb import haproxy_binary
 from tests.helpers import WHEEL_SOURCES, skip_or_fail
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +41,7 @@ ALERTS_YML = ROOT / "deploy" / "prometheus" / "alerts.yml"
 ALERTS_TEST_YML = ROOT / "deploy" / "prometheus" / "alerts.test.yml"
 GRAFANA = ROOT / "deploy" / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "welltempered.json"
+HAPROXY_CFG = ROOT / "deploy" / "haproxy" / "haproxy.cfg"
 
 METRIC = re.compile(r"\bwelltempered_[a-z0-9_]+")
 #: Labels PromQL may group by besides the metric's own: bucket bound and target labels.
@@ -98,14 +105,16 @@ def exposition() -> str:
     metrics.observe_feedback("ns", "deploy-test", 1, 1)
     metrics.observe_fit("temperature", 0.1)
     metrics.observe_rate_limited("ns")
-    live = {"namespace": "ns", "model": "m", "version": 1}
-    hold = {**live, "alias": "production"}
+    value = {
+        "namespace": "ns",
+        "model": "m",
+        "version": 1,
+        "alias": "production",
+        "status": "queued",
+        "quantile": "0.5",
+    }
     snapshot = {
-        key: [({}, 1.0)]
-        if not spec.labels
-        else [({"status": "queued"}, 1.0)]
-        if spec.labels == ("status",)
-        else [(hold if "alias" in spec.labels else live, 0.5)]
+        key: [({name: value[name] for name in spec.labels}, 0.5)]
         for key, spec in obs.DB_GAUGES.items()
     }
     body, _ = metrics.render(lambda: snapshot)
@@ -156,9 +165,11 @@ def test_label_names_in_expressions_exist(dashboard):
             allowed = set(obs.METRICS[family][1]) | ({"le"} if name.endswith("_bucket") else set())
             for label in re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", matchers):
                 assert label in allowed, (expr, name, label)
+        # Grouping labels: those of a metric of the expression, or Prometheus's own.
+        own = {label for m in METRIC.findall(expr) for label in obs.METRICS[family_of(m)][1]}
         for group in re.findall(r"\b(?:by|on|without|ignoring)\s*\(([^)]*)\)", expr):
             for label in filter(None, (x.strip() for x in group.split(","))):
-                assert label in obs.LABELS | EXTRA_LABELS, (expr, label)
+                assert label in own | EXTRA_LABELS, (expr, label)
 
 
 def test_model_is_always_qualified_by_its_namespace(dashboard):
@@ -215,9 +226,31 @@ def bind_mounts(service: dict) -> list[tuple[str, str]]:
     return out
 
 
+#: The services of the fleet that run the application image.
+APP_SERVICES = ("migrate", "api", "worker")
+
+
+def named_volumes(service: dict) -> dict[str, str]:
+    """A service's named volumes (not bind mounts): volume name -> mount path."""
+    out = {}
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if not source.startswith((".", "/")):
+            out[source] = target
+    return out
+
+
+def seconds(duration: str) -> float:
+    """A compose or HAProxy duration ("40s", "1m30s", "500ms") in seconds."""
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * units[u] for n, u in parts)
+
+
 def test_compose_services_and_start_order(compose):
     services = compose["services"]
-    assert {"api", "postgres", "migrate", "prometheus", "grafana"} <= set(services)
+    assert {"api", "worker", "lb", "postgres", "migrate", "prometheus", "grafana"} <= set(services)
 
     pg = services["postgres"]
     assert "pg_isready" in " ".join(pg["healthcheck"]["test"])
@@ -227,20 +260,91 @@ def test_compose_services_and_start_order(compose):
     assert migrate["depends_on"]["postgres"]["condition"] == "service_healthy"
     assert migrate.get("restart", "no") == "no"
 
+    # Neither API replicas nor workers start before the schema is migrated: both
+    # refuse an unmigrated PostgreSQL database (exit status 2).
+    for name in ("api", "worker"):
+        service = services[name]
+        assert service["depends_on"]["postgres"]["condition"] == "service_healthy", name
+        assert service["depends_on"]["migrate"]["condition"] == "service_completed_successfully", (
+            name
+        )
+        assert service["build"] == migrate["build"] == ".", name
+        assert service["image"] == migrate["image"], name
+
     api = services["api"]
-    assert api["depends_on"]["postgres"]["condition"] == "service_healthy"
-    assert api["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
-    assert api["build"] == migrate["build"] == "." and api["image"] == migrate["image"]
     command = api["command"]
     assert command[:2] == ["welltempered", "serve"]
     assert command[command.index("--host") + 1] == "0.0.0.0"
     assert int(command[command.index("--workers") + 1]) > 1
     assert "/readyz" in " ".join(api["healthcheck"]["test"])
 
+    worker = services["worker"]
+    assert worker["command"][:2] == ["welltempered", "worker"]
+    # The image's HEALTHCHECK asks the API port, which a worker does not serve.
+    assert worker["healthcheck"] == {"disable": True}
+
+
+def test_compose_runs_a_fleet(compose):
+    """Two API-only replicas behind the load balancer, two fit workers, one array
+    volume mounted at the same path (their DATA_DIR) in every one of them."""
+    services = compose["services"]
+    api, worker, lb = services["api"], services["worker"], services["lb"]
+    assert api["deploy"]["replicas"] == 2
+    assert worker["deploy"]["replicas"] == 2
+    assert api["environment"]["WELLTEMPERED_RUN_FITS"] == "false"
+    assert worker["environment"].get("WELLTEMPERED_RUN_FITS", "true") != "false"
+    assert "container_name" not in api and "container_name" not in worker  # replicas
+
+    api_arrays, worker_arrays = named_volumes(api), named_volumes(worker)
+    shared = set(api_arrays) & set(worker_arrays)
+    assert len(shared) == 1, (api_arrays, worker_arrays)
+    (volume,) = shared
+    assert volume in compose["volumes"]
+    path = api_arrays[volume]
+    assert worker_arrays[volume] == path
+    for service in (api, worker):
+        assert service["environment"]["WELLTEMPERED_DATA_DIR"] == path
+        url = service["environment"]["WELLTEMPERED_DATABASE_URL"]
+        assert url == services["migrate"]["environment"]["WELLTEMPERED_DATABASE_URL"]
+
+    # Only the load balancer is published: the replicas are reached through it.
+    assert "ports" not in api and "ports" not in worker
+    assert lb["ports"] == ["8000:8000"]
+    assert lb["image"].startswith("haproxy:")
+    assert lb["depends_on"]["api"]["condition"] in ("service_started", "service_healthy")
+    config_path = dict(bind_mounts(lb))["./deploy/haproxy/haproxy.cfg"]
+    assert config_path == "/usr/local/etc/haproxy/haproxy.cfg"  # the image's default
+
+    # HAProxy finds the replicas by the service's DNS name, on the port they serve.
+    config = HAPROXY_CFG.read_text()
+    port = api["command"][api["command"].index("--port") + 1]
+    assert f"{port}" in api["expose"]
+    (template,) = re.findall(r"(?m)^\s+server-template \S+ (\d+) (\S+)$", config)
+    slots, address = template
+    assert address == f"api:{port}"
+    assert int(slots) >= api["deploy"]["replicas"]
+    assert re.search(r"(?m)^\s+bind :8000$", config)
+
+
+def test_compose_stop_grace_periods_cover_the_service_grace(compose):
+    """docker stops a container with SIGTERM, then SIGKILL after stop_grace_period (10 s
+    by default): each one must outlast what its process does on SIGTERM, or a clean stop
+    becomes a kill (a worker's fit would wait for its heartbeat to expire)."""
+    services = compose["services"]
+    api, worker, lb = services["api"], services["worker"], services["lb"]
+    api_grace = float(api["environment"]["WELLTEMPERED_SHUTDOWN_GRACE_SECONDS"])
+    assert seconds(api["stop_grace_period"]) > api_grace
+    fit_grace = float(worker["environment"]["WELLTEMPERED_FIT_GRACE_SECONDS"])
+    assert seconds(worker["stop_grace_period"]) > fit_grace + 5
+    (hard_stop,) = re.findall(r"(?m)^\s+hard-stop-after (\S+)$", HAPROXY_CFG.read_text())
+    assert seconds(lb["stop_grace_period"]) > seconds(hard_stop)
+    for service in (api, worker):
+        assert service.get("init") is True  # tini: signals reach the process, children reaped
+
 
 def test_compose_environment(compose):
     services = compose["services"]
-    for name in ("api", "migrate"):
+    for name in APP_SERVICES:
         url = services[name]["environment"]["WELLTEMPERED_DATABASE_URL"]
         assert url.startswith("postgresql+psycopg://") and "@postgres:5432/" in url
     api = services["api"]
@@ -291,7 +395,11 @@ def test_scrape_config_points_at_the_metrics_listener(compose):
     api = compose["services"]["api"]
     host, port = api["environment"]["WELLTEMPERED_METRICS_ADDRESS"].rsplit(":", 1)
     assert sd["names"] == ["api"] and sd["port"] == int(port) and host == "0.0.0.0"
-    assert api["ports"] == ["8000:8000"]  # the API only: never the listener's port
+    # Never the listener's port: the replicas publish nothing (the load balancer, 8000,
+    # refuses /metrics).
+    assert "ports" not in api
+    for service in compose["services"].values():
+        assert not any(str(m).endswith(f":{port}") for m in service.get("ports", []))
 
 
 def test_tenant_wide_views_are_published_on_loopback_only(compose):
@@ -491,16 +599,219 @@ def test_promtool_parses_every_dashboard_expression(dashboard, tmp_path):
 @pytest.mark.process
 def test_haproxy_config_is_valid():
     """deploy/haproxy/haproxy.cfg parses (unresolvable replica names are allowed: they
-    resolve at run time) and keeps the slow-client timeouts of docs/operations.md."""
-    haproxy = shutil.which("haproxy")
-    if haproxy is None:
-        skip_or_fail("haproxy not installed (run tools/ensure-promtool: Debian's haproxy)")
-    path = ROOT / "deploy" / "haproxy" / "haproxy.cfg"
-    done = run(haproxy, "-c", "-f", str(path))
+    resolve at run time), keeps the slow-client timeouts of docs/operations.md, and has
+    what a rolling restart needs: /readyz checks, retries on another replica, replays
+    limited to requests that may be repeated."""
+    done = run(haproxy_binary(), "-c", "-f", str(HAPROXY_CFG))
     assert done.returncode == 0, done.stdout + done.stderr
-    text = path.read_text()
-    for line in ("timeout http-request 10s", "timeout client 20s", "option http-buffer-request"):
-        assert line in text, line
+    text = HAPROXY_CFG.read_text()
+    for line in (
+        "timeout http-request 10s",
+        "timeout client 20s",
+        "option http-buffer-request",
+        "option httpchk GET /readyz",
+        "http-check expect status 200",
+        "retries 3",
+        "option redispatch 1",
+        "retry-on conn-failure empty-response",
+        "http-request disable-l7-retry unless replayable",
+    ):
+        assert re.search(rf"(?m)^\s+{re.escape(line)}$", text), line
+
+
+def test_fleet_lb_renders_the_deployed_config():
+    """tests/fleet_lb.py runs haproxy.cfg itself, with local servers instead of Docker's
+    DNS: everything but the bind address, the server lines and the stats socket is the
+    shipped file."""
+    config = fleet_lb.haproxy_config(
+        [("127.0.0.2", 8001), ("127.0.0.3", 8001)], ("127.0.0.1", 9000), "/tmp/lb.sock"
+    )
+    lines = config.splitlines()
+    assert "    bind 127.0.0.1:9000" in lines and "    bind :8000" not in lines
+    assert not any("server-template" in line for line in lines)
+    servers = [line.split()[1:3] for line in lines if line.lstrip().startswith("server ")]
+    assert servers == [["s1", "127.0.0.2:8001"], ["s2", "127.0.0.3:8001"]]
+    assert "    stats socket /tmp/lb.sock mode 600 level admin" in lines
+    shipped = [
+        line
+        for line in HAPROXY_CFG.read_text().splitlines()
+        if not re.match(r"\s+(?:bind|server-template) ", line)
+    ]
+    assert [line for line in lines if line in shipped] == shipped
+
+
+#: A trivial replica for the load-balancer tests: /readyz and /whoami answer its name;
+#: a POST answers its name too, or, with "drop", gets its connection closed unanswered
+#: (a replica dying mid-request). Every POST is logged, one line each.
+REPLICA = """
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+host, port, name, log, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def answer(self):
+        body = name.encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self.answer()
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        with open(log, "a") as f:
+            f.write(self.path + "\\n")
+        if mode == "drop":
+            self.close_connection = True
+            return
+        self.answer()
+
+    def log_message(self, *args):
+        pass
+
+
+ThreadingHTTPServer.allow_reuse_address = True
+ThreadingHTTPServer((host, port), Handler).serve_forever()
+"""
+
+
+class Replica:
+    """A :data:`REPLICA` process on ``host:port`` (the same port again on restart)."""
+
+    def __init__(self, host: str, name: str, log: Path, mode: str = "answer"):
+        self.host, self.name, self.log, self.mode = host, name, log, mode
+        self.port = fleet_lb.free_port(host)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (self.host, self.port)
+
+    def start(self) -> Replica:
+        args = [self.host, str(self.port), self.name, str(self.log), self.mode]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", REPLICA, *args], stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + 15
+        while not fleet_lb._listening(self.address):
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.name
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM: http.server dies at once, requests in flight included."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+
+    def posts(self) -> list[str]:
+        return self.log.read_text().splitlines() if self.log.exists() else []
+
+
+@pytest.fixture
+def replicas(tmp_path):
+    started: list[Replica] = []
+
+    def make(host: str, name: str, mode: str = "answer") -> Replica:
+        replica = Replica(host, name, tmp_path / f"{name}.log", mode).start()
+        started.append(replica)
+        return replica
+
+    yield make
+    for replica in started:
+        replica.stop()
+
+
+@pytest.mark.process
+def test_rolling_restart_behind_haproxy_loses_no_request(replicas):
+    """Two replicas behind haproxy.cfg (tests/fleet_lb.py) and 8 clients, reading and
+    predicting. Each replica in turn is killed (requests in flight die with it) and
+    started again: every request is answered 200, by the replica that is up."""
+    a, b = replicas("127.0.0.2", "a"), replicas("127.0.0.3", "b")
+    with fleet_lb.running_haproxy([a.address, b.address]) as lb:
+        lb.wait_until_up(2)
+        stop = threading.Event()
+        answers: list[str] = []
+        failures: list[str] = []
+
+        def client(i: int) -> None:
+            with httpx.Client(base_url=lb.base_url, timeout=10) as c:
+                n = 0
+                while not stop.is_set():
+                    n += 1
+                    try:
+                        if n % 2:
+                            r = c.get("/whoami")
+                        else:
+                            r = c.post("/v1/models/m/predict", json={"logits": [[0.0, 1.0]]})
+                    except httpx.HTTPError as exc:
+                        failures.append(f"client {i}: {exc!r}")
+                        continue
+                    if r.status_code == 200:
+                        answers.append(r.text)
+                    else:
+                        failures.append(f"client {i}: {r.status_code} {r.text[:200]}")
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(0.5)
+            for replica, server in ((a, "s1"), (b, "s2")):
+                replica.stop()
+                lb.wait_until({server: "DOWN"})
+                time.sleep(0.5)  # traffic on the other replica alone
+                replica.start()
+                lb.wait_until({server: "UP"})
+                time.sleep(0.5)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=30)
+    assert failures == [], failures[:10]
+    assert len(answers) > 100
+    assert set(answers) == {"a", "b"}
+
+
+@pytest.mark.process
+def test_haproxy_replays_only_requests_that_may_be_repeated(replicas):
+    """A replica that closes the connection without answering (it died mid-request):
+    predict and a keyed feedback are replayed on the other replica; a fit is sent once,
+    and its client gets no answer (a 502, or its own connection closed, as HAProxy does
+    for a request that came on a kept-alive connection): a replay could queue a second
+    version."""
+    drop, good = replicas("127.0.0.2", "drop", "drop"), replicas("127.0.0.3", "good")
+
+    def outcome(c: httpx.Client, path: str, **kwargs) -> int | str:
+        try:
+            return c.post(path, json={}, **kwargs).status_code
+        except httpx.RemoteProtocolError:
+            return "closed"
+
+    fit = "/v1/models/m/calibrators"
+    with fleet_lb.running_haproxy([drop.address, good.address]) as lb:
+        lb.wait_until_up(2)
+        with httpx.Client(base_url=lb.base_url, timeout=10) as c:
+            predicts = [outcome(c, "/v1/models/m/predict") for _ in range(20)]
+            keyed = [
+                outcome(c, "/v1/models/m/feedback", headers={"Idempotency-Key": f"k{i}"})
+                for i in range(20)
+            ]
+            fits = [outcome(c, fit) for _ in range(20)]
+    assert predicts == [200] * 20 and keyed == [200] * 20
+    assert drop.posts().count("/v1/models/m/predict") > 0  # replays were needed
+    # Each fit request reached one replica, once.
+    assert drop.posts().count(fit) + good.posts().count(fit) == 20
+    assert fits.count(200) == good.posts().count(fit)
+    unanswered = [o for o in fits if o != 200]
+    assert len(unanswered) == drop.posts().count(fit) > 0
+    assert set(unanswered) <= {502, "closed"}
 
 
 @pytest.mark.process

@@ -9,7 +9,7 @@ no table is recreated, existing rows keep their values (``source`` 'fit', the re
 NULL: rejections before this revision carry their argmax report only).
 
 Revision ID: 20261203_0100
-Revises: 20261203_0006
+Revises: 20261203_0007
 Create Date: 2026-12-03 01:00:00+00:00
 """
 
@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "20261203_0100"
-down_revision: str | None = "20261203_0006"
+down_revision: str | None = "20261203_0007"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -28,7 +27,7 @@ from service.api.routers import (
 )
 from service.api.timeouts import BodyTimeoutMiddleware
 from service.api.uploads import BodyLimitMiddleware
-from service.jobs.fitting import FitRunner, WorkerConfig, memory_budget, recover
+from service.jobs.queue import Fits
 from service.jobs.sweeper import Sweeper
 from service.observe.metrics import ServiceMetrics
 from service.observe.monitoring import MetricsMiddleware, observe_finished_fit
@@ -73,23 +72,13 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
             sessions = sessionmaker(engine, expire_on_commit=False)
             arrays = ArrayStore(settings.data_dir)
             arrays.ensure()
-            if settings.recover_jobs:
-                recover(sessions)
-                # Nothing is in flight yet: every orphan goes, however young.
+            if settings.recover_jobs and settings.is_sqlite:
+                # The only process of this database file, nothing in flight yet: every
+                # orphan goes, however young. (PostgreSQL: other replicas may be
+                # uploading; the periodic sweep's grace period applies.)
                 array_refs.sweep(sessions, arrays, grace_seconds=0)
-            config = WorkerConfig(
-                settings.database_url,
-                str(settings.data_dir),
-                settings.progress_interval_seconds,
-                settings.fit_threads or max(1, (os.cpu_count() or 2) // 2),
-                memory_budget(settings.fit_memory_bytes, settings.fit_workers),
-            )
-            fits = FitRunner(
-                settings.fit_executor,
-                settings.fit_workers,
-                config,
-                sessions,
-                on_finished=functools.partial(observe_finished_fit, metrics, sessions),
+            fits = Fits(
+                settings, sessions, functools.partial(observe_finished_fit, metrics, sessions)
             )
             onnx = SessionCache(settings.onnx_threads, settings.onnx_cache_size)
             serving = ServingCache(sessions, onnx, settings.alias_cache_seconds)
@@ -104,12 +93,13 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
                     settings.sweep_interval_seconds,
                     settings.orphan_grace_seconds,
                 ).start()
+            await fits.start()
             try:
                 yield
             finally:
                 if sweeper is not None:
                     sweeper.stop()
-                fits.shutdown()
+                await fits.stop()
         finally:
             engine.dispose()
             metrics.mark_process_dead()

@@ -19,7 +19,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.api.schemas import Kind
-from service.jobs.fitting import FitRunner
+from service.jobs.queue import Fits
 from service.observe.metrics import ServiceMetrics
 from service.security.auth import PrincipalDep
 from service.serving.inference import ServingCache
@@ -51,7 +51,7 @@ class AppState:
     engine: Engine
     sessions: sessionmaker[Session]
     arrays: ArrayStore
-    fits: FitRunner
+    fits: Fits
     serving: ServingCache
     metrics: ServiceMetrics
 

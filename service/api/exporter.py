@@ -125,6 +125,7 @@ class MetricsListener:
                 sessions,
                 settings.monitoring_window_seconds,
                 settings.feedback_bucket_seconds,
+                settings.worker_stalled_seconds,
             )
 
         if self.metrics is not None:

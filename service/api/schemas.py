@@ -220,6 +220,12 @@ class VersionOut(BaseModel):
         "fit", description="'fit': fitted here; 'params': posted parameters, evaluated here."
     )
     fit_seconds: float | None = None
+    attempts: int = Field(
+        0,
+        description="Attempts started: more than 1 when a worker died or was stopped during "
+        "the fit and another one took it over.",
+    )
+    worker: str | None = Field(None, description="The worker of the last attempt (host:pid:role).")
     created_at: Timestamp
     started_at: Timestamp | None = None
     finished_at: Timestamp | None = None

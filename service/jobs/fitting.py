@@ -1,37 +1,21 @@
-"""Background fits: the job function, the worker pool, and crash recovery.
+"""The fit itself and the checks made before it is queued.
 
-A calibrator version row *is* the job. Its life, and what a crash leaves:
-
-1. the API inserts it ``queued`` (committed) and submits its id to the pool;
-2. the worker flips it to ``running``, loads the dataset (``mmap``), fits, and
-   writes progress now and then;
-3. the worker writes the outcome (``succeeded`` / ``rejected`` with params and
-   metrics, or ``failed`` with the error) in ONE transaction, guarded by
-   ``WHERE status = 'running'``.
-
-A version that is not ``succeeded`` or ``rejected`` has no params, so a
-half-fitted calibrator is never visible. If the serve process dies, rows left
-``queued``/``running`` are marked ``failed`` by :func:`recover` on the next start.
-
-:func:`fit_job` is pure numerics (no database), so it is tested directly.
+:func:`fit_job` is pure numerics (no database): split, fit every candidate, evaluate
+on the hold-out, police the argmax. It is the same function whichever queue and
+worker run it (:mod:`service.jobs.attempts`), so it is tested directly.
+:func:`check_fit_request` and :func:`affordable` run at submission, so bad options
+and fits no worker can hold are a 422 then, not a failed job later.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
-import multiprocessing
 import os
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Engine
-from sqlalchemy.orm import sessionmaker
 
 import calibrators
 from calibrators import metrics
@@ -39,9 +23,6 @@ from calibrators.holdout import split_indices, split_sizes
 from calibrators.validation import to_probabilities
 from service.errors import FitTooLarge
 from service.jobs import evaluation
-from service.storage import fits
-from service.storage.arrays import ArrayStore
-from service.storage.db import make_engine
 from service.vocabulary import AUTO
 
 log = logging.getLogger("welltempered.fits")
@@ -91,8 +72,9 @@ def memory_budget(configured: int | None, fit_workers: int) -> int:
     return physical // (2 * max(1, fit_workers))
 
 
-def job_bytes(method: str, options: dict[str, Any], n_fit: int, n_hold: int, k: int,
-              itemsize: int) -> int:
+def job_bytes(
+    method: str, options: dict[str, Any], n_fit: int, n_hold: int, k: int, itemsize: int
+) -> int:
     """Memory estimate of one candidate's fit job, its scores included.
 
     The calibrator's own model (:func:`calibrators.estimate_cost`: working memory and
@@ -122,8 +104,17 @@ def _method_options(method: str, options: dict[str, Any], m: str) -> dict[str, A
     return (options.get(m) or {}) if method == AUTO else options
 
 
-def affordable(method: str, options: dict[str, Any], *, argmax_policy: str, n_rows: int,
-               k: int, itemsize: int, holdout: float, budget: int | None) -> tuple[str, ...]:
+def affordable(
+    method: str,
+    options: dict[str, Any],
+    *,
+    argmax_policy: str,
+    n_rows: int,
+    k: int,
+    itemsize: int,
+    holdout: float,
+    budget: int | None,
+) -> tuple[str, ...]:
     """The candidate methods of a fit whose memory estimate fits ``budget``.
 
     Raises :class:`service.errors.FitTooLarge` when none does (for an explicit method:
@@ -182,11 +173,18 @@ def fit_job(
 
     k = int(scores.shape[1])
     methods = affordable(
-        method, options, argmax_policy=argmax_policy, n_rows=labels.shape[0], k=k,
-        itemsize=scores.dtype.itemsize, holdout=holdout, budget=memory_budget,
+        method,
+        options,
+        argmax_policy=argmax_policy,
+        n_rows=labels.shape[0],
+        k=k,
+        itemsize=scores.dtype.itemsize,
+        holdout=holdout,
+        budget=memory_budget,
     )
-    skipped = [m for m in (auto_candidates(argmax_policy) if method == AUTO else ()) if
-               m not in methods]
+    skipped = [
+        m for m in (auto_candidates(argmax_policy) if method == AUTO else ()) if m not in methods
+    ]
     results: dict[str, dict[str, Any]] = {}
     started = time.perf_counter()
     for i, m in enumerate(methods):
@@ -236,204 +234,3 @@ def fit_job(
         "rejection": evaluation.rejection(results, argmax_policy),
         "fit_seconds": total,
     }
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """What a worker process needs (picklable): no engine crosses a process boundary."""
-
-    database_url: str
-    data_dir: str
-    progress_interval: float
-    threads: int | None = None
-    #: Bytes one fit may use (an ``auto`` fit skips the candidates above it).
-    memory_budget: int | None = None
-
-
-def _init_worker(threads: int | None) -> None:
-    """Runs first in each worker process: cap the numeric libraries' thread pools."""
-    if threads is not None:
-        from threadpoolctl import threadpool_limits
-
-        global _limits
-        _limits = threadpool_limits(limits=threads)
-
-
-_limits = None
-
-
-_engines: dict[str, Engine] = {}
-_engines_lock = threading.Lock()
-
-
-def _engine(url: str) -> Engine:
-    with _engines_lock:
-        if url not in _engines:
-            _engines[url] = make_engine(url)
-        return _engines[url]
-
-
-def dispose_engine(url: str) -> None:
-    with _engines_lock:
-        engine = _engines.pop(url, None)
-    if engine is not None:
-        engine.dispose()
-
-
-def run_fit(version_id: int, config: WorkerConfig) -> str:
-    """The job: runs in a worker process (or thread). Returns the final status."""
-    factory = sessionmaker(_engine(config.database_url))
-    task = fits.claim(factory, version_id)
-    if isinstance(task, str):  # not queued (any more): its status
-        return task
-
-    last = [0.0]
-
-    def progress(p: float) -> None:
-        now = time.monotonic()
-        if now - last[0] < config.progress_interval:
-            return
-        last[0] = now
-        try:
-            fits.record_progress(factory, version_id, round(float(p), 4))
-        except Exception:  # progress is advisory: never fail a fit for it
-            log.warning("could not record progress of version id %s", version_id, exc_info=True)
-
-    try:
-        store = ArrayStore(Path(config.data_dir))
-        scores, labels = store.load(task.scores_sha256), store.load(task.labels_sha256)
-        result = fit_job(
-            scores, labels, progress=progress, memory_budget=config.memory_budget, **task.spec
-        )
-    except Exception as exc:  # the job's outcome: recorded, not raised into the pool
-        log.info("fit of version id %s failed: %s", version_id, exc)
-        fits.finish(factory, version_id, status="failed", error=f"{type(exc).__name__}: {exc}")
-        return "failed"
-    fits.finish(factory, version_id, progress=1.0, error=None, **result)
-    return result["status"]
-
-
-def mark_failed(session_factory, version_id: int, error: str) -> None:
-    fits.fail_unfinished(session_factory, error, version_id)
-
-
-def recover(session_factory) -> int:
-    """Mark fits left queued/running by a dead serve process as failed; returns how many.
-
-    Called once when ``serve`` starts, before any worker exists: nothing can be
-    legitimately running then (one ``serve`` per database, see docs/operations.md).
-    """
-    return fits.fail_unfinished(
-        session_factory,
-        "interrupted: the server stopped before this fit finished; submit it again",
-    )
-
-
-class FitRunner:
-    """Owns the pool. Processes by default: a fit holds the GIL in places (scipy's
-    optimizer loop), and a process cannot slow the API's threads down.
-
-    ``on_finished(version_id)``, when given, is called in this process after a job
-    ran to its end (succeeded, rejected or failed by the fit itself), from the
-    thread that completes the job's future: the layer above records what it needs
-    (the app observes the fit's duration) without this module knowing of it. An
-    exception it raises is logged, never propagated.
-    """
-
-    def __init__(
-        self,
-        kind: str,
-        workers: int,
-        config: WorkerConfig,
-        session_factory,
-        on_finished: Callable[[int], None] | None = None,
-    ):
-        self.kind = kind
-        self.workers = workers
-        self.config = config
-        self.session_factory = session_factory
-        self.on_finished = on_finished
-        self._executor: cf.Executor | None = None
-        self._lock = threading.Lock()
-        self._pending: set[int] = set()
-
-    def _pool(self) -> cf.Executor:
-        with self._lock:
-            if self._executor is None:
-                if self.kind == "process":
-                    # spawn: never fork a process that holds sockets, locks and threads.
-                    ctx = multiprocessing.get_context("spawn")
-                    self._executor = cf.ProcessPoolExecutor(
-                        self.workers,
-                        mp_context=ctx,
-                        initializer=_init_worker,
-                        initargs=(self.config.threads,),
-                    )
-                else:
-                    self._executor = cf.ThreadPoolExecutor(self.workers, "welltempered-fit")
-            return self._executor
-
-    def submit(self, version_id: int) -> cf.Future:
-        try:
-            future = self._pool().submit(run_fit, version_id, self.config)
-        except cf.BrokenExecutor:
-            self._reset()
-            future = self._pool().submit(run_fit, version_id, self.config)
-        with self._lock:
-            self._pending.add(version_id)
-        future.add_done_callback(lambda f: self._done(version_id, f))
-        return future
-
-    def _reset(self) -> None:
-        with self._lock:
-            broken, self._executor = self._executor, None
-        if broken is not None:
-            broken.shutdown(wait=False, cancel_futures=True)
-
-    def _done(self, version_id: int, future: cf.Future) -> None:
-        with self._lock:
-            self._pending.discard(version_id)
-        if future.cancelled():
-            error = "cancelled: the server shut down before this fit started"
-        elif future.exception() is not None:
-            exc = future.exception()
-            error = f"the fit worker died: {type(exc).__name__}: {exc}"
-            if isinstance(exc, cf.BrokenExecutor):
-                self._reset()
-        else:
-            if self.on_finished is not None:
-                try:
-                    self.on_finished(version_id)
-                except Exception:
-                    log.exception("on_finished of version id %s failed", version_id)
-            return
-        try:
-            mark_failed(self.session_factory, version_id, error)
-        except Exception:
-            log.exception("could not mark version id %s failed", version_id)
-
-    def shutdown(self) -> None:
-        """Cancel queued fits and stop running ones (their rows become failed)."""
-        with self._lock:
-            executor, self._executor = self._executor, None
-            pending = set(self._pending)
-        if executor is None:
-            return
-        executor.shutdown(wait=False, cancel_futures=True)
-        processes = getattr(executor, "_processes", None) or {}
-        for proc in list(processes.values()):
-            proc.terminate()
-        for proc in list(processes.values()):
-            proc.join(timeout=5)
-        for version_id in pending:
-            try:
-                mark_failed(
-                    self.session_factory,
-                    version_id,
-                    "interrupted: the server shut down before this fit finished",
-                )
-            except Exception:
-                log.exception("could not mark version id %s failed", version_id)
-        if self.kind == "thread":
-            executor.shutdown(wait=True)
-            dispose_engine(self.config.database_url)

@@ -147,7 +147,9 @@ __all__ = [
 
 PREFIX = "welltempered_"
 #: The closed set of label names.
-LABELS = frozenset({"namespace", "model", "version", "alias", "method", "route", "status"})
+LABELS = frozenset(
+    {"namespace", "model", "version", "alias", "method", "route", "status", "quantile"}
+)
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 #: ``route`` of a request no route matched (404s of unknown paths): one series, not one
 #: per path a scanner tries.
@@ -324,9 +326,37 @@ DB_GAUGES: dict[str, GaugeSpec] = {
     for spec_key, spec in {
         "fit_jobs": (
             "welltempered_fit_jobs",
-            "Calibrator fit jobs in the database, by status (queued, running, succeeded, "
-            "rejected, failed).",
-            ("status",),
+            "Calibrator fit jobs in the database, by namespace and status (queued, running, "
+            "succeeded, rejected, failed, cancelled).",
+            ("namespace", "status"),
+        ),
+        "fit_queue_oldest": (
+            "welltempered_fit_queue_oldest_seconds",
+            "Age of the oldest queued fit of a namespace (absent when none is queued).",
+            ("namespace",),
+        ),
+        "fit_workers_alive": (
+            "welltempered_fit_workers_alive",
+            "Fit workers whose heartbeat is younger than WELLTEMPERED_WORKER_STALLED_SECONDS, "
+            "fleet-wide (PostgreSQL; absent on SQLite, where the serve process runs fits).",
+            (),
+        ),
+        "fit_retries": (
+            "welltempered_fit_retries",
+            "Attempts beyond the first (a worker died or was stopped mid-fit) of the fits "
+            "unfinished or finished in the window.",
+            ("namespace",),
+        ),
+        "fit_seconds": (
+            "welltempered_fit_seconds",
+            "Quantiles (0.5, 0.95, 1) of the fit time of the fits finished in the window.",
+            ("namespace", "quantile"),
+        ),
+        "fit_wait_seconds": (
+            "welltempered_fit_wait_seconds",
+            "Quantiles (0.5, 0.95, 1) of the queue wait (queued -> started, last attempt) of "
+            "the fits finished in the window.",
+            ("namespace", "quantile"),
         ),
         "holdout_ece": (
             "welltempered_holdout_ece_ratio",
@@ -408,7 +438,7 @@ class DatabaseQualityCollector:
     snapshot : callable () -> :data:`Snapshot`
         Reads the database (plain rows, no prometheus objects), e.g.::
 
-            {"fit_jobs": [({"status": "running"}, 1), ({"status": "failed"}, 2)],
+            {"fit_jobs": [({"namespace": "a", "status": "running"}, 1)],
              "holdout_ece": [({"namespace": "team-a", "model": "m", "version": 3,
                               "alias": "production"}, 0.012)],
              "live_ece": [({"namespace": "team-a", "model": "m", "version": 3}, 0.019)],
@@ -425,7 +455,8 @@ class DatabaseQualityCollector:
 
     Examples
     --------
-    >>> c = DatabaseQualityCollector(lambda: {"fit_jobs": [({"status": "queued"}, 2)]})
+    >>> c = DatabaseQualityCollector(
+    ...     lambda: {"fit_jobs": [({"namespace": "a", "status": "queued"}, 2)]})
     >>> [(m.name, [s.value for s in m.samples]) for m in c.collect()][:1]
     [('welltempered_fit_jobs', [2.0])]
     """

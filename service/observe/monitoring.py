@@ -25,6 +25,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Mapping
+from datetime import datetime, timedelta
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,7 @@ from calibrators.validation import PROBABILITY_FLOOR
 from service.errors import InvalidInput, NotReady
 from service.observe import metrics as obs
 from service.storage import fits, quality, registry
-from service.storage.db import CalibratorVersion, Model
+from service.storage.db import CalibratorVersion, Model, as_utc, utcnow
 from service.storage.quality import SUMS
 from service.vocabulary import FITTED, STATUSES, format_duration, parse_duration
 
@@ -252,7 +253,42 @@ def monitored_version(session: Session, model: Model, version: int | None) -> Ca
 # /metrics: the database gauges
 
 
-def snapshot(sessions: sessionmaker, window_seconds: int, bucket_seconds: int) -> obs.Snapshot:
+QUANTILES = (0.5, 0.95, 1.0)
+
+
+def _seconds(later: datetime, earlier: datetime) -> float:
+    return max(0.0, (as_utc(later) - as_utc(earlier)).total_seconds())
+
+
+def _queue_gauges(snap: dict[str, list], rows: list[fits.QueueRow], now: datetime) -> None:
+    """The fit queue's gauges of ``rows`` (:func:`service.storage.fits.queue_rows`)."""
+    by_namespace: dict[str, list[fits.QueueRow]] = {}
+    for row in rows:
+        by_namespace.setdefault(row.namespace, []).append(row)
+    for namespace, group in sorted(by_namespace.items()):
+        queued = [r.created_at for r in group if r.status == "queued"]
+        if queued:
+            snap["fit_queue_oldest"].append(
+                ({"namespace": namespace}, _seconds(now, min(queued, key=as_utc)))
+            )
+        snap["fit_retries"].append(
+            ({"namespace": namespace}, sum(max(0, r.attempts - 1) for r in group))
+        )
+        done = [r for r in group if r.finished_at is not None and r.started_at is not None]
+        took = [r.fit_seconds for r in done if r.fit_seconds is not None]
+        waited = [_seconds(r.started_at, r.created_at) for r in done]
+        for key, values in (("fit_seconds", took), ("fit_wait_seconds", waited)):
+            if values:
+                for q, v in zip(QUANTILES, np.quantile(values, QUANTILES), strict=True):
+                    snap[key].append(({"namespace": namespace, "quantile": f"{q:g}"}, float(v)))
+
+
+def snapshot(
+    sessions: sessionmaker,
+    window_seconds: int,
+    bucket_seconds: int,
+    stalled_seconds: float = 30.0,
+) -> obs.Snapshot:
     """The database gauges of :class:`service.observe.metrics.DatabaseQualityCollector`.
 
     Fit jobs by status (every status, 0 included), hold-out figures of every aliased
@@ -261,13 +297,24 @@ def snapshot(sessions: sessionmaker, window_seconds: int, bucket_seconds: int) -
     is labelled by the model's namespace as well as its name (names are unique per
     namespace only).
     """
+    now = utcnow()
     with sessions() as session:
         jobs = quality.fits_by_status(session)
+        queue = fits.queue_rows(session, now - timedelta(seconds=window_seconds))
+        alive = quality.fit_workers_alive(session, stalled_seconds)
         aliased = quality.aliased_holdout(session)
         live = window_statistics(session, window_start(window_seconds, bucket_seconds))
         versions = quality.version_labels(session, live)
     snap: dict[str, list] = {key: [] for key in obs.DB_GAUGES}
-    snap["fit_jobs"] = [({"status": s}, jobs.get(s, 0)) for s in STATUSES]
+    namespaces = sorted({namespace for namespace, _ in jobs})
+    snap["fit_jobs"] = [
+        ({"namespace": ns, "status": s}, jobs.get((ns, s), 0))
+        for ns in namespaces
+        for s in STATUSES
+    ]
+    _queue_gauges(snap, queue, now)
+    if alive is not None:
+        snap["fit_workers_alive"] = [({}, alive)]
     snap["live_window_seconds"] = [({}, window_seconds)]
     for namespace, name, version, alias, after, argmax in aliased:
         labels = {"namespace": namespace, "model": name, "version": version, "alias": alias}

@@ -80,14 +80,26 @@ def check_classes(num_classes: int, limit: int) -> None:
         )
 
 
-def check_fit_queue(session: Session, limit: int) -> None:
-    """429 when ``limit`` fits are already queued or running (all namespaces)."""
+def check_fit_queue(session: Session, namespace: str, per_namespace: int, limit: int) -> None:
+    """429 when the namespace has ``per_namespace`` fits queued or running, or all
+    namespaces together ``limit``: the answer names the limit that was hit."""
+    mine = fits.count_unfinished(session, namespace)
+    if mine >= per_namespace:
+        raise TooManyRequests(
+            f"namespace {namespace!r} has {mine} fits queued or running, its limit "
+            f"(WELLTEMPERED_MAX_QUEUED_FITS_PER_NAMESPACE) is {per_namespace}: wait for one "
+            "to finish, or cancel one.",
+            retry_after=FIT_RETRY_AFTER_SECONDS,
+            namespace=namespace,
+            limit=per_namespace,
+        )
     busy = fits.count_unfinished(session)
     if busy >= limit:
         raise TooManyRequests(
-            f"{busy} fits are queued or running, the limit (WELLTEMPERED_MAX_QUEUED_FITS) is "
-            f"{limit}: try again later.",
+            f"{busy} fits are queued or running in all namespaces, the limit "
+            f"(WELLTEMPERED_MAX_QUEUED_FITS) is {limit}: try again later.",
             retry_after=FIT_RETRY_AFTER_SECONDS,
+            limit=limit,
         )
 
 

@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import os
 import re
+import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -88,6 +89,27 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+_HOST = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64] or "host"
+_OWNED = re.compile(r"^(?P<host>[A-Za-z0-9._]+)-(?P<pid>[0-9]+)-")
+
+
+def _owner_alive(name: str) -> bool:
+    """Whether a temp file's name says it belongs to a running process of this host."""
+    match = _OWNED.match(name)
+    if match is None or match.group("host") != _HOST:
+        return False
+    pid = int(match.group("pid"))
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class ArrayStore:
     def __init__(self, root: Path):
         self.root = Path(root)
@@ -102,9 +124,13 @@ class ArrayStore:
         return self.arrays / sha256[:2] / f"{sha256}.npy"
 
     def temp_path(self, suffix: str = "") -> Path:
-        """A new empty file in the store's temp folder; the caller removes it."""
+        """A new empty file in the store's temp folder; the caller removes it.
+
+        Its name starts with its owner, ``<host>-<pid>-``: :meth:`clean_tmp` never
+        removes a file of a live process of this host, however old, whichever process
+        sweeps (replicas and workers share the folder)."""
         self.tmp.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(dir=self.tmp, suffix=suffix)
+        fd, name = tempfile.mkstemp(dir=self.tmp, prefix=f"{_HOST}-{os.getpid()}-", suffix=suffix)
         os.close(fd)
         return Path(name)
 
@@ -181,12 +207,16 @@ class ArrayStore:
                 yield StoredFile(match.group(1), path, st.st_size, st.st_mtime)
 
     def clean_tmp(self, older_than_seconds: float = 0.0) -> int:
-        """Remove temp files left by a crash; returns how many were removed."""
+        """Remove temp files left by a crash, untouched for ``older_than_seconds``;
+        returns how many were removed. A file whose owner (:meth:`temp_path`) is a live
+        process of this host stays; another host's files go by age only."""
         removed = 0
         if not self.tmp.exists():
             return 0
         cutoff = time.time() - older_than_seconds
         for p in self.tmp.iterdir():
+            if _owner_alive(p.name):
+                continue
             with contextlib.suppress(OSError):
                 if p.stat().st_mtime <= cutoff:
                     p.unlink()

@@ -137,7 +137,7 @@ class Dataset(Base):
 
 
 class CalibratorVersion(Base):
-    """One fit: queued -> running -> succeeded | rejected | failed, then frozen.
+    """One fit: queued -> running -> succeeded | rejected | failed | cancelled, then frozen.
 
     ``params`` and the metrics are written in the same transaction as the final
     status, so no reader ever sees a half-fitted calibrator.
@@ -171,6 +171,13 @@ class CalibratorVersion(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
+    #: Attempts started (a worker that died or was stopped hands the job back: the next
+    #: attempt counts 2). Only the current attempt may write the outcome.
+    attempts: Mapped[int] = mapped_column(default=0, server_default="0")
+    #: The worker of the current (or last) attempt: ``host:pid``.
+    worker: Mapped[str | None] = mapped_column(String(128))
+    #: The job engine's id of this fit (PostgreSQL: procrastinate_jobs.id; None on SQLite).
+    job_id: Mapped[int | None] = mapped_column(BigInteger)
     #: Why the argmax policy rejected it (one sentence per reason), set with the outcome.
     rejection: Mapped[list[str] | None]
     #: Where its params came from: a fit here, or posted parameters (VERSION_SOURCES).

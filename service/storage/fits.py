@@ -1,15 +1,20 @@
-"""The queries of fit jobs: a calibrator version row is its job (:mod:`service.jobs.fitting`).
+"""The queries of fit jobs: a calibrator version row is its job's record (:mod:`service.jobs`).
 
-Each function is one transaction of its own, opened from a session factory: the
-callers are fit workers (maybe in another process) and the pool's callbacks,
-outside any request. Every write after the claim is guarded by the status it
-expects, so a job marked failed (a shutdown, a crash recovery) is never
-overwritten by a late worker.
+Each function is one transaction of its own, opened from a session factory, except
+the ones that take a request's ``Session``. The callers are fit attempts (maybe in
+another process or on another machine), the job engine's reaper and the API.
+
+An *attempt* is one run of a fit by one worker. :func:`claim` starts attempt
+``n + 1`` (``queued`` -> ``running``); every later write of that attempt is guarded by
+``status = 'running' AND attempts = n + 1``. So a late finisher of an abandoned
+attempt (its worker was presumed dead and the job retried; the user cancelled it)
+writes nothing: one result per version, from the attempt that owns it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import func, select, update
@@ -21,24 +26,46 @@ from service.vocabulary import UNFINISHED
 
 @dataclass(frozen=True)
 class FitTask:
-    """What a worker needs of the version it claimed: the keyword arguments of
-    :func:`service.jobs.fitting.fit_job` and the hashes of the dataset's arrays."""
+    """What an attempt needs of the version it claimed: the keyword arguments of
+    :func:`service.jobs.fitting.fit_job`, the hashes of the dataset's arrays and the
+    attempt's number."""
 
     spec: dict[str, Any]
     scores_sha256: str
     labels_sha256: str
+    attempt: int
 
 
-def claim(sessions: sessionmaker, version_id: int) -> FitTask | str:
-    """Flip a queued version to running and return its :class:`FitTask`; if it is not
-    queued, its status instead (``"missing"`` when there is no such version)."""
+def _running(version_id: int, attempt: int):
+    return (
+        CalibratorVersion.id == version_id,
+        CalibratorVersion.status == "running",
+        CalibratorVersion.attempts == attempt,
+    )
+
+
+def claim(sessions: sessionmaker, version_id: int, worker: str, max_attempts: int) -> FitTask | str:
+    """Start the next attempt of a queued version and return its :class:`FitTask`.
+
+    If the version is not queued, its status instead (``"missing"`` when there is no
+    such version). A version that already had ``max_attempts`` attempts is marked
+    failed (its workers kept dying or being stopped) and ``"failed"`` is returned.
+    """
     with sessions() as s, s.begin():
-        row = s.get(CalibratorVersion, version_id)
+        row = s.get(CalibratorVersion, version_id, with_for_update=True)
         if row is None or row.status != "queued":
             return row.status if row is not None else "missing"
+        if row.attempts >= max_attempts:
+            row.status, row.finished_at = "failed", utcnow()
+            row.error = (
+                f"gave up after {row.attempts} attempts: each one's worker stopped or was "
+                "lost before the fit ended"
+            )
+            return "failed"
         dataset = s.get(Dataset, row.dataset_id)
         policy = s.get(Model, row.model_id).argmax_policy
         row.status, row.started_at, row.progress = "running", utcnow(), 0.0
+        row.attempts, row.worker = row.attempts + 1, worker[:128]
         spec = {
             "kind": dataset.kind,
             "method": row.method,
@@ -47,48 +74,173 @@ def claim(sessions: sessionmaker, version_id: int) -> FitTask | str:
             "options": dict(row.options or {}),
             "argmax_policy": policy,
         }
-        return FitTask(spec, dataset.scores_sha256, dataset.labels_sha256)
+        return FitTask(spec, dataset.scores_sha256, dataset.labels_sha256, row.attempts)
 
 
-def record_progress(sessions: sessionmaker, version_id: int, progress: float) -> None:
+def record_progress(sessions: sessionmaker, version_id: int, attempt: int, progress: float) -> None:
     with sessions() as s, s.begin():
         s.execute(
             update(CalibratorVersion)
-            .where(CalibratorVersion.id == version_id, CalibratorVersion.status == "running")
+            .where(*_running(version_id, attempt))
             .values(progress=progress)
         )
 
 
-def finish(sessions: sessionmaker, version_id: int, **columns: Any) -> bool:
-    """Write a running job's outcome (all columns in one transaction); False if it was
-    no longer running."""
+def finish(sessions: sessionmaker, version_id: int, attempt: int, **columns: Any) -> bool:
+    """Write attempt ``attempt``'s outcome (all columns in one transaction); False if
+    that attempt no longer owns the version (cancelled, handed back, retried)."""
     with sessions() as s, s.begin():
         res = s.execute(
             update(CalibratorVersion)
-            .where(CalibratorVersion.id == version_id, CalibratorVersion.status == "running")
+            .where(*_running(version_id, attempt))
             .values(finished_at=utcnow(), **columns)
         )
         return res.rowcount == 1
 
 
-def fail_unfinished(sessions: sessionmaker, error: str, version_id: int | None = None) -> int:
-    """Mark version ``version_id`` (every version if None) failed with ``error`` if it is
-    still queued or running; returns how many were."""
+def hand_back(sessions: sessionmaker, version_id: int, attempt: int) -> bool:
+    """Attempt ``attempt`` stopped before the end (its worker shut down or was lost):
+    the version is queued again for the next attempt. False if the attempt no longer
+    owned it."""
     with sessions() as s, s.begin():
-        stmt = update(CalibratorVersion).where(CalibratorVersion.status.in_(UNFINISHED))
-        if version_id is not None:
-            stmt = stmt.where(CalibratorVersion.id == version_id)
-        res = s.execute(stmt.values(status="failed", error=error, finished_at=utcnow()))
-        return res.rowcount
+        res = s.execute(
+            update(CalibratorVersion)
+            .where(*_running(version_id, attempt))
+            .values(status="queued", progress=0.0)
+        )
+        return res.rowcount == 1
 
 
-def count_unfinished(session: Session) -> int:
-    """Fits queued or running, in every namespace."""
-    return session.scalar(
+def hand_back_current(sessions: sessionmaker, version_id: int) -> bool:
+    """:func:`hand_back` of whatever attempt is running (the reaper's call: the worker
+    that ran it is gone and cannot say which attempt it was)."""
+    with sessions() as s, s.begin():
+        res = s.execute(
+            update(CalibratorVersion)
+            .where(CalibratorVersion.id == version_id, CalibratorVersion.status == "running")
+            .values(status="queued", progress=0.0)
+        )
+        return res.rowcount == 1
+
+
+def cancel(session: Session, version: CalibratorVersion) -> str | None:
+    """Mark a queued or running version cancelled in ``session``'s transaction (the
+    caller commits, with the job engine's own cancel); returns the status it had, or
+    None if it was no longer queued or running."""
+    before = version.status
+    res = session.execute(
+        update(CalibratorVersion)
+        .where(CalibratorVersion.id == version.id, CalibratorVersion.status.in_(UNFINISHED))
+        .values(status="cancelled", finished_at=utcnow(), error="cancelled by a user")
+        .execution_options(synchronize_session=False)
+    )
+    return before if res.rowcount == 1 else None
+
+
+def requeue_running(sessions: sessionmaker) -> int:
+    """Queue again every running version; returns how many. For the embedded (SQLite)
+    mode only, before its workers start: the process that ran them is gone, and they go
+    again as their next attempt."""
+    with sessions() as s, s.begin():
+        return s.execute(
+            update(CalibratorVersion)
+            .where(CalibratorVersion.status == "running")
+            .values(status="queued", progress=0.0)
+        ).rowcount
+
+
+def queued(sessions: sessionmaker) -> list[tuple[int, str]]:
+    """(id, namespace) of every queued version, oldest first."""
+    with sessions() as s:
+        rows = s.execute(
+            select(CalibratorVersion.id, Model.namespace)
+            .join(Model, Model.id == CalibratorVersion.model_id)
+            .where(CalibratorVersion.status == "queued")
+            .order_by(CalibratorVersion.id)
+        ).all()
+    return [(r.id, r.namespace) for r in rows]
+
+
+def fail(sessions: sessionmaker, version_id: int, error: str, attempt: int | None = None) -> bool:
+    """Mark a version failed with ``error``: attempt ``attempt``'s if given (guarded as
+    :func:`finish`), else whatever unfinished state it is in."""
+    with sessions() as s, s.begin():
+        if attempt is None:
+            where = (CalibratorVersion.id == version_id, CalibratorVersion.status.in_(UNFINISHED))
+        else:
+            where = _running(version_id, attempt)
+        res = s.execute(
+            update(CalibratorVersion)
+            .where(*where)
+            .values(status="failed", error=error, finished_at=utcnow())
+        )
+        return res.rowcount == 1
+
+
+def set_job_id(session: Session, version: CalibratorVersion, job_id: int) -> None:
+    session.execute(
+        update(CalibratorVersion)
+        .where(CalibratorVersion.id == version.id)
+        .values(job_id=job_id)
+        .execution_options(synchronize_session=False)
+    )
+    version.job_id = job_id
+
+
+def count_unfinished(session: Session, namespace: str | None = None) -> int:
+    """Fits queued or running, in ``namespace`` (every namespace if None)."""
+    stmt = (
         select(func.count())
         .select_from(CalibratorVersion)
         .where(CalibratorVersion.status.in_(UNFINISHED))
     )
+    if namespace is not None:
+        stmt = stmt.join(Model, Model.id == CalibratorVersion.model_id).where(
+            Model.namespace == namespace
+        )
+    return session.scalar(stmt)
+
+
+def job_id_of(sessions: sessionmaker, version_id: int) -> int | None:
+    with sessions() as s:
+        return s.scalar(select(CalibratorVersion.job_id).where(CalibratorVersion.id == version_id))
+
+
+@dataclass(frozen=True)
+class QueueRow:
+    """One unfinished or recently finished fit, for the queue's gauges."""
+
+    namespace: str
+    status: str
+    attempts: int
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    fit_seconds: float | None
+
+
+def queue_rows(session: Session, since: datetime, limit: int = 10_000) -> list[QueueRow]:
+    """Every unfinished fit, and the fits finished since ``since`` (at most ``limit``
+    of those, newest first): what the fit gauges of /metrics are computed from."""
+    cols = (
+        Model.namespace,
+        CalibratorVersion.status,
+        CalibratorVersion.attempts,
+        CalibratorVersion.created_at,
+        CalibratorVersion.started_at,
+        CalibratorVersion.finished_at,
+        CalibratorVersion.fit_seconds,
+    )
+    base = select(*cols).join(Model, Model.id == CalibratorVersion.model_id)
+    unfinished = session.execute(base.where(CalibratorVersion.status.in_(UNFINISHED))).all()
+    finished = session.execute(
+        base.where(
+            CalibratorVersion.status.not_in(UNFINISHED), CalibratorVersion.finished_at >= since
+        )
+        .order_by(CalibratorVersion.finished_at.desc())
+        .limit(limit)
+    ).all()
+    return [QueueRow(*r) for r in (*unfinished, *finished)]
 
 
 def fit_duration(sessions: sessionmaker, version_id: int) -> tuple[str, float] | None:
@@ -102,3 +254,12 @@ def fit_duration(sessions: sessionmaker, version_id: int) -> tuple[str, float] |
     if row is None or row.fit_seconds is None:
         return None
     return row.method, row.fit_seconds
+
+
+def status_of(sessions: sessionmaker, version_id: int) -> str:
+    """A version's status (``"missing"`` when there is none)."""
+    with sessions() as s:
+        status = s.scalar(
+            select(CalibratorVersion.status).where(CalibratorVersion.id == version_id)
+        )
+    return status if status is not None else "missing"

@@ -23,6 +23,17 @@ class NotMigrated(RuntimeError):
     """The database is not at the latest revision and will not be migrated implicitly."""
 
 
+#: Tables of the job engine (PostgreSQL): created by our migrations from the pinned
+#: Procrastinate release's SQL, described by no model of ours.
+JOB_ENGINE_PREFIX = "procrastinate_"
+
+
+def include_name(name: str | None, type_: str, parent_names: dict) -> bool:
+    """Autogenerate's filter (``alembic check``): the job engine's tables are not ours
+    to compare."""
+    return not (type_ == "table" and name is not None and name.startswith(JOB_ENGINE_PREFIX))
+
+
 def script_location() -> Path:
     """The installed migration environment: ``env.py``, ``script.py.mako``, ``versions/``."""
     location = resources.files("service.migrations")

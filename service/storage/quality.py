@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import Row, func, select
+from sqlalchemy import Row, func, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -66,12 +66,27 @@ def window_sums(
     return list(session.execute(query))
 
 
-def fits_by_status(session: Session) -> dict[str, int]:
-    """Calibrator versions per status (statuses with none are absent)."""
-    return dict(
-        session.execute(
-            select(CalibratorVersion.status, func.count()).group_by(CalibratorVersion.status)
-        ).all()
+def fits_by_status(session: Session) -> dict[tuple[str, str], int]:
+    """Calibrator versions per (namespace, status) (pairs with none are absent)."""
+    rows = session.execute(
+        select(Model.namespace, CalibratorVersion.status, func.count())
+        .join(Model, Model.id == CalibratorVersion.model_id)
+        .group_by(Model.namespace, CalibratorVersion.status)
+    ).all()
+    return {(namespace, status): n for namespace, status, n in rows}
+
+
+def fit_workers_alive(session: Session, stalled_seconds: float) -> int | None:
+    """Workers of the job engine with a heartbeat in the last ``stalled_seconds``
+    (PostgreSQL); None on SQLite, which has no job engine."""
+    if session.get_bind().dialect.name != "postgresql":
+        return None
+    return session.scalar(
+        text(
+            "SELECT count(*) FROM procrastinate_workers "
+            "WHERE last_heartbeat > now() - make_interval(secs => :seconds)"
+        ),
+        {"seconds": stalled_seconds},
     )
 
 

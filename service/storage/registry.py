@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -246,10 +246,16 @@ def create_version(
     seed: int,
     options: dict[str, Any],
     outcome: dict[str, Any] | None = None,
+    enqueue: Callable[[Session, CalibratorVersion], None] | None = None,
 ) -> CalibratorVersion:
-    """A queued version with the next number of this model (atomic UPDATE ... RETURNING);
-    with ``outcome`` (the columns of a finished version: status, params, metrics...), a
-    version finished from the start (posted parameters, evaluated by the caller)."""
+    """A queued version with the next number of this model (atomic UPDATE ... RETURNING).
+
+    ``enqueue(session, version)`` runs after the row is flushed and before the commit:
+    the job queue writes its job in the same transaction (:mod:`service.jobs.engine`).
+    With ``outcome`` (the columns of a finished version: status, params, metrics...)
+    instead, a version finished from the start (posted parameters, evaluated by the
+    caller), which no queue sees.
+    """
     after = session.execute(
         update(Model)
         .where(Model.id == model.id)
@@ -275,6 +281,9 @@ def create_version(
         setattr(row, column, value)
     session.add(row)
     try:
+        session.flush()
+        if enqueue is not None:
+            enqueue(session, row)
         session.commit()
     except IntegrityError:  # the dataset was deleted meanwhile
         session.rollback()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -33,8 +35,6 @@ PG_URL = os.environ.get(
 
 
 BACKENDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
-
-
 
 
 def pg_schema_url(schema: str) -> str:
@@ -79,6 +79,26 @@ def make_settings(database_url: str, tmp_path: Path, **overrides) -> Settings:
     }
     values.update(overrides)
     return Settings(**values)
+
+
+def hold_queue(client: TestClient) -> None:
+    """From now on, fits this client submits stay queued: the queue neither writes their
+    job (PostgreSQL) nor hands them to a thread (SQLite)."""
+    queue = client.app.state.welltempered.fits.queue
+    queue.enqueue = lambda *args: None
+    queue.submitted = lambda *args: None
+
+
+def dead_process_temp(arrays, suffix: str = "") -> Path:
+    """A temp file of the store as a process that has since died left it (its owner in
+    the name is a pid that exited)."""
+    path = arrays.temp_path(suffix)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host, _, rest = path.name.split("-", 2)
+    moved = path.with_name(f"{host}-{dead.pid}-{rest}")
+    path.rename(moved)
+    return moved
 
 
 def logits_data(n: int = 300, k: int = 4, seed: int = 0, scale: float = 3.0):

@@ -21,22 +21,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def command() -> list[str]:
+    exe = Path(sys.executable).with_name("welltempered")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "service.cli"]
+
+
 class Server:
     """``welltempered serve`` in its own process group (so kill -9 takes its fit workers too)."""
 
-    def __init__(self, database_url: str, data_dir: Path, *args: str, **env: str):
+    def __init__(
+        self, database_url: str, data_dir: Path, *args: str, host: str = "127.0.0.1", **env: str
+    ):
         self.database_url = database_url
         self.data_dir = data_dir
         self.args = args
         self.env = env
+        self.host = host
         self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+        self.base = f"http://{host}:{self.port}"
         self.proc: subprocess.Popen | None = None
-        self.log = data_dir.parent / f"serve-{self.port}.log"
+        self.log = data_dir.parent / f"serve-{host}-{self.port}.log"
 
     def start(self, timeout: float = 90) -> Server:
-        exe = Path(sys.executable).with_name("welltempered")
-        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "service.cli"]
+        cmd = command()
         env = {
             **os.environ,
             "WELLTEMPERED_DATABASE_URL": self.database_url,
@@ -50,7 +57,17 @@ class Server:
         }
         out = open(self.log, "ab")
         self.proc = subprocess.Popen(
-            [*cmd, "serve", "--port", str(self.port), "--log-level", "warning", *self.args],
+            [
+                *cmd,
+                "serve",
+                "--host",
+                self.host,
+                "--port",
+                str(self.port),
+                "--log-level",
+                "warning",
+                *self.args,
+            ],
             cwd=ROOT,
             env=env,
             stdout=out,
@@ -98,6 +115,72 @@ class Server:
             raise
 
     def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+
+
+class Worker:
+    """``welltempered worker`` in its own process group: ready once its log says it
+    started (it registered with the job engine)."""
+
+    def __init__(self, database_url: str, data_dir: Path, *args: str, **env: str):
+        self.database_url = database_url
+        self.data_dir = data_dir
+        self.args = args
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+        self.log = data_dir.parent / f"worker-{id(self)}.log"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def start(self, timeout: float = 60) -> Worker:
+        env = {
+            **os.environ,
+            "WELLTEMPERED_DATABASE_URL": self.database_url,
+            "WELLTEMPERED_DATA_DIR": str(self.data_dir),
+            "WELLTEMPERED_FIT_THREADS": "1",
+            **{f"WELLTEMPERED_{k.upper()}": str(v) for k, v in self.env.items()},
+        }
+        out = open(self.log, "ab")
+        self.proc = subprocess.Popen(
+            [*command(), "worker", "--log-level", "info", *self.args],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        out.close()
+        deadline = time.monotonic() + timeout
+        while "Starting worker" not in self.output():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"worker exited {self.proc.returncode}:\n{self.output()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"worker did not start:\n{self.output()}")
+            time.sleep(0.1)
+        return self
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-8000:] if self.log.exists() else ""
+
+    def kill9(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def terminate(self, timeout: float = 60) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
+
+    def __enter__(self) -> Worker:
         return self.start()
 
     def __exit__(self, *exc) -> None:

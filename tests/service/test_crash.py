@@ -53,10 +53,16 @@ def slow_body(payload: bytes, pieces: int, pause: float, stop: threading.Event):
         time.sleep(pause)
 
 
+FAST_HEARTBEATS = {"worker_heartbeat_seconds": "0.5", "worker_stalled_seconds": "3"}
+
+
 def test_sigkill_during_fit_and_upload_leaves_nothing_half_written(database_url, tmp_path):
     data = tmp_path / "data"
     z, y = logits_data(40_000, 40, seed=1)
-    with Server(database_url, data, FIT_EXECUTOR="process") as server, server.client() as c:
+    with (
+        Server(database_url, data, FIT_EXECUTOR="process", **FAST_HEARTBEATS) as server,
+        server.client() as c,
+    ):
         c.post("/v1/models", json={"name": "m", "num_classes": 40, "argmax_policy": "off"})
         r = c.post(
             "/v1/models/m/datasets",
@@ -95,16 +101,27 @@ def test_sigkill_during_fit_and_upload_leaves_nothing_half_written(database_url,
         t.join(30)
     spool = ArrayStore(data).tmp
     assert any(spool.iterdir()), "the kill did not catch the upload mid-stream"
-    with Server(database_url, data) as server, server.client() as c:
-        v2 = c.get("/v1/models/m/calibrators/2").json()
-        assert v2["status"] == "failed" and "interrupted" in v2["error"], v2
-        assert v2["params"] is None and v2["metrics"] is None
+    sqlite = database_url.startswith("sqlite")
+    with Server(database_url, data, **FAST_HEARTBEATS) as server, server.client() as c:
+        # Handed back, never failed: the restart (SQLite) or the heartbeat expiry of the
+        # dead process's worker (PostgreSQL) queues it again as its second attempt.
+        v2 = wait_status(c, "m", 2, ("running",))
+        deadline = time.monotonic() + 60
+        while v2["attempts"] < 2:
+            assert v2["status"] in ("queued", "running") and time.monotonic() < deadline, v2
+            time.sleep(0.1)
+            v2 = c.get("/v1/models/m/calibrators/2").json()
+        assert v2["error"] is None and v2["params"] is None and v2["metrics"] is None
+        assert c.post("/v1/models/m/calibrators/2/cancel").json()["status"] == "cancelled"
         assert c.get("/v1/models/m/aliases/production").json()["version"] == 1
         assert [d["id"] for d in c.get("/v1/models/m/datasets").json()["datasets"]] == [ds]
         r = c.post("/v1/models/m/predict", json={"logits": z[:2].tolist()})
         assert r.status_code == 200 and r.json()["version"] == 1
         assert c.put("/v1/models/m/aliases/production", json={"version": 2}).status_code == 409
-    assert list(spool.iterdir()) == []  # the restart removed the half-received upload
+    if sqlite:  # the restart removed the half-received upload
+        assert list(spool.iterdir()) == []
+    else:  # another replica might be receiving it: only older ones go (the grace period)
+        assert any(spool.iterdir())
 
 
 def test_sigterm_finishes_the_request_in_flight_and_exits_0(database_url, tmp_path):

@@ -23,6 +23,7 @@ from tests.service.helpers import (
     assert_problem,
     create_model,
     fit,
+    hold_queue,
     logits_data,
     make_settings,
     upload,
@@ -65,7 +66,7 @@ def test_rows_classes_and_fit_queue(limited):
     )
     assert_problem(r, 413)
     # the queue: fits are not started (submit is a no-op), so the first one stays queued
-    c.app.state.welltempered.fits.submit = lambda version_id: None
+    hold_queue(c)
     body = {"dataset_id": ds["id"], "method": "temperature"}
     assert c.post("/v1/models/m/calibrators", json=body).status_code == 202
     r = c.post("/v1/models/m/calibrators", json=body)

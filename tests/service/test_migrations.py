@@ -30,7 +30,11 @@ def test_models_and_migrations_do_not_drift(empty_url):
     try:
         with engine.connect() as conn:
             ctx = MigrationContext.configure(
-                conn, opts={"compare_type": True, "compare_server_default": True}
+                conn, opts={
+                    "compare_type": True,
+                    "compare_server_default": True,
+                    "include_name": migrate.include_name,
+                },
             )
             diff = compare_metadata(ctx, Base.metadata)
     finally:

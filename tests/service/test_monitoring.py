@@ -313,7 +313,7 @@ def test_metrics_observe_predict_feedback_and_fits(client):
         gauges["welltempered_holdout_argmax_agreement_ratio"][hold]
         == (version["argmax"]["agreement"])
     )
-    assert gauges["welltempered_fit_jobs"][(("status", "succeeded"),)] >= 1
+    assert gauges["welltempered_fit_jobs"][(("namespace", "default"), ("status", "succeeded"))] >= 1
     assert gauges["welltempered_database_up"][()] == 1
     # an unmatched path is one series, not one per path
     client.get("/no/such/path/123")

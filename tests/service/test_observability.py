@@ -24,7 +24,10 @@ LIVE = {"namespace": "team-a", "model": "m", "version": 2}
 HOLD = {**LIVE, "alias": "production"}
 #: A snapshot with one sample for every database gauge.
 FAKE_SNAPSHOT = {
-    "fit_jobs": [({"status": "queued"}, 1), ({"status": "succeeded"}, 4)],
+    "fit_jobs": [
+        ({"namespace": "team-a", "status": "queued"}, 1),
+        ({"namespace": "team-a", "status": "succeeded"}, 4),
+    ],
     "holdout_ece": [(HOLD, 0.0123)],
     "holdout_nll": [(HOLD, 0.91)],
     "holdout_accuracy": [(HOLD, 0.75)],
@@ -96,7 +99,16 @@ def test_exposition_has_every_metric_with_help_and_type(metrics):
     fams = families(body)
     assert sample(fams, "welltempered_holdout_ece_ratio", "welltempered_holdout_ece_ratio",
                   **HOLD) == 0.0123  # fmt: skip
-    assert sample(fams, "welltempered_fit_jobs", "welltempered_fit_jobs", status="succeeded") == 4
+    assert (
+        sample(
+            fams,
+            "welltempered_fit_jobs",
+            "welltempered_fit_jobs",
+            namespace="team-a",
+            status="succeeded",
+        )
+        == 4
+    )
     assert sample(fams, "welltempered_database_up", "welltempered_database_up") == 1
     # a None value (an empty window) is no sample at all
     assert [s.labels["version"] for s in fams["welltempered_live_ece_ratio"].samples] == ["2"]
@@ -324,7 +336,8 @@ def test_two_worker_processes_add_up(tmp_path):
         metrics = obs.ServiceMetrics()
         assert metrics.multiprocess_dir is not None
         print("reaped", metrics.mark_dead_workers(), file=sys.stderr)
-        body, _ = metrics.render(lambda: {"fit_jobs": [({"status": "running"}, 1)]})
+        snap = {"fit_jobs": [({"namespace": "a", "status": "running"}, 1)]}
+        body, _ = metrics.render(lambda: snap)
         sys.stdout.write(body.decode())
         """,
         {"PROMETHEUS_MULTIPROC_DIR": str(mp_dir)},
@@ -355,7 +368,12 @@ def test_two_worker_processes_add_up(tmp_path):
     # Both workers have exited: their in-progress requests are gone.
     progress = "welltempered_http_requests_in_progress"
     assert sample(fams, progress, progress) == 0
-    assert sample(fams, "welltempered_fit_jobs", "welltempered_fit_jobs", status="running") == 1
+    assert (
+        sample(
+            fams, "welltempered_fit_jobs", "welltempered_fit_jobs", namespace="a", status="running"
+        )
+        == 1
+    )
     assert "welltempered_database_up 1.0" in render.stdout
     assert "process_cpu_seconds_total" not in render.stdout  # per-process collectors are off
 

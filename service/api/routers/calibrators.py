@@ -1,5 +1,5 @@
-"""/v1/models/{model}/calibrators: start a background fit, follow it, download its ONNX,
-delete a version."""
+"""/v1/models/{model}/calibrators: start a background fit, follow it, cancel it,
+download its ONNX, delete a version."""
 
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ from service.api.schemas import (
     VersionSummary,
 )
 from service.api.uploads import require_json
-from service.errors import NotReady
+from service.errors import Conflict, NotReady
 from service.jobs import evaluation
 from service.jobs.fitting import affordable, check_fit_request
 from service.security import limits
 from service.serving.inference import onnx_bytes
-from service.storage import registry
+from service.storage import fits, registry
 from service.storage.db import CalibratorVersion, Model
 from service.vocabulary import FITTED
 
@@ -60,6 +60,8 @@ def version_out(row: CalibratorVersion, model: Model) -> VersionOut:
         error=row.error,
         source=row.source,
         fit_seconds=row.fit_seconds,
+        attempts=row.attempts,
+        worker=row.worker,
         created_at=row.created_at,
         started_at=row.started_at,
         finished_at=row.finished_at,
@@ -84,7 +86,13 @@ def start_fit(
         holdout=body.holdout,
         budget=state.fits.config.memory_budget,
     )
-    limits.check_fit_queue(session, state.settings.max_queued_fits)
+    limits.check_fit_queue(
+        session,
+        model.namespace,
+        state.settings.max_queued_fits_per_namespace,
+        state.settings.max_queued_fits,
+    )
+    queue = state.fits.queue
     row = registry.create_version(
         session,
         model,
@@ -93,8 +101,9 @@ def start_fit(
         holdout=body.holdout,
         seed=body.seed,
         options=body.options,
+        enqueue=lambda s, version: queue.enqueue(s, version, model.namespace),
     )
-    state.fits.submit(row.id)
+    queue.submitted(row.id, model.namespace)
     url = version_url(model, row.version)
     response.headers["Location"] = url
     return FitAccepted(model=model.name, version=row.version, status="queued", status_url=url)
@@ -171,6 +180,27 @@ def delete_version(
     deleted = registry.delete_version(session, model, version)
     state.serving.forget(model.name, model.namespace, deleted.version_ids)
     return DeletedOut.model_validate(deleted, from_attributes=True)
+
+
+@router.post("/{version}/cancel", response_model=VersionOut)
+def cancel_fit(
+    model: ModelDep, version: VersionDep, session: SessionDep, state: StateDep
+) -> VersionOut:
+    """Cancel a queued or running fit: a queued one never starts, a running one stops
+    within seconds and frees its worker. 409 when the fit has already ended."""
+    queue = state.fits.queue
+    if fits.cancel(session, version) is None:
+        session.rollback()
+        raise Conflict(
+            f"Version {version.version} of {model.name!r} is {version.status}: only a queued "
+            "or running fit can be cancelled.",
+            version_status=version.status,
+        )
+    queue.cancel(session, version)
+    session.commit()
+    queue.cancelled(version.id)
+    session.refresh(version)
+    return version_out(version, model)
 
 
 @router.get(

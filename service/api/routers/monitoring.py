@@ -96,6 +96,7 @@ def metrics(state: StateDep) -> Response:
             state.sessions,
             settings.monitoring_window_seconds,
             settings.feedback_bucket_seconds,
+            settings.worker_stalled_seconds,
         )
 
     body, content_type = state.metrics.render(snapshot)

@@ -1,0 +1,240 @@
+"""One attempt of a fit: claim the version, run :func:`~service.jobs.fitting.fit_job`,
+record the outcome; stop at once when asked.
+
+Whichever queue hands the job over (the embedded one of :mod:`service.jobs.local`, or
+the job engine of :mod:`service.jobs.engine`), a worker calls :func:`execute`:
+
+1. :func:`service.storage.fits.claim` flips the version ``queued`` -> ``running`` and
+   numbers the attempt;
+2. the fit runs in a child process (``executor="process"``, the default: a fit can be
+   killed, and its memory is returned when it ends) or in the calling thread
+   (``"thread"``: tests, and debugging);
+3. the attempt writes its outcome, guarded by its number
+   (:func:`service.storage.fits.finish`), so a late writer changes nothing.
+
+While it runs, ``stop()`` is polled every :data:`POLL_SECONDS`: ``"cancel"`` (a user
+cancelled the version, which is already marked) kills the child and writes nothing;
+``"shutdown"`` (the worker is stopping) kills it and hands the version back to the
+queue (``running`` -> ``queued``), never marks it failed. In thread mode the fit is
+stopped at its next progress report (cooperative).
+
+A child process watches the worker that started it and exits if that worker is gone
+(SIGKILL, lost machine): its attempt would be retried elsewhere anyway, and the guard
+would discard its result.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import sessionmaker
+
+from service.jobs.fitting import fit_job
+from service.storage import fits
+from service.storage.arrays import ArrayStore
+from service.storage.db import make_engine
+
+log = logging.getLogger("welltempered.fits")
+
+#: How often a running attempt looks at ``stop()`` and at its child process.
+POLL_SECONDS = 0.1
+#: How often a child process checks that the worker that started it is alive.
+WATCHDOG_SECONDS = 1.0
+
+#: What :func:`execute` returns besides a version status: the attempt was stopped by
+#: the worker's shutdown and the version is queued again.
+HANDED_BACK = "handed-back"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What an attempt needs (picklable): no engine crosses a process boundary."""
+
+    database_url: str
+    data_dir: str
+    progress_interval: float
+    #: ``"process"`` (a child process per attempt) or ``"thread"`` (the caller's thread).
+    executor: str = "process"
+    #: BLAS/OpenMP threads of a fit.
+    threads: int | None = None
+    #: Bytes one fit may use (an ``auto`` fit skips the candidates above it).
+    memory_budget: int | None = None
+    #: Attempts after which a version whose workers keep dying is marked failed.
+    max_attempts: int = 5
+
+
+class _Stopped(Exception):
+    """Raised from a thread-mode fit's progress report when ``stop()`` asks for it."""
+
+
+_engines: dict[str, Engine] = {}
+_engines_lock = threading.Lock()
+
+
+def _engine(url: str) -> Engine:
+    with _engines_lock:
+        if url not in _engines:
+            _engines[url] = make_engine(url)
+        return _engines[url]
+
+
+def dispose_engines() -> None:
+    with _engines_lock:
+        engines = list(_engines.values())
+        _engines.clear()
+    for engine in engines:
+        engine.dispose()
+
+
+def run_claimed(
+    version_id: int,
+    task: fits.FitTask,
+    config: WorkerConfig,
+    stopping: Callable[[], bool] | None = None,
+) -> str:
+    """Run a claimed attempt to its end and record the outcome; returns its status.
+
+    The fit's own failures (bad data, an optimiser error) are the outcome ``failed``,
+    recorded with the error. ``stopping()`` True at a progress report raises
+    :class:`_Stopped` out of the fit (thread mode).
+    """
+    sessions = sessionmaker(_engine(config.database_url))
+    last = [0.0]
+
+    def progress(p: float) -> None:
+        if stopping is not None and stopping():
+            raise _Stopped
+        now = time.monotonic()
+        if now - last[0] < config.progress_interval:
+            return
+        last[0] = now
+        try:
+            fits.record_progress(sessions, version_id, task.attempt, round(float(p), 4))
+        except Exception:  # progress is advisory: never fail a fit for it
+            log.warning("could not record progress of version id %s", version_id, exc_info=True)
+
+    try:
+        store = ArrayStore(Path(config.data_dir))
+        scores, labels = store.load(task.scores_sha256), store.load(task.labels_sha256)
+        result = fit_job(
+            scores, labels, progress=progress, memory_budget=config.memory_budget, **task.spec
+        )
+    except _Stopped:
+        raise
+    except Exception as exc:  # the fit's outcome: recorded, not raised
+        log.info("fit of version id %s failed: %s", version_id, exc)
+        fits.fail(sessions, version_id, f"{type(exc).__name__}: {exc}", task.attempt)
+        return "failed"
+    fits.finish(sessions, version_id, task.attempt, progress=1.0, error=None, **result)
+    return result["status"]
+
+
+def _watch_parent(pid: int) -> None:
+    while True:
+        time.sleep(WATCHDOG_SECONDS)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            log.warning("the worker (pid %s) is gone: this fit attempt stops", pid)
+            os._exit(3)
+        except PermissionError:  # alive, another user's process: cannot be ours, but alive
+            pass
+
+
+def _child(version_id: int, task: fits.FitTask, config: WorkerConfig, parent: int) -> None:
+    """The entry point of an attempt's child process."""
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if config.threads is not None:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(limits=config.threads)
+    try:
+        run_claimed(version_id, task, config)
+    finally:
+        dispose_engines()
+
+
+_context = None
+_context_lock = threading.Lock()
+
+
+def _process_context():
+    """``forkserver`` with the fit's modules preloaded: a child starts in milliseconds
+    (no new interpreter, no imports), and never inherits this process's sockets,
+    locks or threads (as a plain fork of an API process would)."""
+    global _context
+    with _context_lock:
+        if _context is None:
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(["service.jobs.attempts"])
+            _context = ctx
+        return _context
+
+
+def execute(
+    version_id: int,
+    config: WorkerConfig,
+    sessions: sessionmaker,
+    worker: str,
+    stop: Callable[[], str | None] = lambda: None,
+) -> str:
+    """One attempt of version ``version_id``; returns the version's status after it
+    (``succeeded``, ``rejected``, ``failed``, ``cancelled``, or the status that made
+    the claim fail) or :data:`HANDED_BACK`.
+
+    ``stop()`` returns None to go on, ``"cancel"`` or ``"shutdown"`` (see the module).
+    """
+    task = fits.claim(sessions, version_id, worker, config.max_attempts)
+    if isinstance(task, str):
+        return task
+    reason: str | None = None
+    if config.executor == "thread":
+        try:
+            return run_claimed(version_id, task, config, stopping=lambda: stop() is not None)
+        except _Stopped:
+            reason = stop() or "shutdown"
+    else:
+        proc = _process_context().Process(
+            target=_child,
+            args=(version_id, task, config, os.getpid()),
+            name=f"welltempered-fit-{version_id}",
+            daemon=True,
+        )
+        proc.start()
+        while True:
+            proc.join(POLL_SECONDS)
+            if proc.exitcode is not None:
+                break
+            reason = stop()
+            if reason is not None:
+                proc.kill()
+                proc.join()
+                break
+        if reason is None:
+            if proc.exitcode != 0:
+                how = (
+                    f"killed by signal {-proc.exitcode}"
+                    if proc.exitcode < 0
+                    else f"exit code {proc.exitcode}"
+                )
+                fits.fail(
+                    sessions,
+                    version_id,
+                    f"the fit process died ({how}; SIGKILL is what the kernel's "
+                    "out-of-memory killer sends)",
+                    task.attempt,
+                )
+                return "failed"
+            return fits.status_of(sessions, version_id)
+    if reason == "cancel":
+        return "cancelled"
+    fits.hand_back(sessions, version_id, task.attempt)
+    return HANDED_BACK
