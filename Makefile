@@ -3,6 +3,10 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# Two installs into the one .venv: RUNTIME is what serving needs (the package and its
+# dependencies: no torch, no test tools), STAMP adds the dev extras (make test, lint,
+# bench). A dev install contains the runtime one, so it marks both.
+RUNTIME := $(VENV)/.runtime
 STAMP := $(VENV)/.installed
 # torch is pinned here, where the install happens: 2.13.0 is a CPU wheel on
 # local disk; any looser requirement downloads a multi-gigabyte CUDA build.
@@ -13,12 +17,17 @@ FAST := not slow and not process and not postgres
 
 .PHONY: run test test-fast lint bench clean
 
+$(RUNTIME): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -e .
+	touch $(RUNTIME)
+
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q $(TORCH) -e '.[dev]'
-	touch $(STAMP)
+	touch $(STAMP) $(RUNTIME)
 
-run: $(STAMP)
+run: $(RUNTIME)
 	$(BIN)/welltempered serve --demo
 
 # The whole suite: the CI command (.ci/run).

@@ -18,6 +18,52 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+#: The flag that lets a command other than serve and migrate create a SQLite file.
+CREATE_FLAG = "--create-database"
+
+
+def database_label(url: str) -> str:
+    """The database a URL names, for a person: a SQLite file's absolute path, or the URL
+    without its password."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        name = parsed.database or ":memory:"
+        return f"SQLite {name if name == ':memory:' else os.path.abspath(name)}"
+    return parsed.render_as_string(hide_password=True)
+
+
+def missing_sqlite_file(url: str) -> str | None:
+    """The absolute path of the SQLite file ``url`` names when it does not exist (a
+    connection would create it), else None (it exists, is in memory, or not SQLite)."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    name = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not name or name == ":memory:":
+        return None
+    return None if os.path.exists(name) else os.path.abspath(name)
+
+
+def use_database(command: str, url: str, *, create: bool) -> bool:
+    """Say on stderr which database ``command`` uses; False (and why, on stderr) when it
+    is a SQLite file that does not exist and ``create`` is off: a command run from
+    another directory must not silently start a new, empty database there."""
+    missing = missing_sqlite_file(url)
+    if missing is not None and not create:
+        print(
+            f"welltempered {command}: no SQLite database at {missing} "
+            "(WELLTEMPERED_DATABASE_URL, relative to the current directory). Run it where "
+            "the database is, set WELLTEMPERED_DATABASE_URL, or create one with "
+            f"`welltempered migrate` (or add {CREATE_FLAG}).",
+            file=sys.stderr,
+        )
+        return False
+    created = " (new)" if missing is not None else ""
+    print(f"welltempered {command}: database {database_label(url)}{created}", file=sys.stderr)
+    return True
+
 
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
@@ -60,6 +106,7 @@ def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    use_database("serve", settings.database_url, create=True)
     try:
         metrics_address = exporter.parse_address(settings.metrics_address)
     except ValueError as exc:
@@ -184,6 +231,7 @@ def worker(args: argparse.Namespace) -> int:
             f"welltempered worker: --concurrency must be >= 1. Got {concurrency}.", file=sys.stderr
         )
         return 2
+    use_database("worker", settings.database_url, create=False)  # PostgreSQL: says which
     engine = make_engine(settings.database_url, application_name="welltempered-worker")
     try:
         migrate.ensure_schema(engine, settings.database_url)
@@ -217,6 +265,7 @@ def migrate_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s [%(name)s] %(message)s")
     logging.getLogger("alembic").setLevel(logging.INFO)
     settings = Settings()
+    use_database("migrate", settings.database_url, create=True)
     migrate.upgrade(settings.database_url)
     print(f"database at revision {migrate.head_revision(settings.database_url)} (head)")
     return 0
@@ -237,12 +286,21 @@ def fit(args: argparse.Namespace) -> int:
 def _keys_arguments(p: argparse.ArgumentParser) -> None:
     from service.security import keys
 
+    p.add_argument(
+        CREATE_FLAG,
+        action="store_true",
+        help="create (and migrate) the SQLite file of WELLTEMPERED_DATABASE_URL if it does "
+        "not exist (otherwise that is an error)",
+    )
     keys.add_arguments(p)
 
 
 def keys_command(args: argparse.Namespace) -> int:
     from service.security import keys
+    from service.settings import Settings
 
+    if not use_database("keys", Settings().database_url, create=args.create_database):
+        return 2
     return keys.run(args)
 
 
@@ -258,7 +316,6 @@ def _gc_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def gc_command(args: argparse.Namespace) -> int:
-    from sqlalchemy.engine import make_url
     from sqlalchemy.orm import sessionmaker
 
     from service.settings import Settings
@@ -271,13 +328,8 @@ def gc_command(args: argparse.Namespace) -> int:
     if grace < 0:
         print(f"welltempered gc: --grace must be >= 0. Got {grace}.", file=sys.stderr)
         return 2
-    database = make_url(settings.database_url).database if settings.is_sqlite else None
-    if database and database != ":memory:" and not os.path.exists(database):
-        print(
-            f"welltempered gc: no SQLite database at {database} (WELLTEMPERED_DATABASE_URL); "
-            "nothing to sweep against, nothing created.",
-            file=sys.stderr,
-        )
+    # Never a new database: a new one has no datasets to sweep against.
+    if not use_database("gc", settings.database_url, create=False):
         return 2
     engine = make_engine(settings.database_url)
     try:

@@ -162,7 +162,12 @@ class Settings(BaseSettings):
     rate_limit_burst: int = Field(
         200, ge=1, description="Requests one API key may make at once (the bucket's capacity)."
     )
-    max_dataset_rows: int = Field(10_000_000, ge=1, description="Most rows in one dataset.")
+    max_dataset_rows: int = Field(
+        1_000_000,
+        ge=1,
+        description="Most rows in one dataset (the dataset_rows quota, 413 past it): 20 times "
+        "ImageNet's validation set; a 467 KB .npz of zeros can declare 10,000,000.",
+    )
     max_classes: int = Field(10_000, ge=2, description="Largest num_classes (K) of a model.")
     max_queued_fits: int = Field(
         256,
@@ -179,17 +184,18 @@ class Settings(BaseSettings):
 
     # -- quotas and storage lifecycle (service/storage/usage.py, array_refs.py; docs/api.md) --
     quota_stored_bytes: int = Field(
-        10 * 1024 * MiB,
+        2 * 1024 * MiB,
         ge=1,
         description="Bytes of dataset arrays one namespace may store (the .npy files of its "
         "datasets, each dataset counted in full even when its content is shared). An upload "
-        "past it is refused with 409 quota-exceeded (413 if it alone is larger).",
+        "past it is refused with 409 quota-exceeded (413 if it alone is larger). Default: "
+        "twice MAX_BODY_BYTES's default, room for the largest upload and more.",
     )
     quota_datasets: int = Field(
-        1_000, ge=1, description="Datasets one namespace may hold (409 quota-exceeded past it)."
+        100, ge=1, description="Datasets one namespace may hold (409 quota-exceeded past it)."
     )
     quota_models: int = Field(
-        1_000, ge=1, description="Models one namespace may hold (409 quota-exceeded past it)."
+        100, ge=1, description="Models one namespace may hold (409 quota-exceeded past it)."
     )
     orphan_grace_seconds: float = Field(
         3600.0,

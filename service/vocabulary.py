@@ -35,6 +35,7 @@ __all__ = [
     "STATUSES",
     "TENANT_SCOPES",
     "UNFINISHED",
+    "VERSION_SOURCES",
     "format_duration",
     "parse_duration",
 ]
@@ -57,6 +58,9 @@ STATUSES = ("queued", "running", "succeeded", "rejected", "failed", "cancelled")
 UNFINISHED = ("queued", "running")
 #: Fitted: params and hold-out metrics exist (only ``succeeded`` may be served).
 FITTED = ("succeeded", "rejected")
+
+#: Where a version's params come from: a fit here, or posted parameters (evaluated here).
+VERSION_SOURCES = ("fit", "params")
 
 #: The scopes of a tenant's API keys, lowest first: each allows what the ones before it
 #: allow, in the key's namespace. An ``admin`` key may create keys of these scopes.

@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from sqlalchemy.orm import sessionmaker
 from starlette.types import Scope
 
-from service.api import openapi, problems
+from service.api import docs, openapi, problems
 from service.api.deps import AppState
 from service.api.faults import DatabaseFaultMiddleware
 from service.api.routers import (
@@ -109,8 +109,12 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
         summary="Fit, compare, promote and serve post-hoc calibrators.",
         version="0.1.0",
         lifespan=lifespan,
+        docs_url=None,  # service.api.docs serves them, with their assets
+        redoc_url=None,
+        generate_unique_id_function=openapi.operation_id,
     )
     problems.install(app)
+    docs.install(app)  # open, like /openapi.json: before auth
     # predict first, on the app itself (matched first: the hot path), authorising
     # inline; then the auth dependency, which every route added later gets.
     predict.install(app)

@@ -15,7 +15,9 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
 
+from service.api import fit_options
 from service.api.problems import OIP_PREFIX, PROBLEM_JSON
 from service.security.auth import OPEN_PATHS, required_scope
 from service.vocabulary import KINDS
@@ -43,6 +45,16 @@ SCORE_MATRIX: dict[str, Any] = {
 #: ``{"logits" | "probabilities": [[...]]}`` properties of those bodies.
 SCORE_PROPERTIES: dict[str, Any] = dict.fromkeys(KINDS, SCORE_MATRIX)
 LABELS: dict[str, Any] = {"type": "array", "items": {"type": "integer"}}
+#: The media type of binary bodies and downloads that every client generator knows.
+OCTET_STREAM = "application/octet-stream"
+#: A binary body's media type object.
+BINARY: dict[str, Any] = {"schema": {"type": "string", "format": "binary"}}
+
+
+def operation_id(route: APIRoute) -> str:
+    """An operation's id: its function's name (``create_model``, ``predict``), short
+    and stable, so generated clients read like the API (unique: a test checks)."""
+    return route.name
 
 
 #: Errors any /v1 operation may answer, and why.
@@ -88,6 +100,7 @@ def document(app: FastAPI) -> dict[str, Any]:
     )
     components = schema.setdefault("components", {})
     components.setdefault("schemas", {})["Problem"] = PROBLEM_SCHEMA
+    components["schemas"].update(fit_options.components())
     components["schemas"]["InferenceError"] = INFERENCE_ERROR_SCHEMA
     components.setdefault("securitySchemes", {})["bearer"] = {
         "type": "http",

@@ -5,9 +5,18 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    WithJsonSchema,
+    model_validator,
+)
 
 from calibrators.holdout import DEFAULT_HOLDOUT
+from service.api.fit_options import OPTIONS_SCHEMA
+from service.api.pagination import NextCursor
 from service.storage.db import as_utc
 from service.vocabulary import (
     ARGMAX_POLICIES,
@@ -21,6 +30,7 @@ from service.vocabulary import (
     SCOPES,
     STATUSES,
     TENANT_SCOPES,
+    VERSION_SOURCES,
 )
 
 # The closed lists of service.vocabulary as types: Literal[("a", "b")] is Literal["a", "b"].
@@ -32,10 +42,20 @@ Scope = Literal[SCOPES]  # type: ignore[valid-type]
 #: What an admin key may create over HTTP: a metrics key is the operator's (the CLI's).
 TenantScope = Literal[TENANT_SCOPES]  # type: ignore[valid-type]
 KeyState = Literal[KEY_STATES]  # type: ignore[valid-type]
+VersionSource = Literal[VERSION_SOURCES]  # type: ignore[valid-type]
 
 
 #: A stored time: ISO 8601 in UTC on the wire (SQLite gives naive datetimes back).
 Timestamp = Annotated[datetime, PlainSerializer(as_utc, return_type=datetime, when_used="json")]
+
+
+#: Longest model description.
+MAX_DESCRIPTION = 1024
+
+
+def _distinct(names: list[str]) -> None:
+    if len(set(names)) != len(names):
+        raise ValueError("class_names must be distinct.")
 
 
 class ModelCreate(BaseModel):
@@ -49,6 +69,7 @@ class ModelCreate(BaseModel):
         description="require: a calibrator that changes any held-out predicted class is "
         "stored 'rejected' and cannot be aliased; warn: allowed with a warning; off: allowed.",
     )
+    description: str | None = Field(None, max_length=MAX_DESCRIPTION)
 
     @model_validator(mode="after")
     def _names(self) -> ModelCreate:
@@ -58,9 +79,37 @@ class ModelCreate(BaseModel):
                     f"class_names must have num_classes={self.num_classes} entries. "
                     f"Got {len(self.class_names)}."
                 )
-            if len(set(self.class_names)) != len(self.class_names):
-                raise ValueError("class_names must be distinct.")
+            _distinct(self.class_names)
         return self
+
+
+class ModelPatch(BaseModel):
+    """A change of a model: only the fields given change (JSON merge patch, RFC 7396);
+    null clears class_names or the description."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    class_names: list[str] | None = Field(
+        None, description="One per class, in order (num_classes of them); null removes them."
+    )
+    argmax_policy: ArgmaxPolicy | None = Field(
+        None,
+        description="Applies to fits that start from now on; a version keeps the outcome "
+        "of the policy it was fitted under (refit to apply a new policy).",
+    )
+    description: str | None = Field(None, max_length=MAX_DESCRIPTION)
+
+    @model_validator(mode="after")
+    def _fields(self) -> ModelPatch:
+        if "argmax_policy" in self.model_fields_set and self.argmax_policy is None:
+            raise ValueError("argmax_policy cannot be null: give require, warn or off.")
+        if self.class_names is not None:
+            _distinct(self.class_names)
+        return self
+
+    def changes(self) -> dict[str, Any]:
+        """The columns this patch sets (the fields given, nulls included)."""
+        return {name: getattr(self, name) for name in self.model_fields_set}
 
 
 class ModelOut(BaseModel):
@@ -68,11 +117,14 @@ class ModelOut(BaseModel):
     num_classes: int
     class_names: list[str] | None
     argmax_policy: ArgmaxPolicy
+    description: str | None = None
     created_at: Timestamp
+    updated_at: Timestamp | None = None
 
 
 class ModelList(BaseModel):
     models: list[ModelOut]
+    next_cursor: NextCursor = None
 
 
 class DatasetOut(BaseModel):
@@ -91,6 +143,7 @@ class DatasetOut(BaseModel):
 
 class DatasetList(BaseModel):
     datasets: list[DatasetOut]
+    next_cursor: NextCursor = None
 
 
 class FitRequest(BaseModel):
@@ -105,11 +158,29 @@ class FitRequest(BaseModel):
         description="Share of rows held out to evaluate (and police argmax).",
     )
     seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed of the holdout permutation.")
-    options: dict[str, Any] = Field(
+    options: Annotated[dict[str, Any], WithJsonSchema(OPTIONS_SCHEMA)] = Field(
         default_factory=dict,
         description="Keyword options of calibrators.create(method, ...); for 'auto', "
         'keyed by method: {"matrix": {...}}.',
     )
+
+
+class ParamsImport(BaseModel):
+    """A calibrator fitted elsewhere: evaluated on a dataset's hold-out and policed by the
+    model's argmax policy like a fit, without fitting."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dataset_id: int = Field(ge=1, le=MAX_ID, description="The dataset whose hold-out rows "
+                            "evaluate the calibrator.")
+    params: dict[str, Any] = Field(
+        description="What calibrators' to_params() gives (the 'params' of a method in the "
+        "JSON of `welltempered fit --json`): exactly what calibrators.from_params takes."
+    )
+    holdout: float = Field(
+        DEFAULT_HOLDOUT, gt=0, lt=1, description="Share of the dataset's rows held out."
+    )
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed of the holdout permutation.")
 
 
 class FitAccepted(BaseModel):
@@ -139,7 +210,15 @@ class VersionOut(BaseModel):
     argmax: dict[str, Any] | None = None
     candidates: dict[str, Any] | None = None
     warning: str | None = None
+    rejection: list[str] | None = Field(
+        None,
+        description="Why the argmax policy rejected this version (status 'rejected'), one "
+        "sentence per candidate method.",
+    )
     error: str | None = None
+    source: VersionSource = Field(
+        "fit", description="'fit': fitted here; 'params': posted parameters, evaluated here."
+    )
     fit_seconds: float | None = None
     attempts: int = Field(
         0,
@@ -164,6 +243,32 @@ class VersionSummary(BaseModel):
 
 class VersionList(BaseModel):
     calibrators: list[VersionSummary]
+    next_cursor: NextCursor = None
+
+
+class PredictOut(BaseModel):
+    """The JSON answer of predict (documentation: the route serialises it itself)."""
+
+    probabilities: list[list[float]] | None = Field(
+        None, description="(n, K) calibrated probabilities; absent with top_k."
+    )
+    top_k_indices: list[list[int]] | None = Field(
+        None, description="With top_k: (n, k) classes, most probable first."
+    )
+    top_k_probabilities: list[list[float]] | None = Field(
+        None, description="With top_k: (n, k) their probabilities."
+    )
+    labels: list[int] = Field(description="(n) predicted class of each row.")
+    confidence: list[float] = Field(description="(n) its probability.")
+    entropy: list[float] = Field(description="(n) entropy of each row, in nats.")
+    model: str
+    version: int = Field(description="The calibrator version that answered.")
+    label_names: list[str] | None = Field(
+        None, description="When the model has class_names: (n) the name of each label."
+    )
+    top_k_names: list[list[str]] | None = Field(
+        None, description="When the model has class_names, with top_k: (n, k) their names."
+    )
 
 
 class AliasPut(BaseModel):
@@ -181,6 +286,7 @@ class AliasOut(BaseModel):
 
 class AliasList(BaseModel):
     aliases: list[AliasOut]
+    next_cursor: NextCursor = None
 
 
 class KeyCreate(BaseModel):
@@ -210,6 +316,7 @@ class KeyCreated(KeyOut):
 
 class KeyList(BaseModel):
     keys: list[KeyOut]
+    next_cursor: NextCursor = None
 
 
 class DeletedOut(BaseModel):

@@ -18,10 +18,11 @@ from typing import Any
 import numpy as np
 
 import calibrators
-from calibrators import checks, metrics
+from calibrators import metrics
 from calibrators.holdout import split_indices, split_sizes
 from calibrators.validation import to_probabilities
 from service.errors import FitTooLarge
+from service.jobs import evaluation
 from service.vocabulary import AUTO
 
 log = logging.getLogger("welltempered.fits")
@@ -163,7 +164,7 @@ def fit_job(
 
     Returns the columns of the finished version: status (succeeded | rejected),
     chosen_method, params, metrics_before/after, argmax, candidates (auto only),
-    warning and fit_seconds.
+    warning, rejection (why, when rejected) and fit_seconds.
     """
     fit_idx, hold_idx = split_indices(labels.shape[0], holdout, seed)
     x_fit, y_fit = np.asarray(scores[fit_idx]), labels[fit_idx]
@@ -196,14 +197,10 @@ def fit_job(
         t0 = time.perf_counter()
         cal = _create(m, opts).fit(x_fit, y_fit, kind=kind, progress=scaled)
         seconds = time.perf_counter() - t0
-        probs = cal.predict_proba(x_hold, kind=kind)
-        argmax = checks.argmax_report(x_hold, probs, kind=kind)
         results[m] = {
             "cal": cal,
-            "metrics": metrics.report(probs, y_hold),
-            "argmax": argmax,
+            **evaluation.evaluate(cal, x_hold, y_hold, kind=kind, argmax_policy=argmax_policy),
             "fit_seconds": seconds,
-            "allowed": argmax_policy != "require" or argmax["changed"] == 0,
         }
         scaled(1.0)
     total = time.perf_counter() - started
@@ -212,13 +209,7 @@ def fit_job(
     pool = allowed or list(methods)
     chosen = min(pool, key=lambda m: results[m]["metrics"]["nll"])
     best = results[chosen]
-    warnings = []
-    changed = best["argmax"]["changed"]
-    if changed and argmax_policy == "warn":
-        warnings.append(
-            f"{chosen} calibration changed the predicted class of {changed} of "
-            f"{best['argmax']['n']} held-out rows (argmax_policy 'warn')."
-        )
+    warnings = [w for w in [evaluation.warning(chosen, best["argmax"], argmax_policy)] if w]
     if skipped:
         warnings.append(
             f"auto skipped {', '.join(skipped)}: memory estimate above a fit worker's budget."
@@ -240,5 +231,6 @@ def fit_job(
             else None
         ),
         "warning": warning,
+        "rejection": evaluation.rejection(results, argmax_policy),
         "fit_seconds": total,
     }

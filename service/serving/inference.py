@@ -96,6 +96,8 @@ class Served:
     num_classes: int
     version: int
     session: ort.InferenceSession
+    #: The model's class names as an object array (index it with labels), or None.
+    class_names: np.ndarray | None = None
 
 
 class ServingCache:
@@ -141,6 +143,9 @@ class ServingCache:
                 num_classes=model.num_classes,
                 version=row.version,
                 session=onnx,
+                class_names=(
+                    None if model.class_names is None else np.array(model.class_names, object)
+                ),
             )
 
     def invalidate(self, model: str, namespace: str) -> None:

@@ -82,7 +82,8 @@ class Base(DeclarativeBase):
 
 
 class Model(Base):
-    """A classifier whose scores are calibrated; immutable once created."""
+    """A classifier whose scores are calibrated. Its name, namespace and number of classes
+    never change; its class names, argmax policy and description can (PATCH)."""
 
     __tablename__ = "models"
     __table_args__ = (
@@ -102,6 +103,9 @@ class Model(Base):
     #: so concurrent fits never get the same number.
     next_version: Mapped[int] = mapped_column(Integer, server_default="1")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    description: Mapped[str | None] = mapped_column(Text)
+    #: When class names, policy or description last changed (None: never).
+    updated_at: Mapped[datetime | None]
 
 
 class Dataset(Base):
@@ -174,6 +178,10 @@ class CalibratorVersion(Base):
     worker: Mapped[str | None] = mapped_column(String(128))
     #: The job engine's id of this fit (PostgreSQL: procrastinate_jobs.id; None on SQLite).
     job_id: Mapped[int | None] = mapped_column(BigInteger)
+    #: Why the argmax policy rejected it (one sentence per reason), set with the outcome.
+    rejection: Mapped[list[str] | None]
+    #: Where its params came from: a fit here, or posted parameters (VERSION_SOURCES).
+    source: Mapped[str] = mapped_column(String(16), server_default="fit")
 
 
 class Alias(Base):

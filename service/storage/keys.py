@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from service.errors import NotFound
 from service.storage.db import ApiKey, utcnow
+from service.storage.pages import PageRequest, paged
 
 
 def add_key(
@@ -47,12 +48,14 @@ def live_key(session: Session, digest: str) -> ApiKey | None:
     )
 
 
-def list_keys(session: Session, namespace: str | None = None) -> list[ApiKey]:
+def list_keys(
+    session: Session, namespace: str | None = None, page: PageRequest | None = None
+) -> list[ApiKey]:
     """The keys of ``namespace`` (of every namespace if None), oldest first."""
-    query = select(ApiKey).order_by(ApiKey.id)
+    query = select(ApiKey)
     if namespace is not None:
         query = query.where(ApiKey.namespace == namespace)
-    return list(session.scalars(query))
+    return list(session.scalars(paged(query, ApiKey.id, page)))
 
 
 def revoke_key(session: Session, key_id: int, namespace: str | None = None) -> None:

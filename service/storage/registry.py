@@ -48,6 +48,7 @@ from service.storage.db import (
     Model,
     utcnow,
 )
+from service.storage.pages import PageRequest, paged
 from service.storage.usage import Quotas
 from service.vocabulary import ALIAS_PATTERN, DEFAULT_ALIAS, NAME_PATTERN, UNFINISHED
 
@@ -67,6 +68,7 @@ def create_model(
     class_names: list[str] | None,
     argmax_policy: str,
     quotas: Quotas | None = None,
+    description: str | None = None,
 ) -> Model:
     """A new model of ``namespace``; 409 if the namespace has one of that name, or (with
     ``quotas``) as many models as its quota allows (checked under the namespace's lock)."""
@@ -76,6 +78,7 @@ def create_model(
         num_classes=num_classes,
         class_names=class_names,
         argmax_policy=argmax_policy,
+        description=description,
     )
     try:
         if quotas is not None:
@@ -92,10 +95,33 @@ def create_model(
     return model
 
 
-def list_models(session: Session, namespace: str) -> list[Model]:
-    return list(
-        session.scalars(select(Model).where(Model.namespace == namespace).order_by(Model.name))
-    )
+def update_model(session: Session, model: Model, changes: dict[str, Any]) -> Model:
+    """Set ``changes`` (class_names, argmax_policy, description) of ``model`` in one
+    UPDATE; 422 for class names that are not one per class, 404 if it was deleted."""
+    names = changes.get("class_names")
+    if names is not None and len(names) != model.num_classes:
+        raise InvalidInput(
+            f"class_names must have one name per class: model {model.name!r} has "
+            f"num_classes={model.num_classes} (its datasets and versions have that many "
+            f"columns). Got {len(names)}."
+        )
+    if changes:
+        updated = session.execute(
+            update(Model).where(Model.id == model.id).values(**changes, updated_at=utcnow())
+        ).rowcount
+        session.commit()
+        if not updated:
+            raise NotFound(f"No model named {model.name!r}; GET /v1/models lists them.")
+    session.refresh(model)
+    return model
+
+
+def list_models(
+    session: Session, namespace: str, page: PageRequest | None = None
+) -> list[Model]:
+    """The namespace's models by id (oldest first)."""
+    stmt = select(Model).where(Model.namespace == namespace)
+    return list(session.scalars(paged(stmt, Model.id, page)))
 
 
 def find_model(session: Session, name: str, namespace: str) -> Model:
@@ -191,10 +217,11 @@ def _dataset_by_sha(session: Session, model: Model, sha: str) -> Dataset | None:
     )
 
 
-def list_datasets(session: Session, model: Model) -> list[Dataset]:
-    return list(
-        session.scalars(select(Dataset).where(Dataset.model_id == model.id).order_by(Dataset.id))
-    )
+def list_datasets(
+    session: Session, model: Model, page: PageRequest | None = None
+) -> list[Dataset]:
+    stmt = select(Dataset).where(Dataset.model_id == model.id)
+    return list(session.scalars(paged(stmt, Dataset.id, page)))
 
 
 def find_dataset(session: Session, model: Model, dataset_id: int) -> Dataset:
@@ -218,12 +245,16 @@ def create_version(
     holdout: float,
     seed: int,
     options: dict[str, Any],
+    outcome: dict[str, Any] | None = None,
     enqueue: Callable[[Session, CalibratorVersion], None] | None = None,
 ) -> CalibratorVersion:
     """A queued version with the next number of this model (atomic UPDATE ... RETURNING).
 
     ``enqueue(session, version)`` runs after the row is flushed and before the commit:
     the job queue writes its job in the same transaction (:mod:`service.jobs.engine`).
+    With ``outcome`` (the columns of a finished version: status, params, metrics...)
+    instead, a version finished from the start (posted parameters, evaluated by the
+    caller), which no queue sees.
     """
     after = session.execute(
         update(Model)
@@ -246,6 +277,8 @@ def create_version(
         status="queued",
         progress=0.0,
     )
+    for column, value in (outcome or {}).items():
+        setattr(row, column, value)
     session.add(row)
     try:
         session.flush()
@@ -258,12 +291,17 @@ def create_version(
     return row
 
 
-def list_versions(session: Session, model: Model) -> list[CalibratorVersion]:
+def list_versions(
+    session: Session, model: Model, page: PageRequest | None = None
+) -> list[CalibratorVersion]:
+    """The model's versions by number (the order of their ids: numbers only grow)."""
     return list(
         session.scalars(
-            select(CalibratorVersion)
-            .where(CalibratorVersion.model_id == model.id)
-            .order_by(CalibratorVersion.version)
+            paged(
+                select(CalibratorVersion).where(CalibratorVersion.model_id == model.id),
+                CalibratorVersion.version,
+                page,
+            )
         )
     )
 
@@ -323,13 +361,18 @@ def set_alias(session: Session, model: Model, alias: str, version: CalibratorVer
     return session.get(Alias, (model.id, alias), populate_existing=True)
 
 
-def list_aliases(session: Session, model: Model) -> list[tuple[Alias, CalibratorVersion]]:
-    """Every alias of ``model`` (by name), each with the version it points at."""
+def list_aliases(
+    session: Session, model: Model, page: PageRequest | None = None
+) -> list[tuple[Alias, CalibratorVersion]]:
+    """The aliases of ``model`` by name (their key), each with the version it points at."""
     rows = session.execute(
-        select(Alias, CalibratorVersion)
-        .join(CalibratorVersion, CalibratorVersion.id == Alias.version_id)
-        .where(Alias.model_id == model.id)
-        .order_by(Alias.alias)
+        paged(
+            select(Alias, CalibratorVersion)
+            .join(CalibratorVersion, CalibratorVersion.id == Alias.version_id)
+            .where(Alias.model_id == model.id),
+            Alias.alias,
+            page,
+        )
     )
     return [(a, v) for a, v in rows]
 

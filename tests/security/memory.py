@@ -166,7 +166,7 @@ def _bomb_case() -> Case:
 
 
 def _zero_npz_case() -> Case:
-    # A valid all-zero .npz declaring more rows than max_dataset_rows (10,000,000).
+    # A valid all-zero .npz declaring more rows than max_dataset_rows (1,000,000 by default).
     rows = 10_000_001
     member = pl.deflated_member("logits.npy", pl.npy_header((rows, K)), 64 << 20)
     body = pl._merge(member, {"labels.npy": pl.npy((10,), "<i8")})

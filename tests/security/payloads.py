@@ -75,17 +75,24 @@ def patch_members(archive: bytes, *, flags: int | None = None, method: int | Non
 def deflated_member(name: str, head: bytes, zeros: int, chunk: int = 1 << 24) -> bytes:
     """A zip holding one deflated member: ``head`` then ``zeros`` zero bytes (a bomb: about
     1,000 times smaller than what it inflates to), written in chunks."""
+    return deflated_members({name: (head, zeros)}, chunk)
+
+
+def deflated_members(members: dict[str, tuple[bytes, int]], chunk: int = 1 << 24) -> bytes:
+    """A zip of deflated members, each ``name: (head, zeros)``: its ``head`` then ``zeros``
+    zero bytes, written in chunks (a valid .npz of zeros when each head declares them)."""
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
-        info = zipfile.ZipInfo(name)
-        info.compress_type = zipfile.ZIP_DEFLATED
-        with zf.open(info, "w", force_zip64=True) as f:
-            f.write(head)
-            block = bytes(min(chunk, zeros))
-            left = zeros
-            while left > 0:
-                f.write(block[: min(left, len(block))])
-                left -= len(block)
+        for name, (head, zeros) in members.items():
+            info = zipfile.ZipInfo(name)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            with zf.open(info, "w", force_zip64=True) as f:
+                f.write(head)
+                block = bytes(min(chunk, zeros))
+                left = zeros
+                while left > 0:
+                    f.write(block[: min(left, len(block))])
+                    left -= len(block)
     return buf.getvalue()
 
 

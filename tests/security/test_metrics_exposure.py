@@ -201,7 +201,7 @@ def test_an_admin_cannot_mint_list_or_revoke_a_metrics_key(tenants):
 
 def test_keys_cli_creates_metrics_keys_without_a_namespace(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WELLTEMPERED_DATABASE_URL", f"sqlite:///{tmp_path / 'k.sqlite3'}")
-    assert cli.main(["keys", "create", "--scope", METRICS_SCOPE]) == 0
+    assert cli.main(["keys", "--create-database", "create", "--scope", METRICS_SCOPE]) == 0
     out = capsys.readouterr().out
     assert f"namespace {METRICS_NAMESPACE!r}" in out and out.strip().splitlines()[-1].startswith(
         "wt_"

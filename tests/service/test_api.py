@@ -58,7 +58,8 @@ def test_models_create_list_get(client):
     assert body["name"] == "resnet" and body["num_classes"] == 3
     assert body["argmax_policy"] == "warn" and body["created_at"].endswith(("Z", "+00:00"))
     create_model(client, "alpha", 2)
-    assert [m["name"] for m in client.get("/v1/models").json()["models"]] == ["alpha", "resnet"]
+    # oldest first (by id: the stable order of a paged list), not by name
+    assert [m["name"] for m in client.get("/v1/models").json()["models"]] == ["resnet", "alpha"]
     got = client.get("/v1/models/resnet").json()
     assert got["class_names"] == ["a", "b", "c"]
     assert create_model(client, "x", 2)["argmax_policy"] == "require"  # the default

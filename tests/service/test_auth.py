@@ -127,7 +127,8 @@ def test_namespaces_are_isolated_and_foreign_models_look_missing(app_client, mak
         assert foreign.status_code == 404, (path, foreign.text)
         assert foreign.content == missing.content, path  # the same bytes: nothing leaks
         assert app_client.request(method, path, json=json, headers=bearer(a)).status_code < 300
-    assert app_client.get("/v1/models", headers=bearer(b)).json() == {"models": []}
+    listed = app_client.get("/v1/models", headers=bearer(b)).json()
+    assert listed == {"models": [], "next_cursor": None}
     # the same name in another namespace is another model
     r = app_client.post("/v1/models", json={"name": "m", "num_classes": 5}, headers=bearer(b))
     assert r.status_code == 201

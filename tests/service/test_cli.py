@@ -34,6 +34,46 @@ def test_migrate_command(tmp_path, monkeypatch, capsys):
     assert "head" in capsys.readouterr().out
 
 
+def test_keys_refuses_to_create_a_sqlite_file_elsewhere(tmp_path, monkeypatch, capsys):
+    # issue 13: `keys create` run from another directory silently made a new database
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WELLTEMPERED_DATABASE_URL", raising=False)
+    where = tmp_path / "welltempered.sqlite3"  # the default URL, relative
+    create = ["keys", "create", "--namespace", "team", "--scope", "write"]
+    assert cli.main(create) == 2
+    err = capsys.readouterr().err
+    assert str(where) in err and "welltempered migrate" in err and "--create-database" in err
+    assert not where.exists()
+    assert cli.main(["keys", "list"]) == 2 and not where.exists()
+    # with the flag it creates (and migrates) it, and says so
+    assert cli.main(["keys", "--create-database", *create[1:]]) == 0
+    captured = capsys.readouterr()
+    assert f"welltempered keys: database SQLite {where} (new)" in captured.err
+    assert captured.out.strip().splitlines()[-1].startswith("wt_")  # the key: last line
+    assert where.exists()
+    assert cli.main(["keys", "list"]) == 0
+    assert f"welltempered keys: database SQLite {where}\n" in capsys.readouterr().err
+
+
+def test_migrate_and_gc_say_which_database(tmp_path, monkeypatch, capsys):
+    url = f"sqlite:///{tmp_path / 'w.sqlite3'}"
+    monkeypatch.setenv("WELLTEMPERED_DATABASE_URL", url)
+    monkeypatch.setenv("WELLTEMPERED_DATA_DIR", str(tmp_path / "data"))
+    assert cli.main(["gc"]) == 2  # never a new database
+    assert not (tmp_path / "w.sqlite3").exists()
+    assert cli.main(["migrate"]) == 0  # migrate creates it
+    assert f"database SQLite {tmp_path / 'w.sqlite3'} (new)" in capsys.readouterr().err
+    assert cli.main(["gc"]) == 0
+    assert f"welltempered gc: database SQLite {tmp_path / 'w.sqlite3'}" in capsys.readouterr().err
+
+
+def test_a_database_label_never_shows_a_password():
+    label = cli.database_label("postgresql+psycopg://team:s3cret@db.internal:5432/calib")
+    assert "s3cret" not in label and "db.internal:5432/calib" in label
+    assert cli.missing_sqlite_file("postgresql+psycopg://team@db/calib") is None
+    assert cli.missing_sqlite_file("sqlite://") is None  # in memory
+
+
 def test_parser_has_the_commands():
     sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
     assert {"serve", "migrate", "fit"} <= set(sub.choices)

@@ -257,6 +257,17 @@ def test_reliability_svgs(client):
     ]
     assert sum(counts) == 600
     assert_problem(client.get("/v1/models/m/monitoring/reliability.svg?window=zz"), 422, "window")
+    # the same bytes as a download for a client that accepts octet-stream only
+    for url in ("/v1/models/m/calibrators/1/reliability.svg",
+                "/v1/models/m/monitoring/reliability.svg?window=1h"):
+        svg = client.get(url, headers={"accept": "image/svg+xml"})
+        raw = client.get(url, headers={"accept": "application/octet-stream"})
+        assert svg.headers["content-type"].startswith("image/svg+xml")
+        assert raw.headers["content-type"] == "application/octet-stream"
+        assert raw.headers["content-disposition"].endswith('.svg"')
+        assert raw.content == svg.content
+        both = client.get(url, headers={"accept": "application/octet-stream, image/*"})
+        assert both.headers["content-type"].startswith("image/svg+xml")
 
 
 # ---------------------------------------------------------------------------

@@ -3,16 +3,20 @@ and holds under concurrent uploads; on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import io
 import threading
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from fastapi.testclient import TestClient
 
 from service.api.app import create_app
+from service.settings import Settings
 from service.storage import usage
 from service.storage.arrays import ArrayStore
 from service.vocabulary import DEFAULT_NAMESPACE
+from tests.security import payloads as pl
 from tests.service.helpers import (
     assert_problem,
     create_model,
@@ -128,6 +132,38 @@ def test_rows_per_dataset(database_url, tmp_path):
             assert p["max_rows"] == 50
         assert on_disk(c) == set()
         assert c.post("/v1/models/m/datasets", json=body(1, n=50)).status_code == 201
+
+
+def test_default_quotas_refuse_the_zero_npz_of_issue_12(tmp_path):
+    # issue 12: a valid all-zero .npz of 467 KB was stored as a 10,000,000 x 10 dataset
+    # (458 MB) under the default settings. The same file, under the defaults now.
+    rows, k = 10_000_000, 10
+    bomb = pl.deflated_members({
+        "logits.npy": (pl.npy_header((rows, k), "<f4"), rows * k * 4),
+        "labels.npy": (pl.npy_header((rows,), "<i8"), rows * 8),
+    })
+    with zipfile.ZipFile(io.BytesIO(bomb)) as zf:  # valid: every member inflates whole
+        assert [i.file_size for i in zf.infolist()] == [128 + rows * k * 4, 128 + rows * 8]
+    assert 400_000 < len(bomb) < 500_000
+    defaults = Settings()
+    with quota_client(f"sqlite:///{tmp_path / 'r.sqlite3'}", tmp_path) as c:
+        assert c.app.state.welltempered.settings.max_dataset_rows == defaults.max_dataset_rows
+        create_model(c, "m", k)
+        r = c.post(
+            "/v1/models/m/datasets",
+            content=bomb,
+            headers={"content-type": "application/octet-stream"},
+        )
+        quota_problem(r, 413, "dataset_rows", defaults.max_dataset_rows, None, rows)
+        assert on_disk(c) == set()
+
+
+def test_default_quotas_are_finite_and_hold_the_largest_upload():
+    s = Settings()
+    # one dataset of MAX_BODY_BYTES fits in an empty namespace, and a few such do not fit
+    assert s.max_body_bytes <= s.quota_stored_bytes <= 4 * s.max_body_bytes
+    assert s.max_dataset_rows <= 1_000_000
+    assert s.quota_datasets <= 1_000 and s.quota_models <= 1_000
 
 
 def _npz(n: int) -> bytes:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path
+from fastapi import APIRouter, Depends, Path, Request, Response
 
 from service.api.deps import AliasDep, ModelDep, SessionDep, StateDep
+from service.api.pagination import Page, pages
 from service.api.schemas import AliasList, AliasOut, AliasPut, DeletedOut
 from service.api.uploads import require_json
 from service.storage import registry
@@ -40,10 +41,17 @@ def put_alias(
 
 
 @router.get("", response_model=AliasList)
-def list_aliases(model: ModelDep, session: SessionDep) -> AliasList:
-    return AliasList(
-        aliases=[alias_out(a, model, v) for a, v in registry.list_aliases(session, model)]
-    )
+def list_aliases(
+    model: ModelDep,
+    session: SessionDep,
+    page: Annotated[Page, Depends(pages("aliases", str))],
+    request: Request,
+    response: Response,
+) -> AliasList:
+    """The model's aliases by name, a page at a time."""
+    rows = registry.list_aliases(session, model, page.request)
+    rows, cursor = page.finish(rows, lambda row: row[0].alias, request, response)
+    return AliasList(aliases=[alias_out(a, model, v) for a, v in rows], next_cursor=cursor)
 
 
 @router.get("/{alias}", response_model=AliasOut)

@@ -3,21 +3,27 @@ download its ONNX, delete a version."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import numpy as np
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Depends, Request, Response
 
 from calibrators.holdout import split_indices
 from service.api.deps import ModelDep, SessionDep, StateDep, VersionDep
+from service.api.openapi import BINARY, OCTET_STREAM
+from service.api.pagination import Page, pages
 from service.api.schemas import (
     DeletedOut,
     FitAccepted,
     FitRequest,
+    ParamsImport,
     VersionList,
     VersionOut,
     VersionSummary,
 )
 from service.api.uploads import require_json
 from service.errors import Conflict, NotReady
+from service.jobs import evaluation
 from service.jobs.fitting import affordable, check_fit_request
 from service.security import limits
 from service.serving.inference import onnx_bytes
@@ -50,7 +56,9 @@ def version_out(row: CalibratorVersion, model: Model) -> VersionOut:
         argmax=row.argmax,
         candidates=row.candidates if fitted else None,
         warning=row.warning,
+        rejection=row.rejection,
         error=row.error,
+        source=row.source,
         fit_seconds=row.fit_seconds,
         attempts=row.attempts,
         worker=row.worker,
@@ -101,13 +109,60 @@ def start_fit(
     return FitAccepted(model=model.name, version=row.version, status="queued", status_url=url)
 
 
+@router.post(
+    "/import",
+    status_code=201,
+    response_model=VersionOut,
+    dependencies=[Depends(require_json)],
+    responses={201: {"description": "The new version, succeeded or rejected by the policy."}},
+)
+def import_params(
+    body: ParamsImport, model: ModelDep, session: SessionDep, state: StateDep, response: Response
+) -> VersionOut:
+    """A version from a calibrator fitted elsewhere (its to_params() JSON), evaluated on
+    the dataset's hold-out rows and policed by the model's argmax policy like a fit (a
+    new version, 'succeeded' or 'rejected'), without a fit. Answered when done."""
+    dataset = registry.find_dataset(session, model, body.dataset_id)
+    split_indices(dataset.n_rows, body.holdout, body.seed)  # 422 if a part would be empty
+    evaluation.from_posted_params(body.params, model.num_classes)  # 422 before any loading
+    outcome = evaluation.evaluate_params(
+        body.params,
+        state.arrays.load(dataset.scores_sha256),
+        state.arrays.load(dataset.labels_sha256),
+        num_classes=model.num_classes,
+        kind=dataset.kind,
+        holdout=body.holdout,
+        seed=body.seed,
+        argmax_policy=model.argmax_policy,
+    )
+    row = registry.create_version(
+        session,
+        model,
+        dataset,
+        method=outcome["chosen_method"],
+        holdout=body.holdout,
+        seed=body.seed,
+        options={},
+        outcome=outcome,
+    )
+    response.headers["Location"] = version_url(model, row.version)
+    return version_out(row, model)
+
+
 @router.get("", response_model=VersionList)
-def list_versions(model: ModelDep, session: SessionDep) -> VersionList:
+def list_versions(
+    model: ModelDep,
+    session: SessionDep,
+    page: Annotated[Page, Depends(pages("calibrators"))],
+    request: Request,
+    response: Response,
+) -> VersionList:
+    """The model's versions by number, a page at a time."""
+    rows = registry.list_versions(session, model, page.request)
+    rows, cursor = page.finish(rows, lambda v: v.version, request, response)
     return VersionList(
-        calibrators=[
-            VersionSummary.model_validate(v, from_attributes=True)
-            for v in registry.list_versions(session, model)
-        ]
+        calibrators=[VersionSummary.model_validate(v, from_attributes=True) for v in rows],
+        next_cursor=cursor,
     )
 
 
@@ -151,7 +206,7 @@ def cancel_fit(
 @router.get(
     "/{version}/onnx",
     response_class=Response,
-    responses={200: {"content": {"application/octet-stream": {}}, "description": "ONNX model"}},
+    responses={200: {"content": {OCTET_STREAM: BINARY}, "description": "ONNX model"}},
 )
 def get_onnx(model: ModelDep, version: VersionDep) -> Response:
     if version.status not in FITTED:

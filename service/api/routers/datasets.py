@@ -11,6 +11,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from service.api import ingest
 from service.api.deps import DatasetDep, KindQuery, ModelDep, QuotasDep, SessionDep, StateDep
 from service.api.openapi import LABELS, SCORE_PROPERTIES
+from service.api.pagination import Page, pages
 from service.api.schemas import DatasetList, DatasetOut, DeletedOut
 from service.api.uploads import NPZ_TYPES, Upload, labelled_body
 from service.storage import registry
@@ -86,7 +87,12 @@ def dataset_out(dataset: Dataset, model: Model, *, with_metrics: bool = True) ->
     status_code=201,
     response_model=DatasetOut,
     openapi_extra=_UPLOAD_DOC,
-    responses={200: {"description": "Identical content was already uploaded: that dataset."}},
+    responses={
+        200: {
+            "description": "Identical content was already uploaded: that dataset.",
+            "model": DatasetOut,
+        }
+    },
 )
 def upload_dataset(
     model: ModelDep,
@@ -111,9 +117,19 @@ def upload_dataset(
 
 
 @router.get("", response_model=DatasetList)
-def list_datasets(model: ModelDep, session: SessionDep) -> DatasetList:
-    rows = registry.list_datasets(session, model)
-    return DatasetList(datasets=[dataset_out(d, model, with_metrics=False) for d in rows])
+def list_datasets(
+    model: ModelDep,
+    session: SessionDep,
+    page: Annotated[Page, Depends(pages("datasets"))],
+    request: Request,
+    response: Response,
+) -> DatasetList:
+    """The model's datasets by id, a page at a time (without their metrics)."""
+    rows = registry.list_datasets(session, model, page.request)
+    rows, cursor = page.finish(rows, lambda d: d.id, request, response)
+    return DatasetList(
+        datasets=[dataset_out(d, model, with_metrics=False) for d in rows], next_cursor=cursor
+    )
 
 
 @router.get("/{dataset_id}", response_model=DatasetOut)

@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Request, Response
 
 from service.api.deps import SessionDep
+from service.api.pagination import Page, pages
 from service.api.schemas import KeyCreate, KeyCreated, KeyList, KeyOut
 from service.api.uploads import require_json
 from service.security import keys
@@ -41,10 +42,17 @@ def create_key(body: KeyCreate, principal: PrincipalDep, session: SessionDep) ->
 
 
 @router.get("", response_model=KeyList)
-def list_keys(principal: PrincipalDep, session: SessionDep) -> KeyList:
-    return KeyList(
-        keys=[KeyOut(**key_out(r)) for r in key_rows.list_keys(session, principal.namespace)]
-    )
+def list_keys(
+    principal: PrincipalDep,
+    session: SessionDep,
+    page: Annotated[Page, Depends(pages("keys"))],
+    request: Request,
+    response: Response,
+) -> KeyList:
+    """The namespace's keys by id (revoked and expired ones too), a page at a time."""
+    rows = key_rows.list_keys(session, principal.namespace, page.request)
+    rows, cursor = page.finish(rows, lambda r: r.id, request, response)
+    return KeyList(keys=[KeyOut(**key_out(r)) for r in rows], next_cursor=cursor)
 
 
 @router.delete("/{key_id}", status_code=204, response_class=Response)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Response
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Response
 
 from service.api.deps import ModelDep, QuotasDep, SessionDep, StateDep
-from service.api.schemas import DeletedOut, ModelCreate, ModelList, ModelOut
+from service.api.pagination import Page, pages
+from service.api.schemas import DeletedOut, ModelCreate, ModelList, ModelOut, ModelPatch
 from service.api.uploads import require_json
 from service.security import limits
 from service.security.auth import PrincipalDep
@@ -37,15 +40,36 @@ def create_model(
         body.class_names,
         body.argmax_policy,
         quotas,
+        body.description,
     )
     response.headers["Location"] = f"/v1/models/{model.name}"
     return model_out(model)
 
 
 @router.get("", response_model=ModelList)
-def list_models(session: SessionDep, principal: PrincipalDep) -> ModelList:
-    rows = registry.list_models(session, principal.namespace)
-    return ModelList(models=[model_out(m) for m in rows])
+def list_models(
+    session: SessionDep,
+    principal: PrincipalDep,
+    page: Annotated[Page, Depends(pages("models"))],
+    request: Request,
+    response: Response,
+) -> ModelList:
+    """The namespace's models, oldest first, a page at a time."""
+    rows = registry.list_models(session, principal.namespace, page.request)
+    rows, cursor = page.finish(rows, lambda m: m.id, request, response)
+    return ModelList(models=[model_out(m) for m in rows], next_cursor=cursor)
+
+
+@router.patch("/{model}", response_model=ModelOut, dependencies=[Depends(require_json)])
+def patch_model(
+    body: ModelPatch, model: ModelDep, session: SessionDep, state: StateDep
+) -> ModelOut:
+    """Change the model's class names, argmax policy or description (only the fields
+    given; null clears class_names or description). Its name and number of classes never
+    change; a new argmax policy applies to fits that start from now on."""
+    row = registry.update_model(session, model, body.changes())
+    state.serving.invalidate(model.name, model.namespace)
+    return model_out(row)
 
 
 @router.get("/{model}", response_model=ModelOut)

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 
 from service.api import ingest
 from service.api.deps import KindQuery, ModelDep, SessionDep, StateDep, VersionDep
-from service.api.openapi import LABELS, SCORE_PROPERTIES
+from service.api.openapi import BINARY, LABELS, OCTET_STREAM, SCORE_PROPERTIES
 from service.api.uploads import NPZ_TYPES, Upload, labelled_body
 from service.errors import Conflict, InvalidInput
 from service.observe import metrics as obs
@@ -33,8 +33,24 @@ router = APIRouter(tags=["monitoring"])
 
 _MODEL = "/v1/models/{model}"
 _SVG_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"content": {SVG: {}}, "description": "A reliability diagram (SVG)."}
+    200: {
+        "content": {SVG: BINARY, OCTET_STREAM: BINARY},
+        "description": "A reliability diagram (SVG); the same bytes as "
+        f"{OCTET_STREAM} (a download) when the Accept header asks for that and not for SVG.",
+    }
 }
+
+
+def svg_response(svg: str | bytes, request: Request, name: str) -> Response:
+    """The diagram as SVG, or as a download when the client accepts octet-stream only."""
+    accept = request.headers.get("accept", "")
+    if OCTET_STREAM in accept and SVG not in accept and "image/*" not in accept:
+        return Response(
+            svg,
+            media_type=OCTET_STREAM,
+            headers={"Content-Disposition": f'attachment; filename="{name}.svg"'},
+        )
+    return Response(svg, media_type=SVG)
 
 WindowQuery = Annotated[
     str | None,
@@ -174,11 +190,15 @@ _FEEDBACK_DOC = {
                     "required": ["labels"],
                 }
             },
-            **{
-                kind: {
-                    "schema": {"type": "string", "format": "binary", "description": _NPZ_MEMBERS}
+            # Also accepted, and the same: application/x-npz and application/zip (NPZ_TYPES);
+            # the document names the one type every client generator knows.
+            OCTET_STREAM: {
+                "schema": {
+                    "type": "string",
+                    "format": "binary",
+                    "description": f"{_NPZ_MEMBERS} Also accepted as "
+                    f"{' or '.join(t for t in NPZ_TYPES if t != OCTET_STREAM)}.",
                 }
-                for kind in NPZ_TYPES
             },
         },
     }
@@ -330,6 +350,7 @@ def live_reliability_svg(
     row: MonitoredDep,
     session: SessionDep,
     state: StateDep,
+    request: Request,
 ) -> Response:
     """Reliability diagram of the live window next to the version's hold-out."""
     info, stats = _live(session, state, row, seconds)
@@ -343,7 +364,7 @@ def live_reliability_svg(
         ],
         f"{model.name} v{row.version}: live vs hold-out",
     )
-    return Response(svg, media_type=SVG)
+    return svg_response(svg, request, f"{model.name}-v{row.version}-live")
 
 
 @router.get(
@@ -351,7 +372,7 @@ def live_reliability_svg(
     response_class=Response,
     responses=_SVG_RESPONSES,
 )
-def holdout_reliability_svg(model: ModelDep, version: VersionDep) -> Response:
+def holdout_reliability_svg(model: ModelDep, version: VersionDep, request: Request) -> Response:
     """Reliability diagram of the hold-out rows, before vs after calibration."""
     monitoring.check_fitted(version, model)
     before, after = version.metrics_before, version.metrics_after
@@ -363,4 +384,4 @@ def holdout_reliability_svg(model: ModelDep, version: VersionDep) -> Response:
         ],
         f"{model.name} v{version.version}: hold-out reliability ({after['n']} rows)",
     )
-    return Response(svg, media_type=SVG)
+    return svg_response(svg, request, f"{model.name}-v{version.version}-holdout")

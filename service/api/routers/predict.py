@@ -22,8 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from service.api import ingest
 from service.api.deps import AppState, get_app_state
-from service.api.openapi import SCORE_PROPERTIES
-from service.api.schemas import Kind
+from service.api.openapi import BINARY, OCTET_STREAM, SCORE_PROPERTIES
+from service.api.schemas import Kind, PredictOut
 from service.api.uploads import media_type, read_body, read_npy
 from service.errors import UnsupportedMediaType
 from service.observe.metrics import ServiceMetrics
@@ -140,7 +140,9 @@ _PREDICT_DOC = {
                     "properties": SCORE_PROPERTIES,
                 }
             },
-            NPY: {"schema": {"type": "string", "format": "binary"}},
+            # A .npy: application/x-npy is accepted too, and the same; the document
+            # names the binary type every client generator knows.
+            OCTET_STREAM: {**BINARY, "description": f"A .npy ({NPY} too)."},
         },
     },
 }
@@ -214,6 +216,10 @@ def respond(
         "model": served.model,
         "version": served.version,
     }
+    if served.class_names is not None:  # the model's names of the classes answered
+        payload["label_names"] = served.class_names[out["label"]].tolist()
+        if query.top_k is not None:
+            payload["top_k_names"] = served.class_names[out["top_k_indices"]].tolist()
     return Response(
         orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY),
         media_type="application/json",
@@ -266,8 +272,12 @@ def install(app: FastAPI) -> None:
                 f"version}}, or with Accept: {NPY} the probabilities as .npy (version in "
                 f"{VERSION_HEADER}). With ?top_k=k, top_k_indices and top_k_probabilities "
                 "(n, k) replace probabilities; the .npy is then (n, k) records "
-                "(index int64, probability float32).",
-                "content": {"application/json": {}, NPY: {}},
+                "(index int64, probability float32). When the model has class_names, the "
+                "JSON adds label_names (n) and, with top_k, top_k_names (n, k).",
+                "content": {
+                    "application/json": {"schema": PredictOut.model_json_schema()},
+                    NPY: BINARY,
+                },
             }
         },
     )
