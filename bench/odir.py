@@ -295,7 +295,8 @@ def refine(files: list[str], rounds: int, factor: float) -> None:
     Vector, matrix and Dirichlet scaling on the shared files (the shared split: fit on
     the first half of ``default_rng(0).permutation(N)``, held-out NLL on the rest),
     each fitted ``rounds`` times per setting, the settings interleaved within each
-    round; the fastest round of each is kept.
+    round; the fastest round of each is kept. The change of the held-out NLL is
+    printed with the standard error of the mean paired per-row difference.
     """
     from calibrators.holdout import split_indices
     from calibrators.metrics import nll_loss
@@ -303,9 +304,9 @@ def refine(files: list[str], rounds: int, factor: float) -> None:
     default = _linear.REFINE_FACTOR
     print(f"machine: {machine()}")
     print(f"refine: second pass at x{factor:.4g} and /{factor:.4g} around each stage's choice")
-    print("| data | method | pass | held-out NLL | fit s (best) | fit s (rounds) | "
-          "lambda | mu | evaluations |")
-    print("| --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: |")
+    print("| data | method | pass | held-out NLL | refined - coarse (SE) | fit s (best) | "
+          "fit s (rounds) | lambda | mu | evaluations |")
+    print("| --- | --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
     for stem in files:
         with np.load(DATA / f"{stem}.npz") as data:
             probs, labels = data["predictions"], data["ground_truth"]
@@ -321,11 +322,19 @@ def refine(files: list[str], rounds: int, factor: float) -> None:
                     fits[setting] = calibrators.create(method).fit(x, y, kind="probabilities")
                     times[setting].append(time.perf_counter() - t0)
             _linear.REFINE_FACTOR = default
+            per_row = {}
             for setting in (None, factor):
                 cal, info = fits[setting], fits[setting].fit_info_
-                nll = nll_loss(cal.predict_proba(xt, kind="probabilities"), yt)
+                p = cal.predict_proba(xt, kind="probabilities")
+                per_row[setting] = -np.log(np.maximum(p[np.arange(len(yt)), yt], 1e-300))
+                nll = nll_loss(p, yt)
                 name = "coarse" if setting is None else "refined"
-                print(f"| {stem} | {method} | {name} | {nll:.5f} | {min(times[setting]):.3f} | "
+                change = ""
+                if setting is not None:  # the paired difference and its standard error
+                    diff = per_row[factor] - per_row[None]
+                    change = f"{diff.mean():+.5f} ({diff.std(ddof=1) / np.sqrt(len(diff)):.5f})"
+                print(f"| {stem} | {method} | {name} | {nll:.5f} | {change} | "
+                      f"{min(times[setting]):.3f} | "
                       f"{', '.join(f'{t:.2f}' for t in times[setting])} | "
                       f"{_fmt(info['reg_lambda'])} | {_fmt(info['reg_mu'])} | "
                       f"{info['evaluations']} |", flush=True)

@@ -65,7 +65,6 @@ import numpy as np
 from calibrators.base import Calibrator, Integer, Positive, Progress
 from calibrators.cost import FLOAT64, SWEEP_FLOPS, Cost, chunk_bytes, lbfgs_bytes
 from calibrators.linear import (
-    BLOCK_ROWS,
     DAMPING,
     PenalisedSoftmax,
     check_grid,
@@ -99,6 +98,9 @@ CV_BLOCK_ROWS = 1024
 PATIENCE = 1
 #: Folds the SMS search fits and scores (the first ones; at most ``n_folds``).
 SMS_SCORED_FOLDS = 2
+#: The final fit's whitening is estimated on at most this many rows (its evaluations
+#: run on every thread, the whitening on one).
+FINAL_BLOCK_ROWS = 2048
 #: Seed of the fold permutation.
 FOLD_SEED = 0
 #: Whitening of :meth:`calibrators.linear.PenalisedSoftmax.solve`: diagonal + rank-1
@@ -438,7 +440,7 @@ class _StructuredScaler(Calibrator):
         ``P`` parameters (``2 K`` for SVS, ``K**2 + K`` for SMS); ``F`` folds, of
         which ``G`` are fitted per candidate (:meth:`_scored_folds`), ``T = min(G,
         n_threads())`` of them at once; ``C = len(grid)`` candidates
-        when a multiplier is searched, else 0; ``b = min(N, BLOCK_ROWS)``. The
+        when a multiplier is searched, else 0; ``b = min(N, FINAL_BLOCK_ROWS)``. The
         solver holds ``S = 2 lbfgs_bytes(P, 20) + 8 * 30 P + B``: two L-BFGS-B
         workspaces, parameter-sized temporaries and the whitening ``B``:
         ``8 (6 K (K + 1) + 4 b (K + 1))`` for SMS (diagonal + rank-1 factors),
@@ -475,7 +477,7 @@ class _StructuredScaler(Calibrator):
             options[name] is None for name, part in PARTS.items() if full or part != "off"
         )
         candidates = len(options["grid"]) if searched else 0
-        rows = min(n, BLOCK_ROWS)
+        rows = min(n, FINAL_BLOCK_ROWS)
         held = n * k if full else min(n * k, HELD_ELEMENTS)
         if full:
             whitening = FLOAT64 * (6 * k * (k + 1) + 4 * rows * (k + 1))
@@ -536,12 +538,17 @@ class _StructuredScaler(Calibrator):
     def _fit_structured(self, x, y, kind, opts, progress) -> dict[str, Any]:
         started = time.perf_counter()
         n, k = x.shape
-        temperature = TemperatureScaler().fit(x, y, kind=kind)
-        beta, smoothing = float(temperature.weight_), 1.0 / (n * k)
+        smoothing = 1.0 / (n * k)
         if self.structure == "full" or n * k <= HELD_ELEMENTS:
-            feats = map_rows(lambda block: structured_features(
-                logits64(block, kind), beta, smoothing, overwrite=True), x)
+            # The float64 logits once (the memory the features take anyway): temperature
+            # scaling's passes then skip the log of probabilities (the same numbers as
+            # its own chunks'), and the features are computed in their place.
+            feats = map_rows(lambda block: logits64(block, kind), x)
+            beta = float(TemperatureScaler().fit(feats, y).weight_)
+            for rows in row_chunks(n, k):
+                structured_features(feats[rows], beta, smoothing, overwrite=True)
         else:
+            beta = float(TemperatureScaler().fit(x, y, kind=kind).weight_)
             feats = FeatureRows(x, kind, beta, smoothing)
         fixed = self._multipliers(opts)
         searched = [part for part, m in fixed.items() if m is None]
@@ -579,7 +586,7 @@ class _StructuredScaler(Calibrator):
                   for m, s in zip(grid[: len(scores)], scores, strict=True)]
         else:
             multipliers = fixed
-        prob = self._problem(feats, y, multipliers, split=True)
+        prob = self._problem(feats, y, multipliers, split=True, block_rows=FINAL_BLOCK_ROWS)
         res = prob.solve(prob.initial() if warm is None else warm, max_iter=opts["max_iter"],
                          tol=opts["tol"], **SOLVER)
         evaluations += prob.evaluations
