@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -144,7 +145,7 @@ def _watch_parent(pid: int) -> None:
             os.kill(pid, 0)
         except ProcessLookupError:
             log.warning("the worker (pid %s) is gone: this fit attempt stops", pid)
-            os._exit(3)
+            os.kill(os.getpid(), signal.SIGKILL)  # no clean-up: its result would be discarded
         except PermissionError:  # alive, another user's process: cannot be ours, but alive
             pass
 
