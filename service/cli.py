@@ -123,7 +123,11 @@ def serve(args: argparse.Namespace) -> int:
             requeued = fits.requeue_running(sessionmaker(engine))
             if requeued:
                 logging.warning("queued again %d fit(s) left running by a stopped server", requeued)
-            array_refs.sweep(sessionmaker(engine), ArrayStore(settings.data_dir), grace_seconds=0)
+            array_refs.sweep(
+                sessionmaker(engine),
+                ArrayStore(settings.data_dir, settings.array_store),
+                grace_seconds=0,
+            )
         if args.demo:
             demo.install(settings, engine)
     except migrate.NotMigrated as exc:
@@ -334,7 +338,9 @@ def gc_command(args: argparse.Namespace) -> int:
     engine = make_engine(settings.database_url)
     try:
         migrate.ensure_schema(engine, settings.database_url)
-        done = array_refs.sweep(sessionmaker(engine), ArrayStore(settings.data_dir), grace)
+        done = array_refs.sweep(
+            sessionmaker(engine), ArrayStore(settings.data_dir, settings.array_store), grace
+        )
     except migrate.NotMigrated as exc:
         print(f"welltempered gc: {exc}", file=sys.stderr)
         return 2

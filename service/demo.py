@@ -93,7 +93,7 @@ def install(settings: Settings, engine: Engine) -> int:
                 class_names=[str(d) for d in range(10)],
                 argmax_policy=DEFAULT_ARGMAX_POLICY,
             )
-        arrays = ArrayStore(settings.data_dir)
+        arrays = ArrayStore(settings.data_dir, settings.array_store)
         arrays.ensure()
         data = validated(logits, labels, "logits", model.num_classes, model.name)
         dataset, _ = registry.add_dataset(s, model, arrays, data.scores, data.labels, data.kind)

@@ -29,6 +29,13 @@ class Settings(BaseSettings):
         Path("welltempered-data"),
         description="Where dataset arrays live, as content-addressed .npy files.",
     )
+    array_store: str | None = Field(
+        None,
+        description="Where dataset arrays live: a folder (in a fleet, a volume every replica "
+        "and worker mounts at the same path) or a URL fsspec opens (s3://bucket/prefix, "
+        "gs://..., local:///path; pip install 'welltempered[object-store]' and the backend). "
+        "Default: <data_dir>/arrays. Temp files and read caches stay in data_dir.",
+    )
     max_body_bytes: int = Field(
         1024 * MiB,
         gt=0,

@@ -70,7 +70,7 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
         try:
             ensure_schema(engine, settings.database_url)
             sessions = sessionmaker(engine, expire_on_commit=False)
-            arrays = ArrayStore(settings.data_dir)
+            arrays = ArrayStore(settings.data_dir, settings.array_store)
             arrays.ensure()
             if settings.recover_jobs and settings.is_sqlite:
                 # The only process of this database file, nothing in flight yet: every

@@ -70,6 +70,8 @@ class WorkerConfig:
     memory_budget: int | None = None
     #: Attempts after which a version whose workers keep dying is marked failed.
     max_attempts: int = 5
+    #: ``WELLTEMPERED_ARRAY_STORE`` (None: ``<data_dir>/arrays``).
+    array_store: str | None = None
 
 
 class _Stopped(Exception):
@@ -123,7 +125,7 @@ def run_claimed(
             log.warning("could not record progress of version id %s", version_id, exc_info=True)
 
     try:
-        store = ArrayStore(Path(config.data_dir))
+        store = ArrayStore(Path(config.data_dir), config.array_store)
         scores, labels = store.load(task.scores_sha256), store.load(task.labels_sha256)
         result = fit_job(
             scores, labels, progress=progress, memory_budget=config.memory_budget, **task.spec

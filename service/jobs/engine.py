@@ -205,24 +205,38 @@ class JobEngine:
                     exc_info=True,
                 )
 
-    async def run_worker(self, concurrency: int = 1, install_signal_handlers: bool = True) -> None:
+    async def open(self) -> None:
+        """Open the worker's connection pool (before :meth:`work`)."""
+        await self.app.open_async()
+
+    async def close(self) -> None:
+        await self.app.close_async()
+
+    async def work(self, concurrency: int = 1, install_signal_handlers: bool = True) -> None:
         """Run fits until stopped (a signal, or this coroutine's cancellation), then hand
-        back what is still running after the grace period."""
-        async with self.app.open_async():
-            reaper = asyncio.create_task(self._reap_forever(), name="welltempered-reaper")
-            try:
-                await self.app.run_worker_async(
-                    name=self.name,
-                    concurrency=concurrency,
-                    install_signal_handlers=install_signal_handlers,
-                    update_heartbeat_interval=self.heartbeat_seconds,
-                    stalled_worker_timeout=self.stalled_seconds,
-                    shutdown_graceful_timeout=self.grace_seconds,
-                    abort_job_polling_interval=1.0,
-                    fetch_job_polling_interval=2.0,
-                    listen_notify=True,
-                    delete_jobs="successful",
-                )
-            finally:
-                reaper.cancel()
-                await asyncio.gather(reaper, return_exceptions=True)
+        back what is still running after the grace period. The app must be open."""
+        reaper = asyncio.create_task(self._reap_forever(), name="welltempered-reaper")
+        try:
+            await self.app.run_worker_async(
+                name=self.name,
+                concurrency=concurrency,
+                install_signal_handlers=install_signal_handlers,
+                update_heartbeat_interval=self.heartbeat_seconds,
+                stalled_worker_timeout=self.stalled_seconds,
+                shutdown_graceful_timeout=self.grace_seconds,
+                abort_job_polling_interval=1.0,
+                fetch_job_polling_interval=2.0,
+                listen_notify=True,
+                delete_jobs="successful",
+            )
+        finally:
+            reaper.cancel()
+            await asyncio.gather(reaper, return_exceptions=True)
+
+    async def run_worker(self, concurrency: int = 1, install_signal_handlers: bool = True) -> None:
+        """:meth:`work` between :meth:`open` and :meth:`close` (``welltempered worker``)."""
+        await self.open()
+        try:
+            await self.work(concurrency, install_signal_handlers)
+        finally:
+            await self.close()

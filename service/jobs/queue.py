@@ -39,6 +39,7 @@ def worker_config(settings: Settings) -> WorkerConfig:
         threads=settings.fit_threads or max(1, (os.cpu_count() or 2) // 2),
         memory_budget=memory_budget(settings.fit_memory_bytes, settings.fit_workers),
         max_attempts=settings.fit_max_attempts,
+        array_store=settings.array_store,
     )
 
 
@@ -93,8 +94,11 @@ class Fits:
         if isinstance(self.queue, LocalQueue):
             self.queue.start(recover=self.settings.recover_jobs)
             return
+        # Opened here, in the lifespan's start-up: a pool cancelled while it connects
+        # would leave its own tasks behind.
+        await self.queue.open()
         self._task = asyncio.create_task(
-            self.queue.run_worker(self.settings.fit_workers, install_signal_handlers=False),
+            self.queue.work(self.settings.fit_workers, install_signal_handlers=False),
             name="welltempered-worker",
         )
 
@@ -108,3 +112,4 @@ class Fits:
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError, TimeoutError):
             await asyncio.wait_for(self._task, timeout=self.settings.fit_grace_seconds + 15)
+        await self.queue.close()

@@ -12,6 +12,15 @@ the hash. A crash at any point leaves at most an orphan file (or a temp file),
 never a row pointing at a missing or partial array; orphans are removed by the
 sweep of :mod:`service.storage.array_refs`, which also decides when a file no row
 refers to any more may go (this module only names, writes, reads and unlinks).
+
+Where the arrays live (``WELLTEMPERED_ARRAY_STORE``): by default the folder
+``<data_dir>/arrays``, which in a fleet is a volume every replica and worker mounts.
+Or any URL fsspec opens (``s3://bucket/prefix``, ``gs://...``, ``local:///path``;
+``pip install 'welltempered[object-store]'`` and the backend's own package): an
+object appears whole when its upload ends, so the same order holds (upload, then
+commit the row). Readers keep a content-addressed copy under ``<data_dir>/cache`` to
+``mmap`` it (a name is its content: a cached copy is never stale). Temp files and
+that cache are always local to the process's machine.
 """
 
 from __future__ import annotations
@@ -93,6 +102,20 @@ _HOST = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname())[:64] or "host"
 _OWNED = re.compile(r"^(?P<host>[A-Za-z0-9._]+)-(?P<pid>[0-9]+)-")
 
 
+def _mtime(info: dict) -> float:
+    """Last modification (Unix seconds) of an fsspec ``info`` (keys differ by backend);
+    unknown: now, so the sweep's grace period keeps the file."""
+    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if hasattr(value, "timestamp"):
+            return float(value.timestamp())
+        with contextlib.suppress(TypeError, ValueError):
+            return float(value)
+    return time.time()
+
+
 def _owner_alive(name: str) -> bool:
     """Whether a temp file's name says it belongs to a running process of this host."""
     match = _OWNED.match(name)
@@ -110,18 +133,56 @@ def _owner_alive(name: str) -> bool:
     return True
 
 
+def _is_folder(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
 class ArrayStore:
-    def __init__(self, root: Path):
+    """The arrays of every dataset, by sha256.
+
+    Parameters
+    ----------
+    root : Path
+        The process's local folder: ``tmp/`` (uploads being received), ``cache/``
+        (read copies of remote arrays) and, without ``url``, ``arrays/``.
+    url : str, optional
+        Where the arrays live: a folder path or ``file://`` URL, or a URL fsspec opens.
+    """
+
+    def __init__(self, root: Path, url: str | None = None):
         self.root = Path(root)
-        self.arrays = self.root / "arrays"
         self.tmp = self.root / "tmp"
+        self.cache = self.root / "cache"
+        self.url = url
+        self._fs = None
+        if url is None:
+            self.arrays = self.root / "arrays"
+        elif _is_folder(url):
+            self.arrays = Path(url.removeprefix("file://"))
+        else:
+            try:
+                import fsspec  # optional: only an object-store URL needs it
+            except ImportError as exc:
+                raise ValueError(
+                    f"WELLTEMPERED_ARRAY_STORE={url!r} needs fsspec: pip install "
+                    "'welltempered[object-store]' (and the backend, e.g. s3fs)."
+                ) from exc
+            self._fs, base = fsspec.core.url_to_fs(url)
+            self.arrays = Path(base)
 
     def ensure(self) -> None:
-        self.arrays.mkdir(parents=True, exist_ok=True)
+        if self._fs is None:
+            self.arrays.mkdir(parents=True, exist_ok=True)
+        else:
+            self._fs.makedirs(str(self.arrays), exist_ok=True)
         self.tmp.mkdir(parents=True, exist_ok=True)
 
     def path(self, sha256: str) -> Path:
+        """Where the array of ``sha256`` lives (in the object store, with a URL)."""
         return self.arrays / sha256[:2] / f"{sha256}.npy"
+
+    def _cached(self, sha256: str) -> Path:
+        return self.cache / sha256[:2] / f"{sha256}.npy"
 
     def temp_path(self, suffix: str = "") -> Path:
         """A new empty file in the store's temp folder; the caller removes it.
@@ -160,6 +221,10 @@ class ArrayStore:
                 os.fsync(raw.fileno())
             sha = sha256 if sha256 is not None else own.hexdigest()
             final = self.path(sha)
+            if self._fs is not None:  # an object appears whole once its upload ends
+                self._fs.makedirs(str(final.parent), exist_ok=True)
+                self._fs.put_file(str(tmp), str(final))
+                return sha
             final.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, final)  # atomic; identical content may simply overwrite
             _fsync_dir(final.parent)
@@ -168,17 +233,45 @@ class ArrayStore:
             tmp.unlink(missing_ok=True)
 
     def load(self, sha256: str, *, mmap: bool = True) -> np.ndarray:
-        path = self.path(sha256)
+        path = self.path(sha256) if self._fs is None else self._fetch(sha256)
         if not path.exists():
             raise FileNotFoundError(f"array {sha256} is missing from {self.arrays}")
         return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
 
+    def _fetch(self, sha256: str) -> Path:
+        """The local copy of a remote array (downloaded once, to a temp name first)."""
+        cached = self._cached(sha256)
+        if cached.exists():
+            return cached
+        remote = str(self.path(sha256))
+        if not self._fs.exists(remote):
+            raise FileNotFoundError(f"array {sha256} is missing from {self.url}")
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.temp_path(".npy")
+        try:
+            self._fs.get_file(remote, str(tmp))
+            os.replace(tmp, cached)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return cached
+
     def exists(self, sha256: str) -> bool:
+        if self._fs is not None:
+            return self._fs.isfile(str(self.path(sha256)))
         return self.path(sha256).is_file()
 
     def remove(self, sha256: str) -> int:
         """Unlink the file of ``sha256`` (the caller decided no row needs it); returns the
         bytes freed (0 if it was not there)."""
+        if self._fs is not None:
+            self._cached(sha256).unlink(missing_ok=True)
+            remote = str(self.path(sha256))
+            try:
+                size = int(self._fs.info(remote)["size"])
+                self._fs.rm_file(remote)
+            except FileNotFoundError:
+                return 0
+            return size
         path = self.path(sha256)
         try:
             size = path.stat().st_size
@@ -191,6 +284,9 @@ class ArrayStore:
     def files(self) -> Iterator[StoredFile]:
         """Every array file on disk (names that are not a hash, e.g. foreign files, are
         skipped); a file removed while listing is skipped too."""
+        if self._fs is not None:
+            yield from self._remote_files()
+            return
         if not self.arrays.exists():
             return
         for folder in sorted(self.arrays.iterdir()):
@@ -205,6 +301,16 @@ class ArrayStore:
                 except FileNotFoundError:
                     continue
                 yield StoredFile(match.group(1), path, st.st_size, st.st_mtime)
+
+    def _remote_files(self) -> Iterator[StoredFile]:
+        base = str(self.arrays)
+        if not self._fs.exists(base):
+            return
+        for name, info in sorted(self._fs.find(base, detail=True).items()):
+            match = _ARRAY_NAME.match(name.rsplit("/", 1)[-1])
+            if match is None:
+                continue
+            yield StoredFile(match.group(1), Path(name), int(info["size"]), _mtime(info))
 
     def clean_tmp(self, older_than_seconds: float = 0.0) -> int:
         """Remove temp files left by a crash, untouched for ``older_than_seconds``;

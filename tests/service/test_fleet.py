@@ -110,7 +110,7 @@ def test_killed_worker_and_restarted_replicas(fleet_db, tmp_path):
         (w1 if first == w1.pid else w2).kill9()
         other = w2.pid if first == w1.pid else w1.pid
         done = wait_until(
-            cb, "m", v, lambda body: body["status"] not in ("queued", "running"), timeout=180
+            cb, "m", v, lambda body: body["status"] not in ("queued", "running"), timeout=480
         )
         assert done["status"] == "succeeded", done
         assert done["attempts"] == 2 and pid_of(done) == other, done
