@@ -180,14 +180,29 @@ class FeatureRows:
     rows : ndarray of shape (n_rows,), int, optional
         The rows of ``z`` these features are of (default: all, in order).
     dtype : numpy dtype, default float64
-        The dtype of the feature chunks.
+        The dtype of the feature chunks; float32 chunks of float32 logits are
+        computed in float32 (the search's: only its ranking matters).
+    log_norm : ndarray of shape (N,), optional
+        ``logsumexp(beta z_n)`` of every row of ``z``; computed (one pass) when not
+        given, then shared by the row subsets, so that each chunk's features are
+        ``log(exp(beta z - log_norm) + c) - log(1 + K c)``: one exp and one log per
+        entry, no row maximum or sum.
     """
 
     def __init__(self, z, kind: str, beta: float, smoothing: float, rows=None,
-                 dtype=np.float64):
+                 dtype=np.float64, log_norm=None):
         self.z, self.kind, self.beta, self.smoothing = z, kind, beta, smoothing
         self.rows, self.dtype = rows, np.dtype(dtype)
         self.shape = (z.shape[0] if rows is None else len(rows), z.shape[1])
+        if log_norm is None:
+            log_norm = np.empty(z.shape[0])
+            for chunk in row_chunks(*z.shape):
+                u = logits64(z[chunk], kind)
+                u *= beta
+                _, row_max, log_total = softmax_terms(u, overwrite=True)
+                log_norm[chunk] = row_max + log_total
+        self.log_norm = log_norm
+        self.log_scale = math.log1p(z.shape[1] * smoothing)
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -195,17 +210,29 @@ class FeatureRows:
     def __getitem__(self, key) -> FeatureRows:
         local = np.arange(self.shape[0])[key]
         rows = local if self.rows is None else self.rows[local]
-        return FeatureRows(self.z, self.kind, self.beta, self.smoothing, rows, self.dtype)
+        return FeatureRows(self.z, self.kind, self.beta, self.smoothing, rows, self.dtype,
+                           self.log_norm)
 
     def astype(self, dtype) -> FeatureRows:
-        return FeatureRows(self.z, self.kind, self.beta, self.smoothing, self.rows, dtype)
+        return FeatureRows(self.z, self.kind, self.beta, self.smoothing, self.rows, dtype,
+                           self.log_norm)
 
     def block(self, rows: slice) -> np.ndarray:
         """The features of rows ``rows`` (positions in these rows), shape (n, K)."""
-        z = self.z[rows if self.rows is None else self.rows[rows]]
-        x = structured_features(logits64(z, self.kind), self.beta, self.smoothing,
-                                overwrite=True)
-        return x if x.dtype == self.dtype else x.astype(self.dtype)
+        index = rows if self.rows is None else self.rows[rows]
+        z = self.z[index]
+        if self.kind == "logits" and self.dtype == np.float32:
+            x = np.multiply(z, np.float32(self.beta), dtype=np.float32)
+        else:
+            x = logits64(z, self.kind)
+            x *= self.beta
+            x = x.astype(self.dtype, copy=False)
+        x -= self.log_norm[index, None].astype(x.dtype)
+        np.exp(x, out=x)
+        x += x.dtype.type(self.smoothing)
+        np.log(x, out=x)
+        x -= x.dtype.type(self.log_scale)
+        return x
 
     def sum(self, fn) -> np.ndarray:
         """``sum(fn(rows, self.block(rows)) for rows in row chunks)``, ``fn`` returning
@@ -453,9 +480,9 @@ class _StructuredScaler(Calibrator):
           softmax or ``fold = 8 M (3 (F - 1) + 1) / F + S`` (a fold's copies and
           temporaries) when searching, the fold solutions of the candidates, a
           chunk of slack.
-        * chunked features (SVS with ``N K > E``): ``temperature + 8 N (F + 6) +
+        * chunked features (SVS with ``N K > E``): ``temperature + 8 N (F + 7) +
           T (S + chunk_bytes(8, K) + 8 * 5 K n_threads()) + 8 G C P``: per-row
-          labels, folds and row indices; per fold in flight the solver and, per
+          labels, folds, row indices and log-normalisers; per fold in flight the solver and, per
           thread, eight float64 temporaries of a row chunk (scores, logits,
           features, logits of the model, curvature weights) and a running sum of
           five K-vectors; the fold solutions. No term in ``N K``: at K = 262,144 it
@@ -494,7 +521,7 @@ class _StructuredScaler(Calibrator):
         ) + solutions + chunk_bytes(1, n_classes=k, threads=1)
         evaluation = (4.0 * n * k * k if full else 0.0) + SWEEP_FLOPS * n * k
         if not full and n * k > HELD_ELEMENTS:
-            chunked = temperature.bytes + FLOAT64 * n * (folds + 6) + threads * (
+            chunked = temperature.bytes + FLOAT64 * n * (folds + 7) + threads * (
                 solver + chunk_bytes(8, n_classes=k) + FLOAT64 * 5 * k * n_threads()
             ) + solutions
             memory = max(memory, chunked)
