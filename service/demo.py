@@ -22,7 +22,7 @@ from sqlalchemy.orm import sessionmaker
 from calibrators.holdout import DEFAULT_HOLDOUT
 from service.api.ingest import validated
 from service.errors import NotFound
-from service.jobs.attempts import WorkerConfig, dispose_engines, execute
+from service.jobs.attempts import WorkerConfig, execute
 from service.settings import Settings
 from service.storage import registry
 from service.storage.arrays import ArrayStore
@@ -101,10 +101,8 @@ def install(settings: Settings, engine: Engine) -> int:
             s, model, dataset, method="temperature", holdout=DEFAULT_HOLDOUT, seed=0, options={}
         )
         config = WorkerConfig(settings.database_url, str(settings.data_dir), 1.0, "thread")
-        try:  # synchronously, in this thread: temperature takes milliseconds
-            status = execute(row.id, config, sessions, worker="demo")
-        finally:
-            dispose_engines()
+        # synchronously, in this thread: temperature takes milliseconds
+        status = execute(row.id, config, sessions, worker="demo")
         if status != "succeeded":
             raise RuntimeError(f"demo: the temperature fit ended {status}")
         registry.set_alias(s, model, DEFAULT_ALIAS, row)

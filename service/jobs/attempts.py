@@ -35,7 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import Engine
 from sqlalchemy.orm import sessionmaker
 
 from service.jobs.fitting import fit_job
@@ -78,29 +77,11 @@ class _Stopped(Exception):
     """Raised from a thread-mode fit's progress report when ``stop()`` asks for it."""
 
 
-_engines: dict[str, Engine] = {}
-_engines_lock = threading.Lock()
-
-
-def _engine(url: str) -> Engine:
-    with _engines_lock:
-        if url not in _engines:
-            _engines[url] = make_engine(url)
-        return _engines[url]
-
-
-def dispose_engines() -> None:
-    with _engines_lock:
-        engines = list(_engines.values())
-        _engines.clear()
-    for engine in engines:
-        engine.dispose()
-
-
 def run_claimed(
     version_id: int,
     task: fits.FitTask,
     config: WorkerConfig,
+    sessions: sessionmaker,
     stopping: Callable[[], bool] | None = None,
 ) -> str:
     """Run a claimed attempt to its end and record the outcome; returns its status.
@@ -109,7 +90,6 @@ def run_claimed(
     recorded with the error. ``stopping()`` True at a progress report raises
     :class:`_Stopped` out of the fit (thread mode).
     """
-    sessions = sessionmaker(_engine(config.database_url))
     last = [0.0]
 
     def progress(p: float) -> None:
@@ -159,10 +139,11 @@ def _child(version_id: int, task: fits.FitTask, config: WorkerConfig, parent: in
         from threadpoolctl import threadpool_limits
 
         threadpool_limits(limits=config.threads)
+    engine = make_engine(config.database_url)
     try:
-        run_claimed(version_id, task, config)
+        run_claimed(version_id, task, config, sessionmaker(engine))
     finally:
-        dispose_engines()
+        engine.dispose()
 
 
 _context = None
@@ -201,7 +182,9 @@ def execute(
     reason: str | None = None
     if config.executor == "thread":
         try:
-            return run_claimed(version_id, task, config, stopping=lambda: stop() is not None)
+            return run_claimed(
+                version_id, task, config, sessions, stopping=lambda: stop() is not None
+            )
         except _Stopped:
             reason = stop() or "shutdown"
     else:
