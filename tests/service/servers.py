@@ -26,7 +26,27 @@ def command() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "service.cli"]
 
 
-class Server:
+class ProcessGroup:
+    """A process started with ``start_new_session``: it and its children (fit
+    processes, uvicorn workers) are one process group, killed together."""
+
+    proc: subprocess.Popen | None = None
+
+    def kill9(self) -> None:
+        """SIGKILL to the whole process group."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=30)
+
+
+class Server(ProcessGroup):
     """``welltempered serve`` in its own process group (so kill -9 takes its fit workers too)."""
 
     def __init__(
@@ -99,11 +119,6 @@ class Server:
             base_url=self.base, timeout=kwargs.pop("timeout", 60), limits=limits, **kwargs
         )
 
-    def kill9(self) -> None:
-        """SIGKILL to the whole process group: the server and its fit workers."""
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
     def stop(self) -> int:
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else 0
@@ -117,16 +132,8 @@ class Server:
     def __enter__(self) -> Server:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
 
-
-class Worker:
+class Worker(ProcessGroup):
     """``welltempered worker`` in its own process group: ready once its log says it
     started (it registered with the job engine)."""
 
@@ -172,21 +179,9 @@ class Worker:
     def output(self) -> str:
         return self.log.read_text(errors="replace")[-8000:] if self.log.exists() else ""
 
-    def kill9(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
     def terminate(self, timeout: float = 60) -> int:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=timeout)
 
     def __enter__(self) -> Worker:
         return self.start()
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
