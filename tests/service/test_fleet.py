@@ -257,3 +257,28 @@ def test_rolling_restart_of_both_replicas_behind_the_load_balancer(fleet_db, tmp
                     t.join(timeout=60)
         assert failures == [], failures[:10]
         assert len(answered) > 100
+
+
+def test_sigterm_of_a_worker_hands_its_fit_back(fleet_db, tmp_path):
+    """SIGTERM to a dedicated worker mid-fit: it exits 0 after its grace period, the
+    fit is queued again (attempt 1, no error), and another worker completes it."""
+    data = tmp_path / "data"
+    with (
+        Server(fleet_db, data, run_fits="false", **FAST_HEARTBEATS) as api,
+        api.client() as c,
+    ):
+        ds = prepare(c, "m", 4000, 100)
+        with Worker(
+            fleet_db, data, fit_executor="process", fit_grace_seconds="1", **FAST_HEARTBEATS
+        ) as w:
+            v = submit(c, "m", ds, "matrix")
+            wait_until(c, "m", v, lambda body: body["status"] == "running")
+            t0 = time.monotonic()
+            assert w.terminate() == 0, w.output()
+            assert time.monotonic() - t0 < 1 + 10
+        body = version(c, "m", v)
+        assert (body["status"], body["attempts"], body["error"]) == ("queued", 1, None), body
+        with Worker(fleet_db, data, fit_executor="process", **FAST_HEARTBEATS) as other:
+            done = wait_until(c, "m", v, lambda b: b["status"] not in ("queued", "running"))
+        assert done["status"] == "succeeded" and done["attempts"] == 2, done
+        assert pid_of(done) == other.pid
