@@ -6,17 +6,24 @@ calibration, or the live window) on one chart:
 * top panel: the diagonal ``accuracy = confidence`` (dashed), and per series
   one bar per non-empty bin from 0 up to the bin's accuracy, the bars of the
   series side by side inside the bin; a tick on each bar marks the bin's mean
-  confidence, so the gap to the diagonal reads directly;
-* bottom panel: the rows per bin of each series (a small histogram), with the
-  largest count on its axis;
-* a legend with each series' label and ECE.
+  confidence, so the gap to the diagonal reads directly. Each bar is outlined
+  in its series' colour and filled with an opacity that grows with its rows
+  (``sqrt(count / fullest bin of the series)``, from 0.12 to 0.9), so the bins
+  that carry the ECE stand out and a bin of three rows reads as the anecdote
+  it is;
+* bottom panel: the rows per bin of each series on a log scale (decades
+  marked, from 1 row), with the largest count written beside it;
+* a legend with each series' label, ECE and rows, and a key of the marks: the
+  dashed diagonal, the mean-confidence tick, and the fill opacity.
 
 Every bar has a ``<title>`` (a tooltip in browsers) with the bin, its count,
 accuracy and mean confidence. Text goes through XML escaping, so labels and
 titles from users cannot break the document. Structure for tests and styling:
 each series is a ``<g class="series" data-series="i" data-label="...">`` holding
-``<rect class="bar">`` elements, its counts are ``<rect class="count">`` in a
-``<g class="counts" data-series="i">``, the legend is ``<g class="legend">``.
+``<rect class="bar">`` elements (``data-count`` and ``fill-opacity`` on each),
+its counts are ``<rect class="count">`` in a ``<g class="counts"
+data-series="i">``, the legend is ``<g class="legend">`` and its key of the
+marks ``<g class="key">``.
 
 The input is the ``bins`` dict of :func:`calibrators.metrics.report` (or of
 ``ece_from_bin_statistics``): ``edges``, ``count``, ``mean_confidence`` and
@@ -25,6 +32,7 @@ The input is the ``bins`` dict of :func:`calibrators.metrics.report` (or of
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from xml.sax.saxutils import escape, quoteattr
 
@@ -35,13 +43,22 @@ CONTENT_TYPE = "image/svg+xml"
 #: Colour-blind-safe (Okabe-Ito) colours, cycled over the series.
 PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00")
 
-_WIDTH = 520
+_WIDTH = 540
 _LEFT, _RIGHT = 64, 24
 _PLOT = _WIDTH - _LEFT - _RIGHT  # the reliability panel is a _PLOT x _PLOT square
-_TITLE_Y = 26
+_TITLE_Y, _TITLE_SIZE = 26, 15
 _LEGEND_TOP, _LEGEND_ROW = 44, 20
-_GAP, _HIST = 14, 90
+_GAP, _HIST = 24, 100
 _BOTTOM = 48
+#: Fill opacity of a bar: from _FADED (a bin of almost no rows) to _FULL (the
+#: fullest bin of its series), growing as the square root of the rows.
+_FADED, _FULL = 0.12, 0.9
+
+
+def _opacity(count: int, fullest: int) -> float:
+    """A bar's fill opacity for ``count`` rows when its series' fullest bin has ``fullest``."""
+    share = count / fullest if fullest > 0 else 0.0
+    return round(_FADED + (_FULL - _FADED) * share**0.5, 3)
 
 
 def _num(x: float) -> str:
@@ -114,11 +131,13 @@ def reliability_svg(series: Sequence[Mapping], title: str) -> str:
     True
     """
     items = _check_series(series)
-    legend_bottom = _LEGEND_TOP + _LEGEND_ROW * len(items)
-    top = legend_bottom + 8
+    n_series = len(items)
+    key_top = _LEGEND_TOP + _LEGEND_ROW * n_series
+    top = key_top + 2 * _LEGEND_ROW + 8
     hist_top = top + _PLOT + _GAP
     height = hist_top + _HIST + _BOTTOM
     left, right = _LEFT, _LEFT + _PLOT
+    colours = [PALETTE[i % len(PALETTE)] for i in range(n_series)]
 
     def x(v: float) -> float:
         return left + min(max(v, 0.0), 1.0) * _PLOT
@@ -126,6 +145,17 @@ def reliability_svg(series: Sequence[Mapping], title: str) -> str:
     def y(v: float) -> float:
         return top + (1.0 - min(max(v, 0.0), 1.0)) * _PLOT
 
+    # the count panel: log10 of the rows, from half a row (so one row shows) up
+    # to the decade above the fullest bin
+    max_count = max((max(item["count"], default=0) for item in items), default=0)
+    decades = max(1, math.ceil(math.log10(max_count))) if max_count > 1 else 1
+    floor = math.log10(0.5)
+
+    def count_height(count: int) -> float:
+        return _HIST * (math.log10(count) - floor) / (decades - floor)
+
+    # a long title is set smaller rather than clipped (about 0.6 em per bold glyph)
+    title_size = min(_TITLE_SIZE, (_WIDTH - 16) / (0.62 * max(len(title), 1)))
     parts: list[str] = [
         f'<svg xmlns="http://www.w3.org/2000/svg" version="1.1" width="{_WIDTH}" '
         f'height="{height}" viewBox="0 0 {_WIDTH} {height}" role="img" '
@@ -134,10 +164,10 @@ def reliability_svg(series: Sequence[Mapping], title: str) -> str:
         f"<title>{escape(title)}</title>",
         f'<rect class="background" x="0" y="0" width="{_WIDTH}" height="{height}" fill="white"/>',
         f'<text class="title" x="{_WIDTH / 2}" y="{_TITLE_Y}" text-anchor="middle" '
-        f'font-size="15" font-weight="bold">{escape(title)}</text>',
+        f'font-size="{_num(title_size)}" font-weight="bold">{escape(title)}</text>',
     ]
 
-    # legend
+    # legend: one row per series, then the key of the marks
     parts.append('<g class="legend">')
     for i, item in enumerate(items):
         row = _LEGEND_TOP + _LEGEND_ROW * i
@@ -146,10 +176,36 @@ def reliability_svg(series: Sequence[Mapping], title: str) -> str:
         )
         n = sum(item["count"])
         parts.append(
-            f'<rect x="{left}" y="{row}" width="12" height="12" '
-            f'fill="{PALETTE[i % len(PALETTE)]}"/>'
+            f'<rect x="{left}" y="{row}" width="12" height="12" fill="{colours[i]}" '
+            f'fill-opacity="{_FULL}" stroke="{colours[i]}"/>'
             f'<text x="{left + 18}" y="{row + 10}">{escape(text)} (n = {n})</text>'
         )
+    parts.append('<g class="key" fill="#222">')
+    row = key_top + 2
+    parts.append(
+        f'<line x1="{left}" y1="{row + 6}" x2="{left + 22}" y2="{row + 6}" stroke="#888" '
+        'stroke-width="1.5" stroke-dasharray="6 4"/>'
+        f'<text x="{left + 28}" y="{row + 10}">perfect calibration</text>'
+        f'<line x1="{left + 150}" y1="{row + 6}" x2="{left + 166}" y2="{row + 6}" '
+        'stroke="#222" stroke-width="2"/>'
+        f'<text x="{left + 172}" y="{row + 10}">'
+        "the bin's mean confidence (bar: accuracy)</text>"
+    )
+    row = key_top + _LEGEND_ROW + 2
+    ramp = (0.01, 0.1, 0.3, 0.6, 1.0)
+    parts.append(f'<text x="{left}" y="{row + 10}">fill: rows in the bin, few</text>')
+    ramp_left = left + 150
+    for k, share in enumerate(ramp):
+        parts.append(
+            f'<rect class="ramp" x="{ramp_left + 16 * k}" y="{row}" width="14" height="12" '
+            f'fill="{colours[0]}" fill-opacity="{_opacity(round(share * 1000), 1000)}" '
+            f'stroke="{colours[0]}"/>'
+        )
+    parts.append(
+        f'<text x="{ramp_left + 16 * len(ramp) + 4}" y="{row + 10}">as many as the '
+        "series' fullest bin</text>"
+    )
+    parts.append("</g>")
     parts.append("</g>")
 
     # frames, grid and axes of both panels
@@ -164,6 +220,9 @@ def reliability_svg(series: Sequence[Mapping], title: str) -> str:
             f'<line x1="{_num(x(v))}" y1="{top}" x2="{_num(x(v))}" y2="{top + _PLOT}"/>'
             f'<line x1="{left}" y1="{_num(y(v))}" x2="{right}" y2="{_num(y(v))}"/>'
         )
+    for d in range(1, decades):
+        gy = _num(hist_top + _HIST - count_height(10**d))
+        parts.append(f'<line x1="{left}" y1="{gy}" x2="{right}" y2="{gy}"/>')
     parts.append("</g>")
     parts.append(
         f'<line class="diagonal" x1="{x(0)}" y1="{y(0)}" x2="{x(1)}" y2="{y(1)}" '
@@ -177,11 +236,15 @@ def reliability_svg(series: Sequence[Mapping], title: str) -> str:
             f'<text x="{_num(x(v))}" y="{hist_top + _HIST + 16}" '
             f'text-anchor="middle">{v:.1f}</text>'
         )
-    max_count = max((max(item["count"], default=0) for item in items), default=0)
+    for d in range(decades + 1):
+        parts.append(
+            f'<text class="decade" x="{left - 6}" '
+            f'y="{_num(hist_top + _HIST - count_height(10**d) + 4)}" '
+            f'text-anchor="end">{10**d:,}</text>'
+        )
     parts.append(
-        f'<text class="max-count" x="{left - 6}" y="{hist_top + 10}" '
-        f'text-anchor="end">{max_count}</text>'
-        f'<text x="{left - 6}" y="{hist_top + _HIST}" text-anchor="end">0</text>'
+        f'<text class="max-count" x="{right}" y="{hist_top - 6}" text-anchor="end">'
+        f"fullest bin: {max_count:,} rows</text>"
     )
     parts.append("</g>")
     parts.append(
@@ -190,15 +253,15 @@ def reliability_svg(series: Sequence[Mapping], title: str) -> str:
         f'text-anchor="middle">confidence (maximum probability)</text>'
         f'<text transform="translate({left - 44} {_num(top + _PLOT / 2)}) rotate(-90)" '
         f'text-anchor="middle">accuracy</text>'
-        f'<text transform="translate({left - 44} {_num(hist_top + _HIST / 2)}) rotate(-90)" '
-        f'text-anchor="middle">rows</text>'
+        f'<text transform="translate({left - 48} {_num(hist_top + _HIST / 2)}) rotate(-90)" '
+        f'text-anchor="middle">rows (log)</text>'
         "</g>"
     )
 
     # bars: per bin, the series side by side
-    n_series = len(items)
     for i, item in enumerate(items):
-        colour = PALETTE[i % len(PALETTE)]
+        colour = colours[i]
+        fullest = max(item["count"], default=0)
         bars, counts = [], []
         edges = item["edges"]
         for b, count in enumerate(item["count"]):
@@ -214,7 +277,8 @@ def reliability_svg(series: Sequence[Mapping], title: str) -> str:
                 )
                 bars.append(
                     f'<rect class="bar" x="{_num(bx)}" y="{_num(y(acc))}" width="{_num(bw)}" '
-                    f'height="{_num(y(0) - y(acc))}"><title>{tip}</title></rect>'
+                    f'height="{_num(y(0) - y(acc))}" data-count="{count}" '
+                    f'fill-opacity="{_opacity(count, fullest)}"><title>{tip}</title></rect>'
                 )
                 if conf is not None:
                     bars.append(
@@ -222,18 +286,18 @@ def reliability_svg(series: Sequence[Mapping], title: str) -> str:
                         f'x2="{_num(bx + bw)}" y2="{_num(y(conf))}" stroke="#222" '
                         'stroke-width="2"/>'
                     )
-            if count > 0 and max_count > 0:
-                h = _HIST * count / max_count
+            if count > 0:
+                h = count_height(count)
                 counts.append(
                     f'<rect class="count" x="{_num(bx)}" y="{_num(hist_top + _HIST - h)}" '
                     f'width="{_num(bw)}" height="{_num(h)}" data-count="{count}">'
                     f"<title>{escape(item['label'] + ' ' + label)}</title></rect>"
                 )
         data = f'data-series="{i}" data-label={quoteattr(item["label"])}'
-        parts.append(f'<g class="series" {data} fill="{colour}" fill-opacity="0.85">')
+        parts.append(f'<g class="series" {data} fill="{colour}" stroke="{colour}">')
         parts.extend(bars)
         parts.append("</g>")
-        parts.append(f'<g class="counts" {data} fill="{colour}" fill-opacity="0.85">')
+        parts.append(f'<g class="counts" {data} fill="{colour}" fill-opacity="{_FULL}">')
         parts.extend(counts)
         parts.append("</g>")
     parts.append("</svg>")

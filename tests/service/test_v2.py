@@ -82,6 +82,19 @@ def outputs(r) -> dict[str, np.ndarray]:
     body = json.loads(r.content[:head])
     out, offset = {}, head
     for t in body["outputs"]:
+        if t["datatype"] == "BYTES":  # JSON strings, or per element uint32 length + UTF-8
+            if "data" in t:
+                arr = np.array(t["data"], object)
+            else:
+                end, arr = offset + t["parameters"]["binary_data_size"], []
+                while offset < end:
+                    size = int.from_bytes(r.content[offset : offset + 4], "little")
+                    arr.append(r.content[offset + 4 : offset + 4 + size].decode())
+                    offset += 4 + size
+                assert offset == end
+                arr = np.array(arr, object)
+            out[t["name"]] = arr.reshape(t["shape"])
+            continue
         dtype = np.dtype("<i8") if t["datatype"] == "INT64" else np.dtype("<f4")
         if "data" in t:
             arr = np.asarray(t["data"], dtype=dtype)
@@ -353,6 +366,99 @@ def test_top_k_on_v2(served):
     assert_error(served.post("/v2/models/m/infer", content=body, headers=headers), 422, "top_k")
 
 
+# -- class names -------------------------------------------------------------------
+
+#: Names with spaces, accents, a CJK character and an emoji: UTF-8 of 1 to 4 bytes a glyph.
+NAMES = ["tabby cat", "\u00e9l\u00e9phant", "\u72d7", "\U0001f426 bird"]
+
+
+@pytest.fixture
+def named(served) -> TestClient:
+    """``served``, plus model ``n`` (K = 4, class_names :data:`NAMES`) at version 1."""
+    create_model(served, "n", K, class_names=NAMES)
+    z, y = logits_data(300, K)
+    promote(served, "n", upload(served, "n", z, y)["id"])
+    return served
+
+
+def test_class_names_in_v2_metadata(named):
+    """label_name (and with top_k, top_k_names) are listed as BYTES outputs of a model
+    with class_names only."""
+    outputs_of = {m: [t["name"] for t in named.get(f"/v2/models/{m}").json()["outputs"]]
+                  for m in ("m", "n")}  # fmt: skip
+    assert outputs_of["m"] == list(v2.DEFAULT_OUTPUTS)
+    assert outputs_of["n"] == [*v2.DEFAULT_OUTPUTS, "label_name"]
+    meta = named.get("/v2/models/n/versions/1?top_k=2").json()["outputs"]
+    assert {"name": "label_name", "datatype": "BYTES", "shape": [-1]} in meta
+    assert meta[-1] == {"name": "top_k_names", "datatype": "BYTES", "shape": [-1, 2]}
+    assert "top_k_names" not in str(named.get("/v2/models/m?top_k=2").json())
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_class_names_in_v2_infer(named, binary):
+    """label_name is answered by default, as JSON strings or the protocol's binary BYTES,
+    and equals /v1's label_names; top_k_names are the names of top_k_indices."""
+    names = np.array(NAMES, object)
+    z = rows(7)
+    want = named.post("/v1/models/n/predict", json={"logits": z.tolist()}).json()
+    if binary:
+        body, headers = binary_request(z, parameters={"binary_data_output": True})
+        r = named.post("/v2/models/n/infer", content=body, headers=headers)
+        assert r.headers["content-type"] == "application/octet-stream"
+    else:
+        r = named.post("/v2/models/n/infer", json={"inputs": [tensor(z, data=z.tolist())]})
+        assert r.headers["content-type"] == "application/json"
+    got = outputs(r)
+    assert list(got) == [*v2.DEFAULT_OUTPUTS, "label_name"]
+    assert got["label_name"].tolist() == want["label_names"] == names[got["label"]].tolist()
+    body, headers = binary_request(z, parameters={"top_k": 3, "binary_data_output": binary})
+    got = outputs(named.post("/v2/models/n/infer", content=body, headers=headers))
+    assert list(got) == [*v2.TOP_K_DEFAULT_OUTPUTS, "label_name", "top_k_names"]
+    assert got["top_k_names"].shape == (7, 3)
+    assert (got["top_k_names"] == names[got["top_k_indices"]]).all()
+    # asked by name, alone, and mixed: binary for one output only
+    wanted = [{"name": "label_name", "parameters": {"binary_data": True}}, {"name": "label"}]
+    body, headers = binary_request(z, outputs=wanted)
+    r = named.post("/v2/models/n/infer", content=body, headers=headers)
+    got = outputs(r)
+    assert list(got) == ["label_name", "label"] and (got["label_name"] == names[got["label"]]).all()
+
+
+def test_class_name_outputs_are_refused_without_names_or_top_k(named):
+    z = rows(2)
+    for model, output, params, words in (
+        ("m", "label_name", {}, ("label_name", "class_names")),
+        ("m", "top_k_names", {"top_k": 2}, ("top_k_names", "class_names")),
+        ("n", "top_k_names", {}, ("top_k_names", "top_k")),
+    ):
+        body = {"parameters": params, "inputs": [tensor(z, data=z.tolist())],
+                "outputs": [{"name": output}]}  # fmt: skip
+        assert_error(named.post(f"/v2/models/{model}/infer", json=body), 422, *words)
+    # the model without names answers exactly what it did before
+    got = outputs(named.post("/v2/models/m/infer", json={"inputs": [tensor(z, data=z.tolist())]}))
+    assert list(got) == list(v2.DEFAULT_OUTPUTS)
+
+
+def test_class_names_in_the_top_k_npy(named):
+    """A top_k .npy of a model with class_names has a third field, name (fixed-width
+    unicode, loadable without pickle); the whole-row .npy stays the probabilities."""
+    z = rows(5)
+    npy_headers = {"content-type": "application/x-npy", "accept": "application/x-npy"}
+    r = named.post("/v1/models/n/predict?top_k=2", content=npy(z), headers=npy_headers)
+    rec = np.load(io.BytesIO(r.content), allow_pickle=False)
+    assert rec.dtype.names == ("index", "probability", "name") and rec.shape == (5, 2)
+    assert rec.dtype["name"].kind == "U"
+    assert rec["name"].tolist() == np.array(NAMES, object)[rec["index"]].tolist()
+    want = named.post("/v1/models/n/predict?top_k=2", json={"logits": z.tolist()}).json()
+    assert rec["name"].tolist() == want["top_k_names"]
+    assert (rec["index"] == np.asarray(want["top_k_indices"])).all()
+    r = named.post("/v1/models/m/predict?top_k=2", content=npy(z), headers=npy_headers)
+    assert np.load(io.BytesIO(r.content)).dtype.names == ("index", "probability")
+    r = named.post("/v1/models/n/predict", content=npy(z), headers=npy_headers)
+    whole = np.load(io.BytesIO(r.content), allow_pickle=False)
+    assert whole.dtype == np.float32 and whole.shape == (5, K)
+
+
 def test_top_k_of_a_wide_vocabulary_breaks_ties_in_class_order():
     p = np.full((3, 262_144), 1e-7, np.float32)
     p[0, [5, 70_000, 200_000]] = [0.2, 0.3, 0.2]
@@ -373,6 +479,8 @@ def test_top_k_of_a_wide_vocabulary_breaks_ties_in_class_order():
 
 def test_inference_docstrings():
     assert doctest.testmod(inference).failed == 0
+    result = doctest.testmod(v2)  # bytes_tensor: the protocol's binary BYTES
+    assert result.attempted > 0 and result.failed == 0
 
 
 # -- errors -------------------------------------------------------------------------
@@ -542,9 +650,13 @@ def test_openapi_documents_the_protocol(client):
 # -- a real server and tritonclient ---------------------------------------------------------
 
 
+BIG_NAMES = [f"class {i:03d}" if i % 7 else f"cat\u00e9gorie {i} \u72d7" for i in range(1000)]
+
+
 @pytest.fixture(scope="module")
 def triton_server(tmp_path_factory):
-    """``welltempered serve`` (SQLite, auth on) with model ``big`` (K = 1,000) served."""
+    """``welltempered serve`` (SQLite, auth on) with model ``big`` (K = 1,000, class names
+    :data:`BIG_NAMES`) served."""
     tmp = tmp_path_factory.mktemp("v2-server")
     url = f"sqlite:///{tmp / 'registry.sqlite3'}"
     with Server(url, tmp / "data", AUTH="on") as server:
@@ -554,7 +666,8 @@ def triton_server(tmp_path_factory):
             server.key = keys.create_key(s, "ns", "predict")[1]
         engine.dispose()
         with server.client(headers={"Authorization": f"Bearer {write}"}) as c:
-            assert c.post("/v1/models", json={"name": "big", "num_classes": 1000}).is_success
+            model = {"name": "big", "num_classes": 1000, "class_names": BIG_NAMES}
+            assert c.post("/v1/models", json=model).is_success
             z, y = logits_data(2000, 1000, seed=3)
             r = c.post(
                 "/v1/models/big/datasets",
@@ -616,13 +729,17 @@ def test_tritonclient_json_and_binary_4096_x_1000(triton_server):
         assert np.abs(probabilities - want_p).max() <= 1e-6
         assert (result.as_numpy("label") == want_p.argmax(axis=1)).all()
         assert result.get_response()["model_version"] == "1"
+        names = np.array(BIG_NAMES, object)
+        label_name = result.as_numpy("label_name")  # BYTES: tritonclient answers bytes
+        assert label_name.shape == (4096,)
+        assert [b.decode() for b in label_name] == names[want_p.argmax(axis=1)].tolist()
 
         # JSON in and out, the versioned path
         x = httpclient.InferInput("logits", [16, 1000], "FP32")
         x.set_data_from_numpy(z[:16], binary_data=False)
         wanted = [
             httpclient.InferRequestedOutput(n, binary_data=False)
-            for n in ("probabilities", "label", "confidence", "entropy")
+            for n in ("probabilities", "label", "confidence", "entropy", "label_name")
         ]
         result = client.infer("big", [x], model_version="1", outputs=wanted, headers=auth())
         assert (
@@ -632,15 +749,24 @@ def test_tritonclient_json_and_binary_4096_x_1000(triton_server):
         assert (result.as_numpy("label") == np.asarray(small["labels"])).all()
         for name in ("confidence", "entropy"):
             assert np.abs(result.as_numpy(name) - np.asarray(small[name])).max() <= 1e-6
+        assert result.as_numpy("label_name").tolist() == small["label_names"]
 
         # top_k: only the k largest come back
         x = httpclient.InferInput("logits", list(z.shape), "FP32")
         x.set_data_from_numpy(z, binary_data=True)
-        wanted = [httpclient.InferRequestedOutput(n) for n in inference.TOP_K_OUTPUTS]
+        wanted = [
+            httpclient.InferRequestedOutput(n, binary_data=True)
+            for n in (*inference.TOP_K_OUTPUTS, "top_k_names")
+        ]
         result = client.infer("big", [x], outputs=wanted, parameters={"top_k": 5}, headers=auth())
         index, value = oracle_top_k(want_p, 5)
         assert (result.as_numpy("top_k_indices") == index).all()
         assert np.abs(result.as_numpy("top_k_probabilities") - value).max() <= 1e-6
+        top_names = result.as_numpy("top_k_names")
+        assert top_names.shape == (4096, 5)
+        assert (np.vectorize(bytes.decode, otypes=[object])(top_names) == names[index]).all()
+        meta = client.get_model_metadata("big", headers=auth())
+        assert {"name": "label_name", "datatype": "BYTES", "shape": [-1]} in meta["outputs"]
 
         # errors reach tritonclient as the protocol's errors
         with pytest.raises(InferenceServerException) as err:

@@ -181,6 +181,27 @@ def calibrate(
 TOP_K_RECORD = np.dtype([("index", "<i8"), ("probability", "<f4")])
 
 
+def top_k_records(out: dict[str, np.ndarray], class_names: np.ndarray | None) -> np.ndarray:
+    """The (n, k) records of a ``top_k`` .npy answer: :data:`TOP_K_RECORD`, and when the
+    model has class names a third field, ``name`` (``<U``, as wide as the longest name
+    answered: numpy's fixed-width strings, which ``np.load`` reads without pickle).
+
+    The whole-row answer has no such field: its columns are the classes in order, and
+    their names are the model's (``GET /v1/models/{model}``).
+    """
+    index = out["top_k_indices"]
+    fields = TOP_K_RECORD.descr
+    if class_names is not None:
+        names = class_names[index].astype(str)
+        fields = [*fields, ("name", names.dtype.str)]
+    body = np.empty(index.shape, np.dtype(fields))
+    body["index"] = index
+    body["probability"] = out["top_k_probabilities"]
+    if class_names is not None:
+        body["name"] = names
+    return body
+
+
 def respond(
     served: Served,
     fmt: str,
@@ -201,9 +222,7 @@ def respond(
         if query.top_k is None:
             body = out["probabilities"]
         else:
-            body = np.empty(out["top_k_indices"].shape, TOP_K_RECORD)
-            body["index"] = out["top_k_indices"]
-            body["probability"] = out["top_k_probabilities"]
+            body = top_k_records(out, served.class_names)
         return Response(ingest.npy_view(body), media_type=NPY, headers=headers)
     if query.top_k is None:
         payload = {"probabilities": out["probabilities"]}
@@ -272,8 +291,9 @@ def install(app: FastAPI) -> None:
                 f"version}}, or with Accept: {NPY} the probabilities as .npy (version in "
                 f"{VERSION_HEADER}). With ?top_k=k, top_k_indices and top_k_probabilities "
                 "(n, k) replace probabilities; the .npy is then (n, k) records "
-                "(index int64, probability float32). When the model has class_names, the "
-                "JSON adds label_names (n) and, with top_k, top_k_names (n, k).",
+                "(index int64, probability float32, and name, a fixed-width unicode "
+                "string, when the model has class_names). When the model has class_names, "
+                "the JSON adds label_names (n) and, with top_k, top_k_names (n, k).",
                 "content": {
                     "application/json": {"schema": PredictOut.model_json_schema()},
                     NPY: BINARY,

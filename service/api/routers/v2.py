@@ -15,14 +15,19 @@ of shape ``[n, K]``, holding logits or, with the request parameter
 ``confidence``, ``label`` and ``entropy``, and with the request parameter
 ``top_k`` the ``top_k_indices`` and ``top_k_probabilities`` of
 :func:`service.serving.inference.top_k` (then, unless outputs are named, instead
-of the whole ``probabilities`` row).
+of the whole ``probabilities`` row). When the model has ``class_names``, it also
+answers ``label_name`` (BYTES, the UTF-8 name of each row's label) and, with
+``top_k``, ``top_k_names`` (BYTES, the names of ``top_k_indices``); both are
+listed in its metadata then, and answered by default.
 
 Tensors travel as JSON (``data``, row major) or with the binary tensor data
 extension: the body is the JSON header, whose length the
 ``Inference-Header-Content-Length`` header gives, followed by the raw
 little-endian bytes of each tensor whose ``parameters`` hold
 ``binary_data_size``; an output is sent that way when its ``binary_data``
-parameter (default: the request's ``binary_data_output``) is true. Request
+parameter (default: the request's ``binary_data_output``) is true. A BYTES
+tensor's binary form is the protocol's: per element, its length as a
+little-endian uint32, then its bytes. Request
 bodies may be gzip or deflate encoded (``Content-Encoding``), as tritonclient
 can send them.
 
@@ -89,7 +94,13 @@ OUTPUT_DATATYPES = {
     "entropy": "FP32",
     "top_k_indices": "INT64",
     "top_k_probabilities": "FP32",
+    "label_name": "BYTES",
+    "top_k_names": "BYTES",
 }
+#: The outputs that name classes (when the model has class_names): the output they name.
+NAME_OUTPUTS = {"label_name": "label", "top_k_names": "top_k_indices"}
+#: The outputs that need the request parameter top_k.
+TOP_K_ONLY = (*TOP_K_OUTPUTS, "top_k_names")
 #: Outputs answered when a request names none: without and with ``top_k``.
 DEFAULT_OUTPUTS = tuple(name for name in OUTPUT_DATATYPES if name in OUTPUTS)
 TOP_K_DEFAULT_OUTPUTS = (*(n for n in DEFAULT_OUTPUTS if n != "probabilities"), *TOP_K_OUTPUTS)
@@ -247,10 +258,20 @@ def _input(
     return ingest.validated_scores(arr.reshape(rows, cols), kind, num_classes, model)
 
 
-def _outputs(spec: Any, top_k: int | None, binary: bool) -> tuple[tuple[str, bool], ...]:
+def default_outputs(top_k: int | None, named: bool) -> tuple[str, ...]:
+    """The outputs answered when a request names none; ``named``: the model has
+    class_names."""
+    names = TOP_K_DEFAULT_OUTPUTS if top_k is not None else DEFAULT_OUTPUTS
+    if named:
+        names += tuple(n for n in NAME_OUTPUTS if top_k is not None or n not in TOP_K_ONLY)
+    return names
+
+
+def _outputs(
+    spec: Any, top_k: int | None, binary: bool, named: bool
+) -> tuple[tuple[str, bool], ...]:
     if spec is None or spec == []:
-        names = TOP_K_DEFAULT_OUTPUTS if top_k is not None else DEFAULT_OUTPUTS
-        return tuple((name, binary) for name in names)
+        return tuple((name, binary) for name in default_outputs(top_k, named))
     if not isinstance(spec, list):
         raise InvalidInput(f"outputs must be a list. Got {type(spec).__name__}.")
     out: dict[str, bool] = {}
@@ -262,8 +283,13 @@ def _outputs(spec: Any, top_k: int | None, binary: bool) -> tuple[tuple[str, boo
             raise InvalidInput(
                 f"Unknown output {name!r}; the outputs are {', '.join(OUTPUT_DATATYPES)}."
             )
-        if name in TOP_K_OUTPUTS and top_k is None:
+        if name in TOP_K_ONLY and top_k is None:
             raise InvalidInput(f"The output {name!r} needs the request parameter top_k.")
+        if name in NAME_OUTPUTS and not named:
+            raise InvalidInput(
+                f"The output {name!r} needs the model's class_names, and it has none "
+                "(PATCH /v1/models/{model} sets them)."
+            )
         if name in out:
             raise InvalidInput(f"The output {name!r} is asked for twice.")
         params = _object(tensor.get("parameters"), f"The parameters of output {name!r}")
@@ -278,8 +304,11 @@ def _outputs(spec: Any, top_k: int | None, binary: bool) -> tuple[tuple[str, boo
     return tuple(out.items())
 
 
-def parse_request(raw: bytes, head: int | None, num_classes: int, model: str) -> InferRequest:
-    """An infer body: JSON, or (``head`` bytes of) JSON followed by binary tensor data."""
+def parse_request(
+    raw: bytes, head: int | None, num_classes: int, model: str, named: bool = False
+) -> InferRequest:
+    """An infer body: JSON, or (``head`` bytes of) JSON followed by binary tensor data;
+    ``named``: the model has class_names (so the name outputs exist)."""
     if head is not None and head > len(raw):
         raise MalformedBody(f"{HEADER_LENGTH} is {head}, but the body holds {len(raw)} bytes.")
     header = raw if head is None else memoryview(raw)[:head]
@@ -302,7 +331,7 @@ def parse_request(raw: bytes, head: int | None, num_classes: int, model: str) ->
             f"inputs must be a list of one tensor, {INPUT!r}. Got {type(inputs).__name__}"
             + (f" of {len(inputs)}." if isinstance(inputs, list) else ".")
         )
-    outputs = _outputs(obj.get("outputs"), top_k, binary)
+    outputs = _outputs(obj.get("outputs"), top_k, binary, named)
     scores = _input(inputs[0], raw, head, kind, num_classes, model)
     return InferRequest(request_id, scores, kind, top_k, outputs)
 
@@ -322,18 +351,38 @@ def _binary_body(head: bytes, arrays: list[np.ndarray]) -> memoryview:
     return memoryview(out)
 
 
+def bytes_tensor(strings: np.ndarray) -> np.ndarray:
+    """The binary form of a BYTES tensor of ``strings`` (row major), as uint8: per
+    element its UTF-8 length (little-endian uint32), then the UTF-8 bytes.
+
+    >>> bytes_tensor(np.array(["a", "\N{GREEK SMALL LETTER BETA}"], object)).tobytes()
+    b'\\x01\\x00\\x00\\x00a\\x02\\x00\\x00\\x00\\xce\\xb2'
+    """
+    parts = []
+    for text in strings.ravel():
+        encoded = text.encode()
+        parts += (len(encoded).to_bytes(4, "little"), encoded)
+    return np.frombuffer(b"".join(parts), np.uint8)
+
+
 def encode_response(served: Served, request: InferRequest, out: dict[str, np.ndarray]) -> Response:
     tensors, binary = [], []
     for name, as_binary in request.outputs:
-        arr = out[name]
+        if name in NAME_OUTPUTS:  # parse_request let it through: the model has names
+            arr = served.class_names[out[NAME_OUTPUTS[name]]]
+        else:
+            arr = out[name]
         tensor: dict[str, Any] = {
             "name": name,
             "datatype": OUTPUT_DATATYPES[name],
             "shape": list(arr.shape),
         }
         if as_binary:
-            tensor["parameters"] = {"binary_data_size": arr.nbytes}
-            binary.append(arr)
+            data = bytes_tensor(arr) if arr.dtype == object else arr
+            tensor["parameters"] = {"binary_data_size": data.nbytes}
+            binary.append(data)
+        elif arr.dtype == object:
+            tensor["data"] = arr.ravel().tolist()
         else:
             tensor["data"] = np.ascontiguousarray(arr).ravel()
         tensors.append(tensor)
@@ -360,7 +409,8 @@ def respond(
 ) -> Response:
     """Decode, parse, validate, run ONNX Runtime and serialise: pure CPU work."""
     raw = decode_body(raw, encoding, limit)
-    request = parse_request(raw, head, served.num_classes, served.model)
+    named = served.class_names is not None
+    request = parse_request(raw, head, served.num_classes, served.model, named)
     out = calibrate(served, request.scores, request.kind, max_rows, metrics, request.top_k)
     return encode_response(served, request, out)
 
@@ -474,9 +524,13 @@ def _model_metadata(
         versions = [str(row.version) for row in rows if _servable(row, model)]
     k = model.num_classes
     outputs = {"probabilities": [-1, k], "confidence": [-1], "label": [-1], "entropy": [-1]}
+    if model.class_names is not None:
+        outputs["label_name"] = [-1]
     if top_k is not None:
         check_top_k(top_k, k)
         outputs |= {name: [-1, top_k] for name in TOP_K_OUTPUTS}
+        if model.class_names is not None:
+            outputs["top_k_names"] = [-1, top_k]
     return ModelMetadata(
         name=model.name,
         versions=versions,
@@ -617,7 +671,11 @@ _INFER_RESPONSE = {
                     "datatype": {"type": "string"},
                     "shape": {"type": "array", "items": {"type": "integer"}},
                     "parameters": _PARAMETERS,
-                    "data": {"type": "array", "items": {"type": "number"}},
+                    "data": {
+                        "type": "array",
+                        "items": {"anyOf": [{"type": "number"}, {"type": "string"}]},
+                        "description": "Row major; strings for BYTES (class names).",
+                    },
                 },
             },
         },
