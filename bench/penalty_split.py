@@ -84,8 +84,9 @@ def main() -> None:
     mus = (1e5, 1.0, 0.1, 0.01)
     print("   lambda  " + "".join(f"{m:>10g}" for m in mus))
     for lam in (30.0, 10.0, 3.0, 1.0, 0.3, 0.1):
-        cells = [row_nll(DirichletScaler(reg_lambda=lam, reg_mu=m).fit(pf, yf, kind="probabilities"),
-                         pt, yt).mean() for m in mus]
+        fits = [DirichletScaler(reg_lambda=lam, reg_mu=m).fit(pf, yf, kind="probabilities")
+                for m in mus]
+        cells = [row_nll(fit, pt, yt).mean() for fit in fits]
         print(f"   {lam:<7g} " + "".join(f"{c:>10.5f}" for c in cells))
 
     print("\n4. sms: defaults, then fixed multipliers of the paper's rule (all three parts)")
@@ -96,7 +97,8 @@ def main() -> None:
           " ".join(f"{c['multiplier']:g}:{c['cv_nll']:.5f}" for c in cv))
     for m in (4.0, 2.0, 1.0, 0.5, 0.25, 1 / 16):
         fixed = StructuredMatrixScaler(reg_off_diagonal=m, reg_diagonal=m, reg_intercept=m)
-        print(f"   multiplier {m:<7g} held-out {row_nll(fixed.fit(pf, yf, kind='probabilities'), pt, yt).mean():.5f}")
+        held = row_nll(fixed.fit(pf, yf, kind="probabilities"), pt, yt).mean()
+        print(f"   multiplier {m:<7g} held-out {held:.5f}")
 
     print("\n5. the choice of the fit half's CV against the weak penalties the test half "
           "prefers, both ways round")
