@@ -62,8 +62,8 @@ CV_TOL = 1e-6
 #: Stop walking the grid after this many candidates worse than the best.
 PATIENCE = 2
 #: ... worse by more than this fraction of the best CV NLL (the search's own tolerance):
-#: on a flat stretch of the path (lenet-5's mu at lambda 10: 1e5, 1e4 and 1e3 within
-#: 1e-7) the differences are the solver's, and the walk goes on.
+#: on a flat stretch of the path the differences are the solver's, and the walk goes
+#: on (``bench/README.md``, the lenet-5 1.2818 goal).
 TIE = CV_TOL
 #: After each stage of the search, the chosen penalty times and divided by this
 #: factor are tried too (None: no second pass; ``bench/odir.py --refine``).
