@@ -59,8 +59,12 @@ from calibrators.validation import CalibrationInputError, check_positive, logits
 DEFAULT_GRID = (1e5, 1e4, 1e3, 1e2, 10.0, 1.0)
 #: L-BFGS tolerance inside the search (only the ranking of candidates matters).
 CV_TOL = 1e-6
-#: Stop walking the grid after this many candidates in a row worse than the best.
+#: Stop walking the grid after this many candidates worse than the best.
 PATIENCE = 2
+#: ... worse by more than this fraction of the best CV NLL (the search's own tolerance):
+#: on a flat stretch of the path the differences are the solver's, and the walk goes
+#: on (``bench/README.md``, the lenet-5 1.2818 goal).
+TIE = CV_TOL
 #: After each stage of the search, the chosen penalty times and divided by this
 #: factor are tried too (None: no second pass; ``bench/odir.py --refine``).
 REFINE_FACTOR = math.sqrt(10)
@@ -544,15 +548,16 @@ def fold_assignment(n: int, n_folds: int, seed: int) -> np.ndarray:
 
 def cross_validate_path(make_problem, feats, y, fold_of, candidates, warm, progress, *,
                         max_iter: int, tol: float, patience: int = PATIENCE,
-                        solve_options: dict | None = None):
+                        solve_options: dict | None = None, tie: float = 0.0):
     """Mean held-out NLL of penalty candidates along a path, over the folds.
 
     The candidates are walked in order (strongest penalty first); each
     fold's fit is warm-started from that fold's previous solution, and the
     folds of one candidate run on parallel threads (numpy and scipy
     release the GIL in the products). The walk stops early once the CV
-    NLL has risen ``patience`` times in a row past the best candidate:
-    the weakly penalised fits at the end of the path are the slow ones.
+    NLL has risen ``patience`` times past the best candidate (a candidate
+    within ``tie`` times the best CV NLL of it is not a rise): the weakly
+    penalised fits at the end of the path are the slow ones.
 
     Parameters
     ----------
@@ -574,6 +579,8 @@ def cross_validate_path(make_problem, feats, y, fold_of, candidates, warm, progr
     solve_options : dict, optional
         Further keywords of :meth:`PenalisedSoftmax.solve`.
     patience : int, default PATIENCE
+    tie : float, default 0.0
+        Relative tolerance of a rise (0: any candidate after the best is one).
 
     Returns
     -------
@@ -605,7 +612,9 @@ def cross_validate_path(make_problem, feats, y, fold_of, candidates, warm, progr
             evaluations += sum(r[2] for r in results)
             progress(n_folds)
             best = int(np.argmin(scores))
-            if len(scores) - 1 - best >= patience:
+            rises = sum(s > scores[best] * (1.0 + tie) for s in scores[best + 1 :]) if tie \
+                else len(scores) - 1 - best
+            if rises >= patience:
                 break
     return scores, solutions, evaluations
 
@@ -753,6 +762,7 @@ class _LinearScaler(LinearSoftmax):
             lambda x, yy, cand: _Problem(x, yy, self.structure, *cand),
             feats, y, fold_of, candidates, warm, progress,
             max_iter=self.max_iter, tol=max(self.tol, CV_TOL),  # options as validated by fit
+            tie=TIE,
         )
 
     def _fit(self, x: np.ndarray, y: np.ndarray, *, kind: str, options: dict,

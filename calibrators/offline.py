@@ -451,6 +451,14 @@ def _describe(m: dict[str, Any]) -> tuple[str, str]:
             for key in ("temperature", "weights", "temperature_range", "reg") if key in info
         )
         status = f"{info.get('reason', '?')} after {info['passes']} passes"
+    elif "multipliers" in info:  # svs, sms: multipliers of the paper's penalty rule
+        cv = info.get("cross_validation")
+        how = f" (chosen by {cv['n_folds']}-fold CV)" if cv else ""
+        fitted = ", ".join(
+            f"{key} = {value:g}" for key, value in info["multipliers"].items()
+        ) + f" x the paper's rule{how}; T = {info['temperature']:.6g}"
+        done = "converged" if info.get("converged") else "not converged"
+        status = f"L-BFGS {done} in {info.get('iterations', '?')} iterations"
     else:
         parts = []
         if info.get("reg_lambda") is not None:

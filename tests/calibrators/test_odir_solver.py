@@ -154,3 +154,46 @@ def test_whitening_factors_are_consistent_and_whiten():
             np.testing.assert_allclose(a.transpose(v)[i], A.T @ v[i], atol=1e-12)
             np.testing.assert_allclose(a.inverse(a.apply(v)), v, atol=1e-9)
             np.testing.assert_allclose(a.inverse_transpose(a.transpose(v)), v, atol=1e-9)
+
+
+class _Scripted:
+    """A stand-in problem whose held-out NLL is its candidate's scripted score."""
+
+    def __init__(self, score: float):
+        self.score, self.evaluations = score, 1
+
+    def initial(self):
+        return np.zeros(1)
+
+    def solve(self, start, **_):
+        return type("Result", (), {"x": start})()
+
+    def nll(self, theta, x, y):
+        return self.score
+
+
+@pytest.mark.parametrize(("tie", "tried"), [(0.0, 4), (1e-6, 6)])
+def test_the_walk_goes_on_across_ties_and_stops_after_real_rises(tie, tried):
+    """With ``tie``, candidates within that fraction of the best CV NLL are not rises:
+    a flat stretch (the solver's noise) does not end the walk; real rises do."""
+    scores = [1.3, 1.2, 1.2 + 1e-8, 1.2 + 5e-8, 1.25, 1.26, 1.27]
+    got, _, _ = linear.cross_validate_path(
+        lambda x, y, cand: _Scripted(scores[cand]), np.zeros((6, 2)), np.zeros(6, dtype=int),
+        linear.fold_assignment(6, 3, 0), range(len(scores)), [None] * 3, lambda _: None,
+        max_iter=1, tol=1e-6, patience=2, tie=tie,
+    )
+    assert got == scores[:tried]
+
+
+def test_odir_searches_with_the_tie_tolerance(monkeypatch):
+    seen = []
+    original = linear.cross_validate_path
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("tie"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(linear, "cross_validate_path", spy)
+    prob = problem("full", "identity", 1.0, 1.0, n=120, k=3)
+    linear.MatrixScaler(grid=[10.0, 1.0]).fit(prob.x, prob.y)
+    assert seen and set(seen) == {linear.TIE}

@@ -106,6 +106,18 @@ def test_each_method_prints_a_table_and_writes_json(method, logits_npz, tmp_path
         assert f"T = {1 / t['params']['weight']:.6g}" in out
 
 
+@pytest.mark.parametrize("method", ["svs", "sms"])
+def test_structured_summary_names_the_multipliers(method, logits_npz, capsys):
+    assert main([str(logits_npz), "--method", method]) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines()
+                if line.startswith(method + " ") and "L-BFGS" in line)
+    assert "reg_diagonal = " in line and "reg_intercept = " in line
+    assert ("reg_off_diagonal = " in line) == (method == "sms")
+    assert "x the paper's rule (chosen by 4-fold CV); T = " in line
+    assert "reg_mu" not in line  # not ODIR's field, which these methods do not have
+
+
 @pytest.mark.parametrize("holdout,seed", [(0.5, 0), (0.3, 7)])
 def test_json_numbers_equal_a_fit_and_report_made_here(holdout, seed, logits_npz, tmp_path):
     out_path = tmp_path / "out.json"
