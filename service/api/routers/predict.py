@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from service.api import ingest
 from service.api.deps import AppState, get_app_state
 from service.api.openapi import BINARY, OCTET_STREAM, SCORE_PROPERTIES
-from service.api.schemas import Kind, PredictOut
+from service.api.schemas import Kind, PredictOut, ScoreDtype
 from service.api.uploads import media_type, read_body, read_npy
 from service.errors import UnsupportedMediaType
 from service.observe.metrics import ServiceMetrics
@@ -53,7 +53,7 @@ async def read_scores_body(
         )
     if kind in (NPY, "application/octet-stream"):
         limit = ingest.npy_body_limit(bounds, settings.max_body_bytes)
-        return "npy", await read_npy(request, ingest.npy_check(bounds), limit)
+        return "npy", await read_npy(request, ingest.npy_check(bounds), limit, bounds.dtype)
     raise UnsupportedMediaType(
         f"Send scores as application/json or as a .npy body ({NPY}). "
         f"Got {kind or 'no Content-Type'!r}."
@@ -76,6 +76,13 @@ class Target(BaseModel):
         description="What the scores are. A .npy body holds logits unless told; a JSON "
         "body's key names its kind, which this must match. Given explicitly, logits whose "
         "rows look like probabilities are accepted.",
+    )
+    dtype: ScoreDtype | None = Field(
+        None,
+        description="How a .npy body's scores are read when numpy has no dtype for them: "
+        "bfloat16 sends their raw 16-bit patterns as a little-endian 2-byte array (<u2, "
+        "<i2, or |V2 as np.save writes ml_dtypes.bfloat16); widened to float32 exactly. "
+        "float16, float32 and float64 need no ?dtype. Not for JSON bodies.",
     )
     top_k: int | None = Field(
         None,
@@ -239,7 +246,7 @@ async def predict(request: Request) -> Response:
     model = request.path_params["model"]
     query = target(request)
     served = await state.serving.get(model, query.alias, query.version, caller.namespace)
-    bounds = ingest.bounds(state.settings, "predict", served.num_classes, served.model)
+    bounds = ingest.bounds(state.settings, "predict", served.num_classes, served.model, query.dtype)
     fmt, raw = await read_scores_body(request, state, bounds)
     want_npy = NPY in request.headers.get("accept", "")
     size = len(raw) if fmt == "json" else raw.nbytes
