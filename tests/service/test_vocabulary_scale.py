@@ -71,6 +71,11 @@ def test_a_262144_class_model_end_to_end(client):
     assert r.status_code == 200, r.text
     answer = np.load(io.BytesIO(r.content), allow_pickle=False)
     assert answer.shape == (4, 3) and answer["index"][:, 0].tolist() == x.argmax(1).tolist()
+    # whole rows as JSON are bounded like a JSON request (MAX_JSON_BYTES): 17 rows of
+    # 262,144 could be 71 MB of JSON; top_k or a .npy answer say the same
+    r = client.post("/v1/models/lm/predict", content=npy(z[:17]), headers={"content-type": NPY})
+    body = assert_problem(r, 422, "top_k", "x-npy")
+    assert body["fix"]
     # the whole row, when asked, sums to 1
     r = client.post("/v1/models/lm/predict", content=npy(x[:1]), headers={"content-type": NPY,
                                                                           "accept": NPY})

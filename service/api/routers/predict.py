@@ -25,7 +25,7 @@ from service.api.deps import AppState, get_app_state
 from service.api.openapi import BINARY, OCTET_STREAM, SCORE_PROPERTIES
 from service.api.schemas import Kind, PredictOut, ScoreDtype
 from service.api.uploads import media_type, read_body, read_npy
-from service.errors import UnsupportedMediaType
+from service.errors import InvalidInput, UnsupportedMediaType
 from service.observe.metrics import ServiceMetrics
 from service.security import limits
 from service.security.auth import authorize
@@ -184,6 +184,25 @@ def calibrate(
     return out
 
 
+#: Bytes a probability may take in a JSON answer (orjson's longest float32, a comma).
+JSON_ANSWER_BYTES_PER_VALUE = 16
+
+
+def check_json_answer(shape: tuple[int, int], max_json_bytes: int) -> None:
+    """422 for a JSON answer of whole rows that could exceed ``max_json_bytes`` (the JSON
+    request limit): at K = 262,144 a few rows are megabytes, and a 1 GiB .npy body would
+    be several GB of JSON. ``top_k`` or a .npy answer hold the same information."""
+    n, k = shape
+    need = n * k * JSON_ANSWER_BYTES_PER_VALUE
+    if need > max_json_bytes:
+        fix = "Ask for ?top_k=<k>, or for the whole rows as a .npy: Accept: application/x-npy."
+        raise InvalidInput(
+            f"A JSON answer of {n:,} rows of {k:,} probabilities could take {need:,} bytes, "
+            f"more than MAX_JSON_BYTES ({max_json_bytes:,}). {fix}",
+            fix=fix,
+        )
+
+
 #: The .npy answer of a ``top_k`` request: per row and rank, the class and its probability.
 TOP_K_RECORD = np.dtype([("index", "<i8"), ("probability", "<f4")])
 
@@ -196,12 +215,15 @@ def respond(
     want_npy: bool,
     bounds: ingest.Bounds,
     metrics: ServiceMetrics,
+    max_json_bytes: int,
 ) -> Response:
     """Parse, validate, run ONNX Runtime and serialise: pure CPU work."""
     if fmt == "json":
         scores, kind = ingest.scores_from_json(raw, bounds, query.kind)
     else:
         scores, kind = ingest.scores_from_npy(raw, bounds, query.kind)
+    if not want_npy and query.top_k is None:
+        check_json_answer(scores.shape, max_json_bytes)
     out = calibrate(served, scores, kind, bounds.max_rows, metrics, query.top_k)
     headers = {VERSION_HEADER: str(served.version)}
     if want_npy:
@@ -250,11 +272,10 @@ async def predict(request: Request) -> Response:
     fmt, raw = await read_scores_body(request, state, bounds)
     want_npy = NPY in request.headers.get("accept", "")
     size = len(raw) if fmt == "json" else raw.nbytes
+    args = (served, fmt, raw, query, want_npy, bounds, state.metrics)
     if size <= state.settings.inline_predict_bytes:
-        return respond(served, fmt, raw, query, want_npy, bounds, state.metrics)
-    return await anyio.to_thread.run_sync(
-        respond, served, fmt, raw, query, want_npy, bounds, state.metrics
-    )
+        return respond(*args, state.settings.max_json_bytes)
+    return await anyio.to_thread.run_sync(respond, *args, state.settings.max_json_bytes)
 
 
 def install(app: FastAPI) -> None:
