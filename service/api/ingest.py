@@ -463,8 +463,8 @@ class NpyStream:
 
 def _too_many_bytes(what: str, nbytes: int, limit: int) -> ContentTooLarge:
     return ContentTooLarge(
-        f"{what} declares data that take {nbytes} bytes once read and converted (to "
-        "float64 unless float32); a request may hold at most "
+        f"{what} declares data that take {nbytes} bytes once read and converted (float16 "
+        "and bfloat16 to float32, anything but float32 to float64); a request may hold at most "
         f"{limit} (WELLTEMPERED_MAX_BODY_BYTES).",
         max_bytes=limit,
     )

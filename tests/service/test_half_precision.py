@@ -184,3 +184,11 @@ def test_half_precision_refusals(client):
     r = client.post("/v1/models/lm/predict?dtype=float8", content=npy(np.zeros((2, K))),
                     headers={"content-type": NPY})
     assert r.status_code == 422, r.text
+
+
+def test_the_byte_limit_counts_the_float32_array_of_half_precision_data():
+    header = ingest.parse_npy_header(npy(np.zeros((8000, K), np.float16)), "x")
+    ingest.check_scores_header(header, ingest.Bounds(K, "m", 10**6, 160_000, "predict"), "x")
+    with pytest.raises(ingest.ContentTooLarge, match="float16 and bfloat16 to float32"):
+        bounds = ingest.Bounds(K, "m", 10**6, 159_999, "predict")
+        ingest.check_scores_header(header, bounds, "x")
