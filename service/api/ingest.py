@@ -34,7 +34,7 @@ import re
 import struct
 import zipfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -957,6 +957,34 @@ def npy_bytes(arr: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.save(buf, arr, allow_pickle=False)
     return buf.getvalue()
+
+
+def npy_header(arr: np.ndarray) -> bytes:
+    """The .npy header of a C-contiguous ``arr`` (format 1.0, or 2.0 as np.save picks for
+    huge shapes)."""
+    fields = np.lib.format.header_data_from_array_1_0(arr)
+    head = io.BytesIO()
+    try:
+        np.lib.format.write_array_header_1_0(head, fields)
+    except ValueError:
+        head = io.BytesIO()
+        np.lib.format.write_array_header_2_0(head, fields)
+    return head.getvalue()
+
+
+def npy_chunks(arr: np.ndarray) -> tuple[int, Iterator[bytes | memoryview]]:
+    """``arr`` as a .npy file: its size, and its bytes as the header then views of the
+    data of at most :data:`_CHUNK` bytes (no copy of the data: for big answers)."""
+    arr = np.ascontiguousarray(arr)
+    header = npy_header(arr)
+    data = memoryview(arr.reshape(-1).view(np.uint8))
+
+    def chunks() -> Iterator[bytes | memoryview]:
+        yield header
+        for at in range(0, len(data), _CHUNK):
+            yield data[at : at + _CHUNK]
+
+    return len(header) + arr.nbytes, chunks()
 
 
 def npy_view(arr: np.ndarray) -> memoryview:

@@ -18,6 +18,7 @@ import numpy as np
 import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from service.api import ingest
@@ -184,6 +185,10 @@ def calibrate(
     return out
 
 
+#: A .npy answer larger than this is sent as views of its array (header, then 1 MiB
+#: slices), not copied into one buffer first; smaller ones take one write (the fast path).
+STREAM_ANSWER_BYTES = 16 << 20
+
 #: Bytes a probability may take in a JSON answer (orjson's longest float32, a comma).
 JSON_ANSWER_BYTES_PER_VALUE = 16
 
@@ -233,6 +238,10 @@ def respond(
             body = np.empty(out["top_k_indices"].shape, TOP_K_RECORD)
             body["index"] = out["top_k_indices"]
             body["probability"] = out["top_k_probabilities"]
+        if body.nbytes > STREAM_ANSWER_BYTES:  # no copy of a big answer: views of it
+            size, chunks = ingest.npy_chunks(body)
+            headers["Content-Length"] = str(size)
+            return StreamingResponse(chunks, media_type=NPY, headers=headers)
         return Response(ingest.npy_view(body), media_type=NPY, headers=headers)
     if query.top_k is None:
         payload = {"probabilities": out["probabilities"]}
