@@ -282,6 +282,28 @@ def _vocab_float16_case() -> Case:
     return _vocab_npz_case("float16")
 
 
+def _vocab_predict_case(query: str, accept: str) -> Case:
+    rows = 1_000
+    body = pl.array_npy(np.random.default_rng(5).standard_normal((rows, VOCAB_K), np.float32))
+
+    def run(s: Server) -> tuple[int, bytes]:
+        with s.client() as c:
+            r = c.post(f"/v1/models/{VOCAB_MODEL}/predict{query}", content=body,
+                       headers={"content-type": "application/x-npy", "accept": accept})
+            return r.status_code, r.content[:2000]
+
+    return Case(f"npy predict of {rows:,} x {VOCAB_K:,} float32 ({len(body) / MiB:.0f} MiB)"
+                f"{query}, answer {accept}, accepted", len(body), 200, run, warm=True)
+
+
+def _vocab_predict_top_k_case() -> Case:
+    return _vocab_predict_case("?top_k=5", "application/json")
+
+
+def _vocab_predict_npy_case() -> Case:
+    return _vocab_predict_case("", "application/x-npy")
+
+
 CASES = [
     _bomb_case,
     _zero_npz_case,
@@ -296,6 +318,8 @@ CASES = [
     _npz_accepted_case,
     _vocab_float32_case,
     _vocab_float16_case,
+    _vocab_predict_top_k_case,
+    _vocab_predict_npy_case,
 ]
 
 
@@ -325,8 +349,32 @@ def prepare(server: Server) -> None:
         # The first predict loads the ONNX Runtime session: not a cost of any body.
         r = c.post(f"/v1/models/{MODEL}/predict", json={"logits": z[:2].tolist()})
         assert r.status_code == 200, r.text
-        r = c.post("/v1/models", json={"name": VOCAB_MODEL, "num_classes": VOCAB_K})
+        r = c.post("/v1/models", json={"name": VOCAB_MODEL, "num_classes": VOCAB_K,
+                                       "argmax_policy": "off"})
         assert r.status_code == 201, r.text
+        _serve_vocab(c, rng)
+
+
+def _serve_vocab(c, rng: np.random.Generator) -> None:
+    """A temperature fit of model ``vocab`` on 64 rows, with the default alias."""
+    y = rng.integers(0, VOCAB_K, 64)
+    z = rng.standard_normal((64, VOCAB_K), np.float32)
+    z[np.arange(64), y] += 10
+    body = pl.npz({"logits.npy": pl.array_npy(z), "labels.npy": pl.array_npy(y)})
+    r = c.post(f"/v1/models/{VOCAB_MODEL}/datasets", content=body,
+               headers={"content-type": "application/octet-stream"})
+    assert r.status_code == 201, r.text
+    r = c.post(f"/v1/models/{VOCAB_MODEL}/calibrators",
+               json={"dataset_id": r.json()["id"], "method": "temperature"})
+    version = r.json()["version"]
+    for _ in range(600):
+        status = c.get(f"/v1/models/{VOCAB_MODEL}/calibrators/{version}").json()["status"]
+        if status not in ("queued", "running"):
+            break
+        time.sleep(0.1)
+    assert status == "succeeded", status
+    r = c.put(f"/v1/models/{VOCAB_MODEL}/aliases/production", json={"version": version})
+    assert r.status_code == 200, r.text
 
 
 def measure(server: Server, case: Case) -> dict:
