@@ -110,12 +110,13 @@ from __future__ import annotations
 import numpy as np
 from scipy.special import entr
 
-from calibrators.numerics import row_chunks
+from calibrators.numerics import row_chunks, softmax
 from calibrators.validation import (
     CalibrationInputError,
     as_labels,
     as_scores,
     check_integer,
+    check_kind,
     probabilities_to_logits,
 )
 
@@ -135,6 +136,7 @@ __all__ = [
     "nll_loss",
     "reliability_bins",
     "report",
+    "scores_report",
 ]
 
 DEFAULT_N_BINS = 15
@@ -487,22 +489,34 @@ def reliability_bins(
 # classwise calibration
 
 
+def _classwise_sums(chunk: np.ndarray, n_bins: int, out: np.ndarray) -> None:
+    """Add a row chunk's per-(class, bin) probability sums to ``out`` (K * n_bins,)."""
+    k = chunk.shape[1]
+    inner = np.linspace(0.0, 1.0, n_bins + 1)[1:-1]
+    index = np.searchsorted(inner, chunk, side="right")
+    index += np.arange(k, dtype=np.int64) * n_bins
+    out += np.bincount(index.ravel(), weights=chunk.ravel(), minlength=k * n_bins)
+
+
+def _classwise_finish(
+    confidence_sum: np.ndarray, true_probability: np.ndarray, labels: np.ndarray, n_bins: int
+) -> np.ndarray:
+    """ECE of each class (K,) from :func:`_classwise_sums` and the true-class probabilities."""
+    k = confidence_sum.shape[0] // n_bins
+    inner = np.linspace(0.0, 1.0, n_bins + 1)[1:-1]
+    true_bin = np.searchsorted(inner, true_probability, side="right")
+    positives = np.bincount(labels * n_bins + true_bin, minlength=k * n_bins)
+    return np.abs(positives - confidence_sum).reshape(k, n_bins).sum(axis=1) / len(labels)
+
+
 def _classwise_errors(probs: np.ndarray, labels: np.ndarray, n_bins: int) -> np.ndarray:
     """ECE of each class column against its one-vs-rest indicator, shape (K,)."""
     n, k = probs.shape
-    inner = np.linspace(0.0, 1.0, n_bins + 1)[1:-1]
-    offsets = np.arange(k, dtype=np.int64) * n_bins
     confidence_sum = np.zeros(k * n_bins)
     for rows in row_chunks(n, k):
-        chunk = probs[rows]
-        index = np.searchsorted(inner, chunk, side="right")
-        index += offsets
-        confidence_sum += np.bincount(
-            index.ravel(), weights=chunk.ravel(), minlength=k * n_bins
-        )
-    true_bin = np.searchsorted(inner, _true_class_probability(probs, labels), side="right")
-    positives = np.bincount(labels * n_bins + true_bin, minlength=k * n_bins)
-    return np.abs(positives - confidence_sum).reshape(k, n_bins).sum(axis=1) / n
+        _classwise_sums(probs[rows], n_bins, confidence_sum)
+    true_probability = _true_class_probability(probs, labels)
+    return _classwise_finish(confidence_sum, true_probability, labels, n_bins)
 
 
 def classwise_calibration_error(probs, labels, *, n_bins: int = DEFAULT_N_BINS) -> float:
@@ -599,14 +613,15 @@ def nll_loss(probs, labels) -> float:
     return float(_nll_rows(probs, labels).mean())
 
 
+def _brier_sum(chunk: np.ndarray, labels: np.ndarray) -> float:
+    diff = chunk.astype(np.float64)
+    diff[np.arange(diff.shape[0]), labels] -= 1.0
+    return float(np.einsum("ij,ij->", diff, diff))
+
+
 def _brier(probs: np.ndarray, labels: np.ndarray) -> float:
     n, k = probs.shape
-    total = 0.0
-    for rows in row_chunks(n, k):
-        diff = probs[rows].astype(np.float64)
-        diff[np.arange(diff.shape[0]), labels[rows]] -= 1.0
-        total += float(np.einsum("ij,ij->", diff, diff))
-    return total / n
+    return sum(_brier_sum(probs[rows], labels[rows]) for rows in row_chunks(n, k)) / n
 
 
 def brier_loss(probs, labels) -> float:
@@ -717,26 +732,76 @@ def report(probs, labels, *, n_bins: int = DEFAULT_N_BINS) -> dict:
     (4, 0.75, 0.36, 0.1)
     """
     probs, labels = _probs_and_labels(probs, labels)
-    n_bins = _check_n_bins(n_bins)
-    n, k = probs.shape
-    confidence, correct = _top_label(probs, labels)
+    return _report(lambda rows: probs[rows], labels, *probs.shape, _check_n_bins(n_bins))
+
+
+def scores_report(scores, labels, kind: str = "logits", *, n_bins: int = DEFAULT_N_BINS) -> dict:
+    """:func:`report` of the probabilities of ``scores`` (logits: their softmax), computed
+    a row chunk at a time: the (N, K) probabilities are never held, only vectors of N
+    and sums of K x ``n_bins`` (a dataset's metrics cost its scores' memory, not twice).
+
+    Parameters
+    ----------
+    scores : array-like of shape (n_samples, n_classes)
+        Logits or probabilities, as ``kind`` says.
+    labels : array-like of shape (n_samples,)
+        Integer class labels in ``[0, n_classes)``.
+    kind : {"logits", "probabilities"}, default "logits"
+    n_bins : int, default 15
+
+    Examples
+    --------
+    >>> z = [[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 3.0]]
+    >>> a = scores_report(z, [0, 1, 1])
+    >>> b = report(softmax(np.array(z)), [0, 1, 1])
+    >>> a == b, a["accuracy"]
+    (True, 0.6666666666666666)
+    """
+    check_kind(kind)
+    arr = as_scores(scores, kind)
+    labels = as_labels(labels, *arr.shape)
+    if kind == "logits":
+        block = lambda rows: softmax(arr[rows].astype(np.float64))  # noqa: E731
+    else:
+        block = lambda rows: arr[rows].astype(np.float64)  # noqa: E731
+    return _report(block, labels, *arr.shape, _check_n_bins(n_bins))
+
+
+def _report(block, labels: np.ndarray, n: int, k: int, n_bins: int) -> dict:
+    """The figures of :func:`report`, from ``block(rows)``: the probabilities of a row
+    slice, read once in :func:`~calibrators.numerics.row_chunks`."""
+    confidence = np.empty(n)
+    correct = np.empty(n, dtype=bool)
+    true_probability = np.empty(n)
+    classwise = np.zeros(k * n_bins)
+    brier = entropy = 0.0
+    for rows in row_chunks(n, k):
+        chunk, y = block(rows), labels[rows]
+        confidence[rows], correct[rows] = _top_label(chunk, y)
+        true_probability[rows] = _true_class_probability(chunk, y)
+        brier += _brier_sum(chunk, y)
+        entropy += float(entr(chunk.astype(np.float64)).sum())
+        _classwise_sums(chunk, n_bins, classwise)
     quantile_edges = bin_edges(n_bins, strategy="quantile", confidence=confidence)
     uniform = ece_from_bin_statistics(**_bin_statistics(confidence, correct, bin_edges(n_bins)))
     quantile = ece_from_bin_statistics(**_bin_statistics(confidence, correct, quantile_edges))
-    nll = _log_loss_summary(probs, labels)
+    nll = -probabilities_to_logits(true_probability)
+    median, p95 = np.percentile(nll, [50.0, 95.0])
     return {
         "n": int(n),
         "n_classes": int(k),
         "accuracy": float(correct.mean()),
-        "nll": nll["mean"],
-        "nll_median": nll["median"],
-        "nll_p95": nll["p95"],
-        "brier": _brier(probs, labels),
-        "entropy": _mean_entropy(probs),
+        "nll": float(nll.mean()),
+        "nll_median": float(median),
+        "nll_p95": float(p95),
+        "brier": brier / n,
+        "entropy": entropy / n,
         "ece": uniform["ece"],
         "ece_quantile": quantile["ece"],
         "mce": uniform["mce"],
-        "classwise_ece": float(_classwise_errors(probs, labels, n_bins).mean()),
+        "classwise_ece": float(
+            _classwise_finish(classwise, true_probability, labels, n_bins).mean()
+        ),
         "n_bins": n_bins,
         "bins": uniform["bins"],
     }

@@ -175,7 +175,14 @@ class Settings(BaseSettings):
         description="Most rows in one dataset (the dataset_rows quota, 413 past it): 20 times "
         "ImageNet's validation set; a 467 KB .npz of zeros can declare 10,000,000.",
     )
-    max_classes: int = Field(10_000, ge=2, description="Largest num_classes (K) of a model.")
+    max_classes: int = Field(
+        262_144,
+        ge=2,
+        description="Largest num_classes (K) of a model: 262,144 holds the largest language-"
+        "model vocabularies (Gemma 3). Each request is bounded by its bytes and rows, not by "
+        "K; the fit cost guard (FIT_MEMORY_BYTES) refuses methods that cannot fit K at "
+        "submission.",
+    )
     max_queued_fits: int = Field(
         256,
         ge=1,

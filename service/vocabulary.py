@@ -32,6 +32,7 @@ __all__ = [
     "NAMESPACE_PATTERN",
     "NAME_PATTERN",
     "SCOPES",
+    "SCORE_DTYPES",
     "STATUSES",
     "TENANT_SCOPES",
     "UNFINISHED",
@@ -44,6 +45,10 @@ __all__ = [
 AUTO = "auto"
 #: What a fit may ask for: one of :data:`calibrators.METHODS`, or :data:`AUTO`.
 METHODS: tuple[str, ...] = (*calibrators.METHODS, AUTO)
+
+#: ``?dtype=`` of a binary body: scores numpy has no dtype for, sent as raw bit patterns
+#: (service.api.ingest reads them).
+SCORE_DTYPES = ("bfloat16",)
 
 #: What a model does with a calibrator that changes held-out predicted classes:
 #: ``require`` stores it ``rejected`` (never served), ``warn`` serves it with a

@@ -18,7 +18,7 @@ from fastapi import Depends, Path, Query, Request
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.api.schemas import Kind
+from service.api.schemas import Kind, ScoreDtype
 from service.jobs.queue import Fits
 from service.observe.metrics import ServiceMetrics
 from service.security.auth import PrincipalDep
@@ -39,6 +39,17 @@ KindQuery = Annotated[
         description="What the scores are, said explicitly (default: the body's key or array "
         "name). Must match the body; needed to send logits whose every row is a probability "
         "distribution."
+    ),
+]
+
+#: ``?dtype=`` of the routes that take scores in a binary body (service.api.ingest).
+DtypeQuery = Annotated[
+    ScoreDtype | None,
+    Query(
+        description="How the score array of a .npy/.npz body is read when numpy has no "
+        "dtype for it: bfloat16 sends the raw 16-bit patterns as a little-endian 2-byte "
+        "array (<u2, <i2, or |V2 as np.save writes ml_dtypes.bfloat16); widened to float32 "
+        "exactly. float16/32/64 need none. Not for JSON bodies."
     ),
 ]
 

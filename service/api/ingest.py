@@ -34,7 +34,7 @@ import re
 import struct
 import zipfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,6 +88,13 @@ _DTYPE_NAMES = {
 #: Bytes of data a score in a .npy can take (the widest accepted dtype).
 MAX_ITEMSIZE = 8
 
+#: ``?dtype=`` of the binary bodies (:data:`service.vocabulary.SCORE_DTYPES`): scores
+#: numpy has no dtype for, sent as their raw 16-bit patterns. ``bfloat16``
+#: (torch.bfloat16, ml_dtypes.bfloat16: the top half of a float32) arrives as a
+#: little-endian 2-byte .npy: ``<u2`` or ``<i2`` (torch: ``t.view(torch.int16).numpy()``)
+#: or ``|V2`` (what ``np.save`` writes for an ``ml_dtypes.bfloat16`` array).
+_BFLOAT16_DESCRS = re.compile(r"(?:[<=|]?[ui]2|[<|]V2)")
+
 #: Zip entries a .npz may list, and bytes its central directory may take; checked from
 #: its end record, before zipfile reads them (zipfile reads the whole directory into
 #: memory and builds an object per entry it finds there, whatever the count says).
@@ -117,6 +124,8 @@ class Bounds:
     max_rows: int
     max_bytes: int
     what: str
+    #: ``?dtype=`` (:data:`service.vocabulary.SCORE_DTYPES`): how a binary body's scores are read.
+    dtype: str | None = None
 
     def check_rows(self, rows: int) -> None:
         limits.check_rows(rows, self.max_rows, self.what)
@@ -130,11 +139,13 @@ _ROW_SETTINGS = {
 }
 
 
-def bounds(settings: Settings, what: str, num_classes: int, model: str) -> Bounds:
+def bounds(
+    settings: Settings, what: str, num_classes: int, model: str, dtype: str | None = None
+) -> Bounds:
     """The :class:`Bounds` of a ``what`` request (``predict``, ``feedback`` or ``dataset``)
-    for a model of ``num_classes`` classes."""
+    for a model of ``num_classes`` classes; ``dtype`` is the request's ``?dtype=``."""
     rows = getattr(settings, _ROW_SETTINGS[what])
-    return Bounds(num_classes, model, rows, settings.max_body_bytes, what)
+    return Bounds(num_classes, model, rows, settings.max_body_bytes, what, dtype)
 
 
 @dataclass(frozen=True)
@@ -228,6 +239,8 @@ class NpyHeader:
     dtype: np.dtype
     fortran: bool
     offset: int
+    #: The 2-byte data are bfloat16 bit patterns (``?dtype=bfloat16``), whatever ``dtype``.
+    bfloat16: bool = False
 
     @property
     def count(self) -> int:
@@ -238,16 +251,27 @@ class NpyHeader:
         return self.count * self.dtype.itemsize
 
     @property
+    def widened(self) -> bool:
+        """float16 and bfloat16 data are widened to float32 while they are read (exactly:
+        both are subsets of float32), never held at their own width."""
+        return self.bfloat16 or (self.dtype.kind == "f" and self.dtype.itemsize == 2)
+
+    @property
     def decoded_nbytes(self) -> int:
-        """Bytes of the array once validated: float32 stays float32, the rest becomes
-        float64 (scores) or int64 (labels), so an int8 array takes 8 times its data."""
-        return self.count * (4 if self.dtype == np.float32 else 8)
+        """Bytes of the array once validated: float32 stays float32, float16 and bfloat16
+        become float32, the rest float64 (scores) or int64 (labels), so an int8 array
+        takes 8 times its data."""
+        return self.count * (4 if self.dtype == np.float32 or self.widened else 8)
 
     @property
     def memory(self) -> int:
         """Bytes the array costs at most: its data, and the validated copy unless it is
-        already a C-ordered native float32 or float64 array (used as it is)."""
-        kept = self.dtype in _UNCONVERTED and not (self.fortran and len(self.shape) > 1)
+        already a C-ordered native float32 or float64 array (used as it is). Widened data
+        are their float32 array only (and a C-ordered copy of a Fortran-ordered one)."""
+        fortran = self.fortran and len(self.shape) > 1
+        if self.widened:
+            return self.decoded_nbytes * (2 if fortran else 1)
+        kept = self.dtype in _UNCONVERTED and not fortran
         return self.nbytes + (0 if kept else self.decoded_nbytes)
 
 
@@ -256,10 +280,13 @@ def _short(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def parse_npy_header(head: bytes | bytearray, what: str) -> NpyHeader | None:
+def parse_npy_header(
+    head: bytes | bytearray, what: str, score_dtype: str | None = None
+) -> NpyHeader | None:
     """The header of a .npy starting at ``head[0]``; None while ``head`` is too short to
     hold all of it. 400 for anything numpy would not write; 422 for a dtype of another
-    kind than :data:`NPY_DTYPES`."""
+    kind than :data:`NPY_DTYPES`, or with ``score_dtype="bfloat16"`` than 16-bit little-
+    endian patterns."""
     if head[:6] != _NPY_MAGIC[: len(head)]:
         raise MalformedBody(f"{what} is not a .npy array: it does not start with '\\x93NUMPY'.")
     if len(head) < 8:
@@ -302,13 +329,35 @@ def parse_npy_header(head: bytes | bytearray, what: str) -> NpyHeader | None:
             f"{what} has fortran_order {_short(fields['fortran_order'])}; a bool was expected."
         )
     descr = fields["descr"]
+    if score_dtype == "bfloat16":
+        if not isinstance(descr, str) or not _BFLOAT16_DESCRS.fullmatch(descr):
+            raise InvalidInput(
+                f"{what}: ?dtype=bfloat16 reads the raw 16-bit patterns of bfloat16 scores, "
+                "a little-endian 2-byte array (<u2, <i2 or |V2, as np.save writes an "
+                f"ml_dtypes.bfloat16 array). Got dtype {_short(descr)}."
+            )
+        return NpyHeader(shape, np.dtype(descr), fields["fortran_order"], offset, True)
     if not isinstance(descr, str) or not NPY_DTYPES.fullmatch(descr):
         name = _DTYPE_NAMES.get(descr.lstrip("<>|=")[:1], "") if isinstance(descr, str) else ""
+        hint = (
+            " For bfloat16 scores, add ?dtype=bfloat16."
+            if isinstance(descr, str) and descr.lstrip("<>|=") == "V2"
+            else ""
+        )
         raise InvalidInput(
-            f"{what} must hold float16, float32, float64 or 8- to 64-bit integers. "
-            f"Got dtype {_short(descr)}{name or ' (records)'}."
+            f"{what} must hold float16, float32, float64 or 8- to 64-bit integers (or "
+            f"bfloat16 with ?dtype=bfloat16). Got dtype {_short(descr)}"
+            f"{name or ' (records)'}.{hint}"
         )
     return NpyHeader(shape, np.dtype(descr), fields["fortran_order"], offset)
+
+
+def _widen(src: np.ndarray, out: np.ndarray, bfloat16: bool) -> None:
+    """float16 values, or bfloat16 bit patterns (uint16), into float32 ``out``, exactly."""
+    if bfloat16:  # a bfloat16 is the high half of the float32 of the same value
+        np.left_shift(src, 16, out=out.view(np.uint32), dtype=np.uint32)
+    else:
+        out[...] = src
 
 
 class NpyStream:
@@ -317,25 +366,38 @@ class NpyStream:
     ``check(header)`` runs once the header is complete and before the data are
     allocated (it raises to refuse the shape); the data then fill one array of the
     declared size. A byte more than declared is a 400 at once; fewer at
-    :meth:`finish`. Memory: the array, plus at most one chunk.
+    :meth:`finish`. float16 and bfloat16 (``score_dtype``, :data:`SCORE_DTYPES`) data
+    are widened to float32 as they arrive, a slice of :data:`_CHUNK` bytes at a time.
+    Memory: the array, plus at most one chunk.
     """
 
     def __init__(
-        self, what: str, check: Callable[[NpyHeader], None], header: NpyHeader | None = None
+        self,
+        what: str,
+        check: Callable[[NpyHeader], None],
+        header: NpyHeader | None = None,
+        score_dtype: str | None = None,
     ):
         self.what = what
         self.check = check
+        self.score_dtype = score_dtype
         self.header: NpyHeader | None = None
         self._head = bytearray()
         self._array: np.ndarray | None = None
         self._bytes: memoryview | None = None
         self._filled = 0
+        self._source: np.dtype | None = None  # the 2-byte dtype of widened data
+        self._carry = b""  # a widened value's first byte, when a chunk splits it
         if header is not None:  # parsed (and checked) by the caller
             self._start(header)
 
     def _start(self, header: NpyHeader) -> None:
         self.check(header)
         self.header = header
+        if header.widened:
+            self._array = np.empty(header.count, dtype=np.float32)
+            self._source = np.dtype("<u2") if header.bfloat16 else header.dtype
+            return
         self._array = np.empty(header.count, dtype=header.dtype)
         self._bytes = memoryview(self._array.view(np.uint8)).cast("B")
 
@@ -344,7 +406,7 @@ class NpyStream:
             self._write(chunk)
             return
         self._head += chunk
-        header = parse_npy_header(self._head, self.what)
+        header = parse_npy_header(self._head, self.what, self.score_dtype)
         if header is None:
             return
         self._start(header)
@@ -362,8 +424,26 @@ class NpyStream:
                 f"{self.what} holds more bytes than its .npy header declares "
                 f"({self.header.nbytes} bytes of data for shape {self.header.shape})."
             )
-        self._bytes[self._filled : end] = data
+        if self._source is not None:
+            self._widen(data)
+        else:
+            self._bytes[self._filled : end] = data
         self._filled = end
+
+    def _widen(self, data: bytes | bytearray | memoryview) -> None:
+        data = memoryview(data).cast("B")
+        at = self._filled // 2  # the first value not yet written
+        if self._carry:
+            pair = np.frombuffer(self._carry + bytes(data[:1]), self._source)
+            _widen(pair, self._array[at : at + 1], self.header.bfloat16)
+            data, at, self._carry = data[1:], at + 1, b""
+        for start in range(0, len(data) - 1, _CHUNK):
+            piece = data[start : min(start + _CHUNK, len(data) - len(data) % 2)]
+            values = np.frombuffer(piece, self._source)
+            _widen(values, self._array[at : at + len(values)], self.header.bfloat16)
+            at += len(values)
+        if len(data) % 2:
+            self._carry = bytes(data[-1:])
 
     def finish(self) -> np.ndarray:
         """The array, in its declared shape and order (400 if short)."""
@@ -383,8 +463,8 @@ class NpyStream:
 
 def _too_many_bytes(what: str, nbytes: int, limit: int) -> ContentTooLarge:
     return ContentTooLarge(
-        f"{what} declares data that take {nbytes} bytes once read and converted (to "
-        "float64 unless float32); a request may hold at most "
+        f"{what} declares data that take {nbytes} bytes once read and converted (float16 "
+        "and bfloat16 to float32, anything but float32 to float64); a request may hold at most "
         f"{limit} (WELLTEMPERED_MAX_BODY_BYTES).",
         max_bytes=limit,
     )
@@ -477,8 +557,7 @@ def _open_npz(path: Path, what: str) -> zipfile.ZipFile:
         raise InvalidInput(f"{what} lists {entries} entries; at most {MAX_NPZ_MEMBERS}.")
     if size > MAX_CENTRAL_DIRECTORY:
         raise InvalidInput(
-            f"{what} has a zip central directory of {size} bytes; at most "
-            f"{MAX_CENTRAL_DIRECTORY}."
+            f"{what} has a zip central directory of {size} bytes; at most {MAX_CENTRAL_DIRECTORY}."
         )
     try:
         zf = zipfile.ZipFile(path)
@@ -486,9 +565,7 @@ def _open_npz(path: Path, what: str) -> zipfile.ZipFile:
         raise MalformedBody(f"{what} is not a .npz (zip) archive: {_short(exc)}.") from None
     if len(zf.infolist()) > MAX_NPZ_MEMBERS:
         zf.close()
-        raise InvalidInput(
-            f"{what} holds {len(zf.infolist())} entries; at most {MAX_NPZ_MEMBERS}."
-        )
+        raise InvalidInput(f"{what} holds {len(zf.infolist())} entries; at most {MAX_NPZ_MEMBERS}.")
     return zf
 
 
@@ -506,11 +583,11 @@ def _member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, what: str):
         raise MalformedBody(f"{what} cannot be read: {_short(exc)}.") from None
 
 
-def _read_member_header(fp, what: str) -> tuple[NpyHeader, bytes]:
+def _read_member_header(fp, what: str, score_dtype: str | None = None) -> tuple[NpyHeader, bytes]:
     """The member's .npy header (inflating at most a few KiB past it), and the bytes read
     past it."""
     head = bytearray()
-    while (header := parse_npy_header(head, what)) is None:
+    while (header := parse_npy_header(head, what, score_dtype)) is None:
         chunk = fp.read(4096)
         if not chunk:
             raise MalformedBody(f"{what} ends before its .npy header does.")
@@ -566,7 +643,7 @@ def labelled_from_npz(path: Path, bounds: Bounds, kind: str | None = None) -> La
                 _member(zf, members[label_name], f"array {label_name!r}") as fl,
             ):
                 s_what, l_what = f"array {score_name!r} of the .npz", f"array {label_name!r}"
-                s_head, s_read = _read_member_header(fs, s_what)
+                s_head, s_read = _read_member_header(fs, s_what, bounds.dtype)
                 l_head, l_read = _read_member_header(fl, l_what)
                 check_scores_header(s_head, bounds, s_what)
                 if l_head.shape != s_head.shape[:1]:
@@ -832,6 +909,11 @@ _JSON_FIX = "Send them under the key 'probabilities'."
 
 
 def _json_scores(obj: dict, bounds: Bounds, kind: str | None) -> tuple[np.ndarray, str, bool]:
+    if bounds.dtype is not None:
+        raise InvalidInput(
+            f"?dtype={bounds.dtype} says how a binary body's raw scores are read; a JSON body "
+            "holds numbers. Drop ?dtype, or send a .npy/.npz."
+        )
     key = score_key(obj, JSON_SCORE_KEYS)
     kind, explicit = resolve_kind(kind, key, f"key {key!r}")
     scores = validated_scores(obj[key], kind, bounds.num_classes, bounds.model)
@@ -875,6 +957,34 @@ def npy_bytes(arr: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.save(buf, arr, allow_pickle=False)
     return buf.getvalue()
+
+
+def npy_header(arr: np.ndarray) -> bytes:
+    """The .npy header of a C-contiguous ``arr`` (format 1.0, or 2.0 as np.save picks for
+    huge shapes)."""
+    fields = np.lib.format.header_data_from_array_1_0(arr)
+    head = io.BytesIO()
+    try:
+        np.lib.format.write_array_header_1_0(head, fields)
+    except ValueError:
+        head = io.BytesIO()
+        np.lib.format.write_array_header_2_0(head, fields)
+    return head.getvalue()
+
+
+def npy_chunks(arr: np.ndarray) -> tuple[int, Iterator[bytes | memoryview]]:
+    """``arr`` as a .npy file: its size, and its bytes as the header then views of the
+    data of at most :data:`_CHUNK` bytes (no copy of the data: for big answers)."""
+    arr = np.ascontiguousarray(arr)
+    header = npy_header(arr)
+    data = memoryview(arr.reshape(-1).view(np.uint8))
+
+    def chunks() -> Iterator[bytes | memoryview]:
+        yield header
+        for at in range(0, len(data), _CHUNK):
+            yield data[at : at + _CHUNK]
+
+    return len(header) + arr.nbytes, chunks()
 
 
 def npy_view(arr: np.ndarray) -> memoryview:

@@ -28,6 +28,7 @@ from service.vocabulary import (
     METHODS,
     NAME_PATTERN,
     SCOPES,
+    SCORE_DTYPES,
     STATUSES,
     TENANT_SCOPES,
     VERSION_SOURCES,
@@ -37,6 +38,8 @@ from service.vocabulary import (
 Method = Literal[METHODS]  # type: ignore[valid-type]
 Status = Literal[STATUSES]  # type: ignore[valid-type]
 Kind = Literal[KINDS]  # type: ignore[valid-type]
+#: ``?dtype=`` of a binary body (read by service.api.ingest).
+ScoreDtype = Literal[SCORE_DTYPES]  # type: ignore[valid-type]
 ArgmaxPolicy = Literal[ARGMAX_POLICIES]  # type: ignore[valid-type]
 Scope = Literal[SCOPES]  # type: ignore[valid-type]
 #: What an admin key may create over HTTP: a metrics key is the operator's (the CLI's).
@@ -171,8 +174,9 @@ class ParamsImport(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    dataset_id: int = Field(ge=1, le=MAX_ID, description="The dataset whose hold-out rows "
-                            "evaluate the calibrator.")
+    dataset_id: int = Field(
+        ge=1, le=MAX_ID, description="The dataset whose hold-out rows evaluate the calibrator."
+    )
     params: dict[str, Any] = Field(
         description="What calibrators' to_params() gives (the 'params' of a method in the "
         "JSON of `welltempered fit --json`): exactly what calibrators.from_params takes."

@@ -208,16 +208,19 @@ async def read_body(request: Request, limit: int) -> bytearray | mmap.mmap:
 
 
 async def read_npy(
-    request: Request, check: Callable[[ingest.NpyHeader], None], limit: int
+    request: Request,
+    check: Callable[[ingest.NpyHeader], None],
+    limit: int,
+    score_dtype: str | None = None,
 ) -> np.ndarray:
     """A .npy body decoded while it arrives (:class:`service.api.ingest.NpyStream`):
     ``check`` refuses the header's shape before the data are allocated, and a byte past
     the declared data is a 400 at once; a declared length over ``limit`` is a 413 before
-    reading."""
+    reading. ``score_dtype``: ``?dtype=`` (bfloat16 bit patterns)."""
     declared = declared_length(request)
     if declared is not None and declared > limit:
         raise _too_large(limit)
-    stream = ingest.NpyStream("The .npy body", check)
+    stream = ingest.NpyStream("The .npy body", check, score_dtype=score_dtype)
     async for chunk in request.stream():
         stream.feed(chunk)
     return stream.finish()

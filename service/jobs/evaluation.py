@@ -17,7 +17,6 @@ import calibrators
 from calibrators import CalibrationInputError, checks, metrics
 from calibrators.base import Calibrator
 from calibrators.holdout import split_indices
-from calibrators.validation import to_probabilities
 from service.storage.db import utcnow
 
 
@@ -112,7 +111,7 @@ def evaluate_params(
         "progress": 1.0,
         "chosen_method": cal.method,
         "params": cal.to_params(),
-        "metrics_before": metrics.report(to_probabilities(x_hold, kind), y_hold),
+        "metrics_before": metrics.scores_report(x_hold, y_hold, kind),
         "metrics_after": result["metrics"],
         "argmax": result["argmax"],
         "warning": warning(cal.method, result["argmax"], argmax_policy),

@@ -20,7 +20,6 @@ import numpy as np
 import calibrators
 from calibrators import metrics
 from calibrators.holdout import split_indices, split_sizes
-from calibrators.validation import to_probabilities
 from service.errors import FitTooLarge
 from service.jobs import evaluation
 from service.vocabulary import AUTO
@@ -169,7 +168,7 @@ def fit_job(
     fit_idx, hold_idx = split_indices(labels.shape[0], holdout, seed)
     x_fit, y_fit = np.asarray(scores[fit_idx]), labels[fit_idx]
     x_hold, y_hold = np.asarray(scores[hold_idx]), labels[hold_idx]
-    before = metrics.report(to_probabilities(x_hold, kind), y_hold)
+    before = metrics.scores_report(x_hold, y_hold, kind)
 
     k = int(scores.shape[1])
     methods = affordable(

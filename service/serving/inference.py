@@ -21,6 +21,7 @@ import onnxruntime as ort
 from sqlalchemy.orm import sessionmaker
 
 import calibrators
+from calibrators.numerics import row_chunks
 from calibrators.validation import PROBABILITY_FLOOR, CalibrationInputError
 from service.errors import InvalidInput
 from service.storage.registry import resolve_served
@@ -30,6 +31,11 @@ from service.storage.retry import retry_read
 OUTPUTS = ("probabilities", "label", "confidence", "entropy")
 #: The outputs :func:`top_k` adds when a request asks for the k largest probabilities.
 TOP_K_OUTPUTS = ("top_k_indices", "top_k_probabilities")
+#: Scores of one ONNX Runtime call, at most (4 M: 16 MiB of float32). A bigger batch runs
+#: in row chunks written into the answer's arrays, so the graph's intermediate tensors
+#: cost a chunk, not the batch (at K = 49,152 a 1,000-row batch held about 3 times its
+#: input); every graph is row-wise, so the answer is the same.
+RUN_ELEMENTS = 1 << 22
 
 
 def version_key(row) -> tuple:
@@ -178,8 +184,18 @@ def as_onnx_input(scores: np.ndarray, kind: str) -> np.ndarray:
 
 
 def run(session: ort.InferenceSession, logits: np.ndarray) -> dict[str, np.ndarray]:
-    values = session.run(list(OUTPUTS), {"logits": logits})
-    return dict(zip(OUTPUTS, values, strict=True))
+    n, k = logits.shape
+    if n * k <= RUN_ELEMENTS:
+        values = session.run(list(OUTPUTS), {"logits": logits})
+        return dict(zip(OUTPUTS, values, strict=True))
+    out: dict[str, np.ndarray] = {}
+    for rows in row_chunks(n, k, RUN_ELEMENTS):
+        values = session.run(list(OUTPUTS), {"logits": logits[rows]})
+        for name, value in zip(OUTPUTS, values, strict=True):
+            if name not in out:
+                out[name] = np.empty((n, *value.shape[1:]), dtype=value.dtype)
+            out[name][rows] = value
+    return out
 
 
 def check_top_k(k: int, num_classes: int) -> None:
@@ -211,8 +227,16 @@ def top_k(probabilities: np.ndarray, k: int) -> dict[str, np.ndarray]:
     >>> out["top_k_indices"].tolist(), out["top_k_probabilities"].tolist()
     ([[1, 3, 0]], [[0.4, 0.4, 0.1]])
     """
-    num_classes = probabilities.shape[1]
+    n, num_classes = probabilities.shape
     check_top_k(k, num_classes)
+    if n * num_classes > RUN_ELEMENTS:  # argpartition's copy and indices: a chunk's
+        parts = [_top_k(probabilities[rows], k) for rows in row_chunks(n, num_classes)]
+        return {name: np.concatenate([p[name] for p in parts]) for name in TOP_K_OUTPUTS}
+    return _top_k(probabilities, k)
+
+
+def _top_k(probabilities: np.ndarray, k: int) -> dict[str, np.ndarray]:
+    num_classes = probabilities.shape[1]
     index = np.argpartition(probabilities, num_classes - k, axis=1)[:, num_classes - k :]
     value = np.take_along_axis(probabilities, index, axis=1)
     # Which of several probabilities equal to the k-th largest argpartition keeps is

@@ -36,7 +36,6 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from calibrators import metrics
-from calibrators.validation import to_probabilities
 from service.errors import ArgmaxChanged, Conflict, InUse, InvalidInput, NotFound, NotReady
 from service.storage import array_refs, usage
 from service.storage.arrays import ArrayStore
@@ -180,7 +179,7 @@ def add_dataset(
         scores_sha256=scores_sha,
         labels_sha256=labels_sha,
         n_bytes=n_bytes,
-        metrics=metrics.report(to_probabilities(scores, kind), labels),
+        metrics=metrics.scores_report(scores, labels, kind),
     )
     files = [
         array_refs.Held(scores_sha, scores_bytes, scores),

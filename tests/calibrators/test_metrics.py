@@ -532,3 +532,18 @@ def test_nll_and_brier_match_scikit_learn(shared):
     assert accuracy_score(probs, labels) == sklearn_metrics.accuracy_score(
         labels, probs.argmax(axis=1)
     )
+
+
+@pytest.mark.parametrize("kind", ["logits", "probabilities"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_scores_report_is_the_report_of_the_probabilities_without_holding_them(kind, dtype):
+    from calibrators.metrics import scores_report
+    from calibrators.numerics import CHUNK_ELEMENTS
+    from calibrators.validation import to_probabilities
+
+    rng = np.random.default_rng(7)
+    n, k = 3 * CHUNK_ELEMENTS // 50 + 17, 50  # several row chunks, the last one short
+    z = rng.normal(size=(n, k)) * 3
+    scores = (z if kind == "logits" else to_probabilities(z, "logits")).astype(dtype)
+    y = rng.integers(0, k, n)
+    assert scores_report(scores, y, kind) == report(to_probabilities(scores, kind), y)

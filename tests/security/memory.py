@@ -34,6 +34,9 @@ from tests.service.servers import Server
 MiB = 1 << 20
 K = 10
 MODEL = "bombs"
+#: A language-model vocabulary (SmolLM2's), for the uploads of issue 13.
+VOCAB_K = 49_152
+VOCAB_MODEL = "vocab"
 
 
 def _status_kib(pid: int, field: str) -> int:
@@ -149,6 +152,9 @@ class Case:
     #: Run once before measuring: an accepted batch of a new size grows ONNX Runtime's
     #: arena once (a cost of serving that size, not of the body).
     warm: bool = False
+    #: Bytes of the arrays an accepted upload stores (its scores as float32 or float64,
+    #: its labels as int64): what its peak is compared with.
+    array_bytes: int | None = None
 
 
 def _post(server: Server, path: str, body: bytes, content_type: str) -> tuple[int, bytes]:
@@ -255,6 +261,49 @@ def _npz_accepted_case() -> Case:
                                 "application/octet-stream"))
 
 
+def _vocab_npz_case(dtype: str, rows: int = 1_360) -> Case:
+    rng = np.random.default_rng(4)
+    z = rng.standard_normal((rows, VOCAB_K), dtype=np.float32).astype(dtype)
+    y = rng.integers(0, VOCAB_K, rows)
+    body = pl.npz({"logits.npy": pl.array_npy(z), "labels.npy": pl.array_npy(y)})
+    del z
+    stored = rows * VOCAB_K * (8 if dtype == "float64" else 4) + rows * 8
+    return Case(f"npz dataset of {rows:,} x {VOCAB_K:,} {dtype} ({len(body) / MiB:.0f} MiB), "
+                "accepted", len(body), 201,
+                lambda s: _post(s, f"/v1/models/{VOCAB_MODEL}/datasets", body,
+                                "application/octet-stream"), array_bytes=stored)
+
+
+def _vocab_float32_case() -> Case:
+    return _vocab_npz_case("float32")
+
+
+def _vocab_float16_case() -> Case:
+    return _vocab_npz_case("float16")
+
+
+def _vocab_predict_case(query: str, accept: str) -> Case:
+    rows = 1_000
+    body = pl.array_npy(np.random.default_rng(5).standard_normal((rows, VOCAB_K), np.float32))
+
+    def run(s: Server) -> tuple[int, bytes]:
+        with s.client() as c:
+            r = c.post(f"/v1/models/{VOCAB_MODEL}/predict{query}", content=body,
+                       headers={"content-type": "application/x-npy", "accept": accept})
+            return r.status_code, r.content[:2000]
+
+    return Case(f"npy predict of {rows:,} x {VOCAB_K:,} float32 ({len(body) / MiB:.0f} MiB)"
+                f"{query}, answer {accept}, accepted", len(body), 200, run, warm=True)
+
+
+def _vocab_predict_top_k_case() -> Case:
+    return _vocab_predict_case("?top_k=5", "application/json")
+
+
+def _vocab_predict_npy_case() -> Case:
+    return _vocab_predict_case("", "application/x-npy")
+
+
 CASES = [
     _bomb_case,
     _zero_npz_case,
@@ -267,6 +316,10 @@ CASES = [
     _json_accepted_case,
     _npy_accepted_case,
     _npz_accepted_case,
+    _vocab_float32_case,
+    _vocab_float16_case,
+    _vocab_predict_top_k_case,
+    _vocab_predict_npy_case,
 ]
 
 
@@ -296,6 +349,32 @@ def prepare(server: Server) -> None:
         # The first predict loads the ONNX Runtime session: not a cost of any body.
         r = c.post(f"/v1/models/{MODEL}/predict", json={"logits": z[:2].tolist()})
         assert r.status_code == 200, r.text
+        r = c.post("/v1/models", json={"name": VOCAB_MODEL, "num_classes": VOCAB_K,
+                                       "argmax_policy": "off"})
+        assert r.status_code == 201, r.text
+        _serve_vocab(c, rng)
+
+
+def _serve_vocab(c, rng: np.random.Generator) -> None:
+    """A temperature fit of model ``vocab`` on 64 rows, with the default alias."""
+    y = rng.integers(0, VOCAB_K, 64)
+    z = rng.standard_normal((64, VOCAB_K), np.float32)
+    z[np.arange(64), y] += 10
+    body = pl.npz({"logits.npy": pl.array_npy(z), "labels.npy": pl.array_npy(y)})
+    r = c.post(f"/v1/models/{VOCAB_MODEL}/datasets", content=body,
+               headers={"content-type": "application/octet-stream"})
+    assert r.status_code == 201, r.text
+    r = c.post(f"/v1/models/{VOCAB_MODEL}/calibrators",
+               json={"dataset_id": r.json()["id"], "method": "temperature"})
+    version = r.json()["version"]
+    for _ in range(600):
+        status = c.get(f"/v1/models/{VOCAB_MODEL}/calibrators/{version}").json()["status"]
+        if status not in ("queued", "running"):
+            break
+        time.sleep(0.1)
+    assert status == "succeeded", status
+    r = c.put(f"/v1/models/{VOCAB_MODEL}/aliases/production", json={"version": version})
+    assert r.status_code == 200, r.text
 
 
 def measure(server: Server, case: Case) -> dict:
@@ -303,7 +382,8 @@ def measure(server: Server, case: Case) -> dict:
     if case.warm:
         case.run(server)
     (status, answer), before, growth = monitor.measure(lambda: case.run(server))
-    return {"case": case.name, "body": case.body_bytes, "status": status,
+    return {"case": case.name, "body": case.body_bytes, "arrays": case.array_bytes,
+            "status": status,
             "expected": case.status, "rss_before": before, "growth": growth,
             "answer": answer.split(b"\r\n\r\n", 1)[-1][:300].decode("latin1")}
 
@@ -315,13 +395,14 @@ def main() -> None:
         with server:
             prepare(server)
             print(f"server pid {server.proc.pid}, PYTHONPATH={os.environ.get('PYTHONPATH', '')}")
-            print("| case | body | status | RSS before | peak growth |")
-            print("| --- | ---: | --- | ---: | ---: |")
+            print("| case | body | arrays stored | status | RSS before | peak growth |")
+            print("| --- | ---: | ---: | --- | ---: | ---: |")
             for make in CASES:
                 if sys.argv[1:] and not any(word in make.__name__ for word in sys.argv[1:]):
                     continue
                 row = measure(server, make())
-                print(f"| {row['case']} | {row['body'] / MiB:.1f} MiB | {row['status']} "
+                stored = f"{row['arrays'] / MiB:.1f} MiB" if row["arrays"] else ""
+                print(f"| {row['case']} | {row['body'] / MiB:.1f} MiB | {stored} | {row['status']} "
                       f"(expected {row['expected']}) | {row['rss_before'] / MiB:.0f} MiB | "
                       f"{row['growth'] / MiB:.0f} MiB |", flush=True)
 

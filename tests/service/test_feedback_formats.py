@@ -330,6 +330,7 @@ def test_feedback_formats_are_documented(client):
         ("path", "model"),
         ("query", "version"),
         ("query", "kind"),
+        ("query", "dtype"),
         ("header", "Idempotency-Key"),
     }
     assert "not counted twice" in params["header", "Idempotency-Key"]["description"]

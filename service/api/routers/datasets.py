@@ -9,7 +9,15 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Request, Response
 
 from service.api import ingest
-from service.api.deps import DatasetDep, KindQuery, ModelDep, QuotasDep, SessionDep, StateDep
+from service.api.deps import (
+    DatasetDep,
+    DtypeQuery,
+    KindQuery,
+    ModelDep,
+    QuotasDep,
+    SessionDep,
+    StateDep,
+)
 from service.api.openapi import LABELS, SCORE_PROPERTIES
 from service.api.pagination import Page, pages
 from service.api.schemas import DatasetList, DatasetOut, DeletedOut
@@ -102,8 +110,9 @@ def upload_dataset(
     quotas: QuotasDep,
     response: Response,
     kind: KindQuery = None,
+    dtype: DtypeQuery = None,
 ) -> DatasetOut:
-    bounds = ingest.bounds(state.settings, "dataset", model.num_classes, model.name)
+    bounds = ingest.bounds(state.settings, "dataset", model.num_classes, model.name, dtype)
     if upload.json is not None:
         data, _ = ingest.labelled_from_json(upload.json, bounds, kind)
     else:

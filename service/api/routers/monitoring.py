@@ -14,7 +14,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 
 from service.api import ingest
-from service.api.deps import KindQuery, ModelDep, SessionDep, StateDep, VersionDep
+from service.api.deps import DtypeQuery, KindQuery, ModelDep, SessionDep, StateDep, VersionDep
 from service.api.openapi import BINARY, LABELS, OCTET_STREAM, SCORE_PROPERTIES
 from service.api.uploads import NPZ_TYPES, Upload, labelled_body
 from service.errors import Conflict, InvalidInput
@@ -51,6 +51,7 @@ def svg_response(svg: str | bytes, request: Request, name: str) -> Response:
             headers={"Content-Disposition": f'attachment; filename="{name}.svg"'},
         )
     return Response(svg, media_type=SVG)
+
 
 WindowQuery = Annotated[
     str | None,
@@ -242,6 +243,7 @@ def post_feedback(
     response: Response,
     version: FeedbackVersionQuery = None,
     kind: KindQuery = None,
+    dtype: DtypeQuery = None,
     idempotency_key: IdempotencyKeyHeader = None,
 ) -> dict[str, Any]:
     """Labels for rows served earlier: calibrated by the version that served them (default:
@@ -256,7 +258,7 @@ def post_feedback(
         prior = idempotency.find(session, model.namespace, idempotency_key, ttl)
         if prior is not None:
             return replayed(prior, model, response)
-    bounds = ingest.bounds(settings, "feedback", model.num_classes, model.name)
+    bounds = ingest.bounds(settings, "feedback", model.num_classes, model.name, dtype)
     labelled, version = feedback_rows(body, bounds, version, kind)
     n = int(labelled.labels.shape[0])
     limits.check_rows(n, settings.max_feedback_rows, "feedback")

@@ -18,14 +18,15 @@ import numpy as np
 import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from service.api import ingest
 from service.api.deps import AppState, get_app_state
 from service.api.openapi import BINARY, OCTET_STREAM, SCORE_PROPERTIES
-from service.api.schemas import Kind, PredictOut
+from service.api.schemas import Kind, PredictOut, ScoreDtype
 from service.api.uploads import media_type, read_body, read_npy
-from service.errors import UnsupportedMediaType
+from service.errors import InvalidInput, UnsupportedMediaType
 from service.observe.metrics import ServiceMetrics
 from service.security import limits
 from service.security.auth import authorize
@@ -53,7 +54,7 @@ async def read_scores_body(
         )
     if kind in (NPY, "application/octet-stream"):
         limit = ingest.npy_body_limit(bounds, settings.max_body_bytes)
-        return "npy", await read_npy(request, ingest.npy_check(bounds), limit)
+        return "npy", await read_npy(request, ingest.npy_check(bounds), limit, bounds.dtype)
     raise UnsupportedMediaType(
         f"Send scores as application/json or as a .npy body ({NPY}). "
         f"Got {kind or 'no Content-Type'!r}."
@@ -76,6 +77,13 @@ class Target(BaseModel):
         description="What the scores are. A .npy body holds logits unless told; a JSON "
         "body's key names its kind, which this must match. Given explicitly, logits whose "
         "rows look like probabilities are accepted.",
+    )
+    dtype: ScoreDtype | None = Field(
+        None,
+        description="How a .npy body's scores are read when numpy has no dtype for them: "
+        "bfloat16 sends their raw 16-bit patterns as a little-endian 2-byte array (<u2, "
+        "<i2, or |V2 as np.save writes ml_dtypes.bfloat16); widened to float32 exactly. "
+        "float16, float32 and float64 need no ?dtype. Not for JSON bodies.",
     )
     top_k: int | None = Field(
         None,
@@ -177,6 +185,29 @@ def calibrate(
     return out
 
 
+#: A .npy answer larger than this is sent as views of its array (header, then 1 MiB
+#: slices), not copied into one buffer first; smaller ones take one write (the fast path).
+STREAM_ANSWER_BYTES = 16 << 20
+
+#: Bytes a probability may take in a JSON answer (orjson's longest float32, a comma).
+JSON_ANSWER_BYTES_PER_VALUE = 16
+
+
+def check_json_answer(shape: tuple[int, int], max_json_bytes: int) -> None:
+    """422 for a JSON answer of whole rows that could exceed ``max_json_bytes`` (the JSON
+    request limit): at K = 262,144 a few rows are megabytes, and a 1 GiB .npy body would
+    be several GB of JSON. ``top_k`` or a .npy answer hold the same information."""
+    n, k = shape
+    need = n * k * JSON_ANSWER_BYTES_PER_VALUE
+    if need > max_json_bytes:
+        fix = "Ask for ?top_k=<k>, or for the whole rows as a .npy: Accept: application/x-npy."
+        raise InvalidInput(
+            f"A JSON answer of {n:,} rows of {k:,} probabilities could take {need:,} bytes, "
+            f"more than MAX_JSON_BYTES ({max_json_bytes:,}). {fix}",
+            fix=fix,
+        )
+
+
 #: The .npy answer of a ``top_k`` request: per row and rank, the class and its probability.
 TOP_K_RECORD = np.dtype([("index", "<i8"), ("probability", "<f4")])
 
@@ -210,12 +241,15 @@ def respond(
     want_npy: bool,
     bounds: ingest.Bounds,
     metrics: ServiceMetrics,
+    max_json_bytes: int,
 ) -> Response:
     """Parse, validate, run ONNX Runtime and serialise: pure CPU work."""
     if fmt == "json":
         scores, kind = ingest.scores_from_json(raw, bounds, query.kind)
     else:
         scores, kind = ingest.scores_from_npy(raw, bounds, query.kind)
+    if not want_npy and query.top_k is None:
+        check_json_answer(scores.shape, max_json_bytes)
     out = calibrate(served, scores, kind, bounds.max_rows, metrics, query.top_k)
     headers = {VERSION_HEADER: str(served.version)}
     if want_npy:
@@ -223,6 +257,10 @@ def respond(
             body = out["probabilities"]
         else:
             body = top_k_records(out, served.class_names)
+        if body.nbytes > STREAM_ANSWER_BYTES:  # no copy of a big answer: views of it
+            size, chunks = ingest.npy_chunks(body)
+            headers["Content-Length"] = str(size)
+            return StreamingResponse(chunks, media_type=NPY, headers=headers)
         return Response(ingest.npy_view(body), media_type=NPY, headers=headers)
     if query.top_k is None:
         payload = {"probabilities": out["probabilities"]}
@@ -258,15 +296,14 @@ async def predict(request: Request) -> Response:
     model = request.path_params["model"]
     query = target(request)
     served = await state.serving.get(model, query.alias, query.version, caller.namespace)
-    bounds = ingest.bounds(state.settings, "predict", served.num_classes, served.model)
+    bounds = ingest.bounds(state.settings, "predict", served.num_classes, served.model, query.dtype)
     fmt, raw = await read_scores_body(request, state, bounds)
     want_npy = NPY in request.headers.get("accept", "")
     size = len(raw) if fmt == "json" else raw.nbytes
+    args = (served, fmt, raw, query, want_npy, bounds, state.metrics)
     if size <= state.settings.inline_predict_bytes:
-        return respond(served, fmt, raw, query, want_npy, bounds, state.metrics)
-    return await anyio.to_thread.run_sync(
-        respond, served, fmt, raw, query, want_npy, bounds, state.metrics
-    )
+        return respond(*args, state.settings.max_json_bytes)
+    return await anyio.to_thread.run_sync(respond, *args, state.settings.max_json_bytes)
 
 
 def install(app: FastAPI) -> None:
