@@ -239,6 +239,7 @@ def test_predict_parameters_are_documented(client):
         ("query", "version"),
         ("query", "kind"),
         ("query", "top_k"),
+        ("query", "dtype"),
     }
     assert params["path", "model"]["required"]
     top_k = params["query", "top_k"]["schema"]["anyOf"][0]
