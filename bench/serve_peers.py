@@ -34,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -216,30 +215,10 @@ def main() -> int:
     parser.add_argument("--kserve-python", default="/work/kserve-venv/bin/python")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
-    from serve import Connection  # the keep-alive raw-socket client of bench/serve.py
+    from serve import load as closed_loop  # the keep-alive raw-socket client of bench/serve.py
 
     def load(port: int, req: bytes) -> np.ndarray:
-        lat: list[list[float]] = [[] for _ in range(args.concurrency)]
-        stop = time.perf_counter() + args.seconds
-
-        def client(i: int) -> None:
-            conn = Connection(port)
-            try:
-                while time.perf_counter() < stop:
-                    t0 = time.perf_counter()
-                    status = conn.roundtrip(req)
-                    if status != 200:
-                        raise RuntimeError(f"HTTP {status} on port {port}")
-                    lat[i].append(time.perf_counter() - t0)
-            finally:
-                conn.close()
-
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(args.concurrency)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return np.concatenate([np.asarray(x) for x in lat])
+        return closed_loop(port, req, args.seconds, args.concurrency)
 
     rng = np.random.default_rng(1)
     one = rng.normal(size=(1, K)).astype(np.float32)

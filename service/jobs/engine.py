@@ -178,7 +178,7 @@ class JobEngine:
         retried = []
         for job in stalled:
             version_id = int(job.task_kwargs["version_id"])
-            await asyncio.to_thread(fits.hand_back_current, self.sessions, version_id)
+            await asyncio.to_thread(fits.hand_back, self.sessions, version_id)
             try:
                 await self.app.job_manager.retry_job(job)
             except Exception as exc:  # another reaper was first, or the job was cancelled

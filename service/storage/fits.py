@@ -98,27 +98,18 @@ def finish(sessions: sessionmaker, version_id: int, attempt: int, **columns: Any
         return res.rowcount == 1
 
 
-def hand_back(sessions: sessionmaker, version_id: int, attempt: int) -> bool:
+def hand_back(sessions: sessionmaker, version_id: int, attempt: int | None = None) -> bool:
     """Attempt ``attempt`` stopped before the end (its worker shut down or was lost):
-    the version is queued again for the next attempt. False if the attempt no longer
-    owned it."""
+    the version is queued again for the next attempt. False if that attempt no longer
+    owned it. Without ``attempt``, whatever attempt is running (the reaper's call: the
+    worker that ran it is gone and cannot say which attempt it was)."""
     with sessions() as s, s.begin():
+        if attempt is None:
+            where = (CalibratorVersion.id == version_id, CalibratorVersion.status == "running")
+        else:
+            where = _running(version_id, attempt)
         res = s.execute(
-            update(CalibratorVersion)
-            .where(*_running(version_id, attempt))
-            .values(status="queued", progress=0.0)
-        )
-        return res.rowcount == 1
-
-
-def hand_back_current(sessions: sessionmaker, version_id: int) -> bool:
-    """:func:`hand_back` of whatever attempt is running (the reaper's call: the worker
-    that ran it is gone and cannot say which attempt it was)."""
-    with sessions() as s, s.begin():
-        res = s.execute(
-            update(CalibratorVersion)
-            .where(CalibratorVersion.id == version_id, CalibratorVersion.status == "running")
-            .values(status="queued", progress=0.0)
+            update(CalibratorVersion).where(*where).values(status="queued", progress=0.0)
         )
         return res.rowcount == 1
 
@@ -199,11 +190,6 @@ def count_unfinished(session: Session, namespace: str | None = None) -> int:
             Model.namespace == namespace
         )
     return session.scalar(stmt)
-
-
-def job_id_of(sessions: sessionmaker, version_id: int) -> int | None:
-    with sessions() as s:
-        return s.scalar(select(CalibratorVersion.job_id).where(CalibratorVersion.id == version_id))
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ def test_only_the_current_attempt_writes_the_result(client):
     first = fits.claim(sessions, vid, "a:1:worker", max_attempts=5)
     assert first.attempt == 1
     assert fits.claim(sessions, vid, "b:2:worker", max_attempts=5) == "running"  # no double claim
-    assert fits.hand_back_current(sessions, vid)  # the reaper: worker a is silent
+    assert fits.hand_back(sessions, vid)  # the reaper: worker a is silent
     second = fits.claim(sessions, vid, "b:2:worker", max_attempts=5)
     assert second.attempt == 2
     assert not fits.finish(sessions, vid, first.attempt, status="failed", error="late")
