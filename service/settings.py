@@ -231,6 +231,17 @@ class Settings(BaseSettings):
         "(GET /metrics without a key, every namespace's series): keep it on loopback or an "
         "internal network. Empty: no listener (scrape the API's /metrics with a metrics key).",
     )
+    http_parser: Literal["httptools", "h11"] = Field(
+        "httptools",
+        description="HTTP/1.1 parser of `welltempered serve` and the metrics listener: "
+        "httptools (llhttp, in C) or h11 (uvicorn's pure-Python parser, slower). Both "
+        "apply header_timeout_seconds.",
+    )
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto",
+        description="Event loop of `welltempered serve`: uvloop where it is installed "
+        "(auto; a runtime dependency except on Windows), or asyncio's own.",
+    )
     header_timeout_seconds: float = Field(
         10.0,
         gt=0,
