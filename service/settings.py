@@ -82,6 +82,13 @@ class Settings(BaseSettings):
         description="Predict bodies up to this size are computed on the event loop (cheaper "
         "than a thread hop); larger ones in the thread pool.",
     )
+    predict_threads: int = Field(
+        0,
+        ge=0,
+        description="Predictions computed in the thread pool at once (bodies over "
+        "inline_predict_bytes); 0: one per CPU. More add memory (each holds its batch's "
+        "intermediate arrays) and no speed once the cores are busy; others wait their turn.",
+    )
     progress_interval_seconds: float = Field(
         0.5, ge=0, description="Smallest interval between two progress writes of a fit."
     )

@@ -56,7 +56,7 @@ from service.api import ingest
 from service.api.deps import StateDep, get_app_state
 from service.api.problems import OIP_PREFIX, problem_response
 from service.api.routers import health
-from service.api.routers.predict import VERSION_HEADER, calibrate
+from service.api.routers.predict import VERSION_HEADER, add_hot_route, calibrate
 from service.api.uploads import read_body
 from service.errors import (
     Conflict,
@@ -441,7 +441,7 @@ async def infer(request: Request) -> Response:
     args = (served, raw, encoding, head, limit, settings.max_predict_rows, state.metrics)
     if len(raw) <= settings.inline_predict_bytes and not encoding:
         return respond(*args)
-    return await anyio.to_thread.run_sync(respond, *args)
+    return await anyio.to_thread.run_sync(respond, *args, limiter=state.predict_limiter)
 
 
 # -- health and metadata ----------------------------------------------------------
@@ -728,10 +728,10 @@ def install(app: FastAPI) -> None:
         (False, f"{v2}/models/{{name}}/infer"),
         (True, f"{v2}/models/{{name}}/versions/{{version}}/infer"),
     ):
-        app.add_api_route(
+        add_hot_route(
+            app,
             path,
             infer,
-            methods=["POST"],
             tags=["v2"],
             operation_id="v2_version_infer" if versioned else "v2_model_infer",
             response_class=Response,
