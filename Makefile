@@ -30,10 +30,17 @@ $(STAMP): pyproject.toml Makefile
 run: $(RUNTIME)
 	$(BIN)/welltempered serve --demo
 
+# Test processes for the in-process part of the suite (the tests that start servers,
+# workers and Prometheus run afterwards, one at a time: they time real processes). 2
+# halves the in-process part on a 2-core machine; each process opens its own
+# PostgreSQL connections, so more need max_connections to match.
+TEST_WORKERS ?= 2
+
 # The whole suite: the CI command (.ci/run).
 test: lint
 	@tools/ensure-promtool || echo "make test: promtool/prometheus unavailable; their tests skip here (and fail in CI)"
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not process"
+	$(BIN)/python -m pytest -m process
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto -m "$(FAST)"

@@ -214,6 +214,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3, help="each server in turn, per case")
     parser.add_argument("--kserve-python", default="/work/kserve-venv/bin/python")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
@@ -318,22 +319,32 @@ def main() -> int:
                 f"{args.concurrency} clients, {args.seconds:g} s per case and server; "
                 f"cpus {os.cpu_count()}, load {os.getloadavg()[0]:.1f}"
             )
-            print(f"{'case':<22} {'server':<8} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9}")
+            print(
+                f"{'case':<22} {'server':<8} {'round':>5} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9}"
+            )
             for case, targets in servers.items():
-                rates = {}
-                for name, (port, req) in targets.items():
+                for port, req in targets.values():
                     load(port, req)  # warm-up (sessions, caches), not counted
-                    lat = load(port, req)
-                    rates[name] = len(lat) / args.seconds
-                    print(
-                        f"{case:<22} {name:<8} {rates[name]:>9.1f} "
-                        f"{1e3 * np.percentile(lat, 50):>9.2f} "
-                        f"{1e3 * np.percentile(lat, 99):>9.2f}"
-                    )
+                rates: dict[str, list[float]] = {name: [] for name in targets}
+                for rnd in range(args.rounds):  # servers in turn: a noisy spell hits all
+                    for name, (port, req) in targets.items():
+                        lat = load(port, req)
+                        rates[name].append(len(lat) / args.seconds)
+                        print(
+                            f"{case:<22} {name:<8} {rnd:>5} {rates[name][-1]:>9.1f} "
+                            f"{1e3 * np.percentile(lat, 50):>9.2f} "
+                            f"{1e3 * np.percentile(lat, 99):>9.2f}"
+                        )
+                ratios = {
+                    peer: np.array(rates["ours"]) / np.array(rates[peer])
+                    for peer in ("ceiling", "kserve", "ours-h11")
+                }
                 print(
-                    f"{case:<22} ours/ceiling {rates['ours'] / rates['ceiling']:.2f}x, "
-                    f"ours/kserve {rates['ours'] / rates['kserve']:.2f}x, "
-                    f"ours/ours-h11 {rates['ours'] / rates['ours-h11']:.2f}x"
+                    f"{case:<22} ours / peer per round, median [min, max]: "
+                    + ", ".join(
+                        f"/{peer} {np.median(r):.2f}x [{r.min():.2f}, {r.max():.2f}]"
+                        for peer, r in ratios.items()
+                    )
                 )
             print(f"load at the end {os.getloadavg()[0]:.1f}")
         finally:
