@@ -1,7 +1,8 @@
 """A calibrator on held-out rows, and what the model's argmax policy makes of it.
 
 One home for the rule, used by a fit (:func:`service.jobs.fitting.fit_job`, for each
-candidate) and by a version made from posted parameters: the hold-out metrics, the
+candidate) and by a version made from posted parameters
+(:func:`service.jobs.fitting.import_job`): the hold-out metrics, the
 argmax report, whether the policy allows it, the warning of ``warn`` and the reasons
 of a rejection, stored on the version at the time of its outcome.
 """
@@ -17,7 +18,6 @@ import calibrators
 from calibrators import CalibrationInputError, checks, metrics
 from calibrators.base import Calibrator
 from calibrators.holdout import split_indices
-from service.storage.db import utcnow
 
 
 def evaluate(
@@ -89,17 +89,17 @@ def evaluate_params(
     seed: int,
     argmax_policy: str,
 ) -> dict[str, Any]:
-    """The columns of a version made from posted ``params``: evaluated on the hold-out
+    """The outcome of a version made from posted ``params``: evaluated on the hold-out
     rows of ``scores``/``labels`` (the split of a fit with the same holdout and seed)
-    and policed like a fitted one (status succeeded or rejected, warning, rejection)."""
+    and policed like a fitted one. The columns :func:`service.jobs.fitting.fit_job`
+    returns (status succeeded or rejected, chosen_method, params, metrics, argmax,
+    warning, rejection), without the fit's own (candidates, fit_seconds)."""
     cal = from_posted_params(params, num_classes)
     _, hold_idx = split_indices(labels.shape[0], holdout, seed)
     x_hold, y_hold = np.asarray(scores[hold_idx]), labels[hold_idx]
-    started = utcnow()
     result = evaluate(cal, x_hold, y_hold, kind=kind, argmax_policy=argmax_policy)
     return {
         "status": "succeeded" if result["allowed"] else "rejected",
-        "progress": 1.0,
         "chosen_method": cal.method,
         "params": cal.to_params(),
         "metrics_before": metrics.scores_report(x_hold, y_hold, kind),
@@ -107,7 +107,4 @@ def evaluate_params(
         "argmax": result["argmax"],
         "warning": warning(cal.method, result["argmax"], argmax_policy),
         "rejection": rejection({cal.method: result}, argmax_policy),
-        "source": "params",
-        "started_at": started,
-        "finished_at": utcnow(),
     }
