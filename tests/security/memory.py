@@ -304,6 +304,30 @@ def _vocab_predict_npy_case() -> Case:
     return _vocab_predict_case("", "application/x-npy")
 
 
+def _v2_binary_case() -> Case:
+    """Open Inference Protocol infer, binary tensor data in and out: the whole rows come
+    back as raw float32 after the JSON header."""
+    rows = 1_000
+    z = np.random.default_rng(6).standard_normal((rows, VOCAB_K), np.float32)
+    head = json.dumps({
+        "inputs": [{"name": "logits", "shape": [rows, VOCAB_K], "datatype": "FP32",
+                    "parameters": {"binary_data_size": z.nbytes}}],
+        "parameters": {"binary_data_output": True},
+    }).encode()
+    body = head + z.tobytes()
+    del z
+
+    def run(s: Server) -> tuple[int, bytes]:
+        with s.client() as c:
+            r = c.post(f"/v2/models/{VOCAB_MODEL}/infer", content=body,
+                       headers={"content-type": "application/octet-stream",
+                                "inference-header-content-length": str(len(head))})
+            return r.status_code, r.content[:2000]
+
+    return Case(f"v2 binary infer of {rows:,} x {VOCAB_K:,} float32 ({len(body) / MiB:.0f} MiB)"
+                ", binary outputs, accepted", len(body), 200, run, warm=True)
+
+
 CASES = [
     _bomb_case,
     _zero_npz_case,
@@ -320,6 +344,7 @@ CASES = [
     _vocab_float16_case,
     _vocab_predict_top_k_case,
     _vocab_predict_npy_case,
+    _v2_binary_case,
 ]
 
 
