@@ -154,11 +154,13 @@ def wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 90)
     raise RuntimeError(f"{what} did not listen on {port}")
 
 
-def prepare_ours(tmp: Path) -> tuple[subprocess.Popen, int, Path]:
+def prepare_ours(tmp: Path, **settings: str) -> tuple[subprocess.Popen, int, Path]:
     import httpx
 
+    tmp.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = {
+        **{f"WELLTEMPERED_{k.upper()}": v for k, v in settings.items()},
         **os.environ,
         "WELLTEMPERED_DATABASE_URL": f"sqlite:///{tmp / 'r.sqlite3'}",
         "WELLTEMPERED_DATA_DIR": str(tmp / "data"),
@@ -231,8 +233,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="wt-serve-peers-") as d:
         tmp = Path(d)
         try:
-            ours, ours_port, onnx = prepare_ours(tmp)
+            ours, ours_port, onnx = prepare_ours(tmp / "ours")
             procs.append(ours)
+            # The same service on uvicorn's pure-Python parser and asyncio's loop: what
+            # it ran before httptools and uvloop were its defaults.
+            slow, slow_port, _ = prepare_ours(tmp / "h11", http_parser="h11", event_loop="asyncio")
+            procs.append(slow)
             (tmp / "ceiling.py").write_text(CEILING)
             (tmp / "kserve_model.py").write_text(KSERVE)
             env = {"MODEL_ONNX": str(onnx), "OMP_NUM_THREADS": "1"}
@@ -285,6 +291,10 @@ def main() -> int:
                         ours_port,
                         request(f"/v1/models/{MODEL}/predict", json_ours, "application/json"),
                     ),
+                    "ours-h11": (
+                        slow_port,
+                        request(f"/v1/models/{MODEL}/predict", json_ours, "application/json"),
+                    ),
                 },
                 "binary 4,096 x 1,000": {
                     name: (
@@ -300,6 +310,7 @@ def main() -> int:
                         ("ceiling", ceiling_port),
                         ("kserve", kserve_port),
                         ("ours", ours_port),
+                        ("ours-h11", slow_port),
                     )
                 },
             }
@@ -321,7 +332,8 @@ def main() -> int:
                     )
                 print(
                     f"{case:<22} ours/ceiling {rates['ours'] / rates['ceiling']:.2f}x, "
-                    f"ours/kserve {rates['ours'] / rates['kserve']:.2f}x"
+                    f"ours/kserve {rates['ours'] / rates['kserve']:.2f}x, "
+                    f"ours/ours-h11 {rates['ours'] / rates['ours-h11']:.2f}x"
                 )
             print(f"load at the end {os.getloadavg()[0]:.1f}")
         finally:

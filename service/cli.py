@@ -145,7 +145,8 @@ def serve(args: argparse.Namespace) -> int:
         "port": args.port,
         "log_level": args.log_level,
         "timeout_graceful_shutdown": settings.shutdown_grace_seconds,
-        "http": timeouts.guarded_protocol(settings.header_timeout_seconds),
+        "http": timeouts.guarded_protocol(settings.header_timeout_seconds, settings.http_parser),
+        "loop": settings.event_loop,
     }
     listener = None
     if args.workers > 1:

@@ -82,6 +82,13 @@ class Settings(BaseSettings):
         description="Predict bodies up to this size are computed on the event loop (cheaper "
         "than a thread hop); larger ones in the thread pool.",
     )
+    predict_threads: int = Field(
+        0,
+        ge=0,
+        description="Predictions computed in the thread pool at once (bodies over "
+        "inline_predict_bytes); 0: one per CPU. More add memory (each holds its batch's "
+        "intermediate arrays) and no speed once the cores are busy; others wait their turn.",
+    )
     progress_interval_seconds: float = Field(
         0.5, ge=0, description="Smallest interval between two progress writes of a fit."
     )
@@ -230,6 +237,17 @@ class Settings(BaseSettings):
         description="host:port of the metrics listener started by `welltempered serve` "
         "(GET /metrics without a key, every namespace's series): keep it on loopback or an "
         "internal network. Empty: no listener (scrape the API's /metrics with a metrics key).",
+    )
+    http_parser: Literal["httptools", "h11"] = Field(
+        "httptools",
+        description="HTTP/1.1 parser of `welltempered serve` and the metrics listener: "
+        "httptools (llhttp, in C) or h11 (uvicorn's pure-Python parser, slower). Both "
+        "apply header_timeout_seconds.",
+    )
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto",
+        description="Event loop of `welltempered serve`: uvloop where it is installed "
+        "(auto; a runtime dependency except on Windows), or asyncio's own.",
     )
     header_timeout_seconds: float = Field(
         10.0,

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import os
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import anyio
 from fastapi import FastAPI
 from sqlalchemy.orm import sessionmaker
 from starlette.types import Scope
@@ -82,8 +84,9 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
             )
             onnx = SessionCache(settings.onnx_threads, settings.onnx_cache_size)
             serving = ServingCache(sessions, onnx, settings.alias_cache_seconds)
+            limiter = anyio.CapacityLimiter(settings.predict_threads or os.cpu_count() or 1)
             app.state.welltempered = AppState(
-                settings, engine, sessions, arrays, fits, serving, metrics
+                settings, engine, sessions, arrays, fits, serving, metrics, limiter
             )
             sweeper = None
             if settings.sweep_interval_seconds > 0:

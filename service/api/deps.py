@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated
 
+import anyio
 from fastapi import Depends, Path, Query, Request
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
@@ -65,6 +66,8 @@ class AppState:
     fits: Fits
     serving: ServingCache
     metrics: ServiceMetrics
+    #: Threads that compute predictions at once (``Settings.predict_threads``).
+    predict_limiter: anyio.CapacityLimiter
 
 
 def get_app_state(request: Request) -> AppState:

@@ -151,7 +151,10 @@ class MetricsListener:
             lifespan="off",
             access_log=False,
             log_level="warning",
-            http=guarded_protocol(self.settings.header_timeout_seconds),
+            http=guarded_protocol(
+                self.settings.header_timeout_seconds, self.settings.http_parser
+            ),
+            loop=self.settings.event_loop,
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(

@@ -6,8 +6,9 @@ any byte resets) and nothing else: a connection that opens and sends nothing, or
 sends its headers one byte a second, is held forever, and so is an upload that
 trickles in while the service holds a temp file for it. Two guards, one per phase:
 
-Headers (:class:`GuardedH11Protocol`, the protocol ``welltempered serve`` runs)
-    uvicorn's h11 protocol with one timer: from when the connection opens, or from
+Headers (:class:`GuardedHttpToolsProtocol`, the protocol ``welltempered serve`` runs,
+or :class:`GuardedH11Protocol` on uvicorn's pure-Python parser)
+    uvicorn's protocol with one timer: from when the connection opens, or from
     the end of the previous response, the client has ``header_timeout`` seconds to
     deliver the next request's headers, however it paces them. The same deadline
     applies to the rest of a body the application answered without reading (a 401 or
@@ -41,12 +42,14 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 import h11
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.api.problems import error_response
 from service.errors import RequestTimeout
@@ -62,47 +65,49 @@ _REQUEST_TIMEOUT = (
 )
 
 
-class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline for each request's headers (module docstring).
+class _HeaderDeadline:
+    """The header deadline of both protocols (module docstring), over uvicorn's hooks.
 
-    uvicorn builds one per connection; give it as ``http=guarded_protocol(seconds)``.
+    A protocol class mixes it in before uvicorn's own and says, from its parser's
+    state, whether the client owes bytes nobody waits for and whether part of a
+    request has arrived.
     """
 
-    def __init__(self, *args, header_timeout: float, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.header_timeout = header_timeout
-        self._deadline: asyncio.TimerHandle | None = None
+    header_timeout: float
+    _deadline: asyncio.TimerHandle | None = None
 
     # -- uvicorn's hooks ---------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(transport)  # type: ignore[misc]
         self._arm()
 
     def data_received(self, data: bytes) -> None:
-        super().data_received(data)
+        super().data_received(data)  # type: ignore[misc]
         if self._deadline is not None and not self._client_owes_bytes():
             self._disarm()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        super().on_response_complete()  # type: ignore[misc]
         if not self.transport.is_closing() and self._client_owes_bytes():
             self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        super().connection_lost(exc)
+        super().connection_lost(exc)  # type: ignore[misc]
 
-    # -- the deadline ------------------------------------------------------------
+    # -- what the parser knows ---------------------------------------------------
 
     def _client_owes_bytes(self) -> bool:
         """The client owes bytes that no application is waiting for: the headers of its
         next request, or the rest of a body that was answered without being read."""
-        state = self.conn.their_state
-        if state is h11.IDLE:
-            return True
-        answered = self.cycle is not None and self.cycle.response_complete
-        return state is h11.SEND_BODY and answered
+        raise NotImplementedError
+
+    def _partial_request(self) -> bool:
+        """Part of a request's headers has arrived (the deadline answers it a 408)."""
+        raise NotImplementedError
+
+    # -- the deadline ------------------------------------------------------------
 
     def _arm(self) -> None:
         self._disarm()
@@ -117,8 +122,7 @@ class GuardedH11Protocol(H11Protocol):
         self._deadline = None
         if self.transport.is_closing() or not self._client_owes_bytes():
             return
-        partial_request = self.conn.their_state is h11.IDLE and bool(self.conn.trailing_data[0])
-        if partial_request:
+        if self._partial_request():
             self.transport.write(_REQUEST_TIMEOUT)
         log.debug(
             "closed a connection from %s: no complete request within %gs",
@@ -128,13 +132,84 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def guarded_protocol(header_timeout: float) -> Callable[..., GuardedH11Protocol]:
-    """uvicorn's ``http`` argument: :class:`GuardedH11Protocol` with this header deadline.
+class GuardedH11Protocol(_HeaderDeadline, H11Protocol):
+    """uvicorn's pure-Python h11 protocol with the header deadline (module docstring).
+
+    uvicorn builds one per connection; give it as ``http=guarded_protocol(seconds, "h11")``.
+    """
+
+    def __init__(self, *args, header_timeout: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.header_timeout = header_timeout
+
+    def _client_owes_bytes(self) -> bool:
+        state = self.conn.their_state
+        if state is h11.IDLE:  # h11 stays IDLE until a request's headers are complete
+            return True
+        answered = self.cycle is not None and self.cycle.response_complete
+        return state is h11.SEND_BODY and answered
+
+    def _partial_request(self) -> bool:
+        return self.conn.their_state is h11.IDLE and bool(self.conn.trailing_data[0])
+
+
+class GuardedHttpToolsProtocol(_HeaderDeadline, HttpToolsProtocol):
+    """uvicorn's protocol on httptools (llhttp, in C) with the header deadline: what
+    ``welltempered serve`` runs when httptools is installed (a runtime dependency).
+
+    llhttp reports where a request is through callbacks; the phase is kept from them:
+    None between requests, then ``headers``, then ``body`` until the request's last byte.
+    """
+
+    def __init__(self, *args, header_timeout: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.header_timeout = header_timeout
+        self._phase: str | None = None
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._phase = "headers"
+
+    def on_headers_complete(self) -> None:
+        self._phase = "body"
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._phase = None
+        super().on_message_complete()
+
+    def _client_owes_bytes(self) -> bool:
+        answered = self.cycle is None or self.cycle.response_complete
+        if self._phase == "body":
+            return answered  # a body answered without being read, or nothing
+        # Between requests, the next one is owed once the last is answered; a request
+        # whose headers are coming is owed whatever is running.
+        return self._phase == "headers" or answered
+
+    def _partial_request(self) -> bool:
+        return self._phase == "headers"
+
+
+#: The HTTP/1.1 parsers ``guarded_protocol`` knows, by uvicorn's names for them.
+PROTOCOLS = {"httptools": GuardedHttpToolsProtocol, "h11": GuardedH11Protocol}
+
+
+def default_parser() -> str:
+    """httptools when it is installed (it parses in C), else h11 (pure Python)."""
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return "h11"
+    return "httptools"
+
+
+def guarded_protocol(header_timeout: float, parser: str = "httptools") -> Callable[..., Any]:
+    """uvicorn's ``http`` argument: the ``parser``'s protocol with this header deadline.
 
     A :func:`functools.partial` of a module-level class, so it pickles into the worker
     processes of ``uvicorn.run(..., workers=N)``.
     """
-    return functools.partial(GuardedH11Protocol, header_timeout=float(header_timeout))
+    return functools.partial(PROTOCOLS[parser], header_timeout=float(header_timeout))
 
 
 class BodyTimeoutMiddleware:

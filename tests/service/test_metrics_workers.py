@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -114,7 +115,7 @@ def server(request, tmp_path_factory):
                     return c.get(f"{base}/readyz").status_code == 200
 
                 wait_until(ready, 60, "the server to be ready")
-                sent = send_traffic(c, base)
+                sent = send_traffic(c, base, lambda: len(worker_pids(mp_dir)))
             yield {
                 "base": base,
                 "port": port,
@@ -128,7 +129,15 @@ def server(request, tmp_path_factory):
             log.close()
 
 
-def send_traffic(c: httpx.Client, base: str) -> dict:
+def worker_pids(mp_dir: Path) -> set[int]:
+    """The processes that have counted something (one counter file each)."""
+    return {int(p.stem.rsplit("_", 1)[1]) for p in mp_dir.glob("counter_*.db")}
+
+
+def send_traffic(c: httpx.Client, base: str, workers_seen: Callable[[], int]) -> dict:
+    """Requests of every kind the test adds up, each on a new connection. The kernel
+    hands a new connection to whichever worker wakes first (with uvloop one worker may
+    take a run of them), so predicts go on until both workers have served some."""
     logits, labels = logits_data(800, k=4, seed=11)
     m = f"{base}/v1/models/m"
     assert c.post(f"{base}/v1/models", json={"name": "m", "num_classes": 4}).status_code == 201
@@ -141,9 +150,12 @@ def send_traffic(c: httpx.Client, base: str) -> dict:
     time.sleep(1.1)  # the other worker's alias cache (ALIAS_CACHE_SECONDS) cannot be stale
 
     rows = predicts = 0
-    for i in range(40):
+    i = 0
+    while i < 40 or (workers_seen() < 2 and i < 1000):
         n = 1 + i % 7
-        r = c.post(f"{m}/predict", json={"logits": logits[i : i + n].tolist()})
+        start = i % 700
+        i += 1
+        r = c.post(f"{m}/predict", json={"logits": logits[start : start + n].tolist()})
         assert r.status_code == 200, r.text
         rows, predicts = rows + n, predicts + 1
     bad = 0
@@ -174,7 +186,7 @@ def send_traffic(c: httpx.Client, base: str) -> dict:
 
 def test_two_workers_metrics_add_up(server):
     """Counters summed over both workers' files; database gauges equal on every scrape."""
-    pids = {int(p.stem.rsplit("_", 1)[1]) for p in server["mp_dir"].glob("counter_*.db")}
+    pids = worker_pids(server["mp_dir"])
     assert len(pids) >= 2, f"only {pids} served requests: the test needs both workers"
     seen = []
     with fresh() as c:

@@ -65,25 +65,40 @@ def closed_now(sock: socket.socket) -> bool:
     return read_until_closed(sock, 0.01)[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("timeouts")
+def start_server(tmp, parser: str):
     srv = Server(
         f"sqlite:///{tmp / 'registry.sqlite3'}",
         tmp / "data",
         HEADER_TIMEOUT_SECONDS=str(TIMEOUT),
         BODY_TIMEOUT_SECONDS=str(TIMEOUT),
         BODY_MIN_BYTES_PER_SECOND=str(MIN_RATE),
+        HTTP_PARSER=parser,
     )
     with srv, srv.client() as c:
         assert c.post("/v1/models", json={"name": "m", "num_classes": 4}).status_code == 201
         yield srv
 
 
-def test_slow_headers_and_silent_connections_are_closed(server):
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The default parser (httptools): the body guards do not depend on it."""
+    yield from start_server(tmp_path_factory.mktemp("timeouts"), "httptools")
+
+
+@pytest.fixture(scope="module", params=["httptools", "h11"])
+def any_parser(request, server, tmp_path_factory):
+    """The header deadline on each parser: it is written against each one's state."""
+    if request.param == "httptools":
+        yield server
+    else:
+        yield from start_server(tmp_path_factory.mktemp("timeouts-h11"), request.param)
+
+
+def test_slow_headers_and_silent_connections_are_closed(any_parser):
     """200 connections sending their headers one byte a second and 50 silent ones are all
     closed by the header deadline (408 for those that began a request); meanwhile the
     server answers others at once."""
+    server = any_parser
     request = b"GET /healthz HTTP/1.1\r\nHost: test\r\nX-Padding: " + b"a" * 100 + b"\r\n\r\n"
     slow = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(200)]
     silent = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(50)]
@@ -113,7 +128,8 @@ def test_slow_headers_and_silent_connections_are_closed(server):
             s.close()
 
 
-def test_a_keep_alive_connection_trickling_its_next_request_is_closed(server):
+def test_a_keep_alive_connection_trickling_its_next_request_is_closed(any_parser):
+    server = any_parser
     with socket.create_connection(("127.0.0.1", server.port)) as s:
         s.sendall(b"GET /healthz HTTP/1.1\r\nHost: test\r\n\r\n")
         s.settimeout(5)

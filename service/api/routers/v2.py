@@ -60,6 +60,7 @@ from service.api.routers import health
 from service.api.routers.predict import (
     STREAM_ANSWER_BYTES,
     VERSION_HEADER,
+    add_hot_route,
     calibrate,
     check_json_answer,
 )
@@ -466,7 +467,7 @@ async def infer(request: Request) -> Response:
     )
     if len(raw) <= settings.inline_predict_bytes and not encoding:
         return respond(*args)
-    return await anyio.to_thread.run_sync(respond, *args)
+    return await anyio.to_thread.run_sync(respond, *args, limiter=state.predict_limiter)
 
 
 # -- health and metadata ----------------------------------------------------------
@@ -753,10 +754,10 @@ def install(app: FastAPI) -> None:
         (False, f"{v2}/models/{{name}}/infer"),
         (True, f"{v2}/models/{{name}}/versions/{{version}}/infer"),
     ):
-        app.add_api_route(
+        add_hot_route(
+            app,
             path,
             infer,
-            methods=["POST"],
             tags=["v2"],
             operation_id="v2_version_infer" if versioned else "v2_model_infer",
             response_class=Response,
