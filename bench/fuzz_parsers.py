@@ -2,10 +2,10 @@
 
 The target is :func:`tests.security.harness.one_input`: its first byte picks the
 format, the rest is the body, parsed exactly as the service parses it (a .npy
-predict body in chunks, a .npz upload from a file, a JSON body of each route, and
-the JSON group parser compared with orjson). A crash is any exception but a
-domain refusal (a 500 in the service), a parse slower than ``-timeout`` seconds,
-or the process passing ``-rss_limit_mb`` (an inflation).
+predict body in chunks, a .npz upload from a file, both also with ``?dtype=bfloat16``,
+a JSON body of each route, and the JSON group parser compared with orjson). A crash
+is any exception but a domain refusal (a 500 in the service), a parse slower than
+``-timeout`` seconds, or the process passing ``-rss_limit_mb`` (an inflation).
 
 Seeds are written from tests/security/payloads.py (valid bodies and the known
 hostile ones) and from tests/security/corpus/. Crashers found are written under
@@ -78,7 +78,29 @@ def seeds() -> dict[str, list[bytes]]:
         b'{"logits": [[1, 2, 3, NaN]], "labels": [0]}',
         b'{"\\u006cogits": [[1, 2, 3, 4]], "labels": [true]}',
     ]
-    out = {"npy": npy, "npz": npz, "json": js}
+    # ?dtype=bfloat16: raw bit patterns (the top half of each float32), as <u2, <i2 and
+    # |V2 (what np.save writes for ml_dtypes.bfloat16), and what that path refuses
+    bits = (z.astype(np.float32).view(np.uint32) >> 16).astype("<u2")
+    labels = payloads.array_npy(y)
+    bf16_npy = [
+        payloads.array_npy(bits),
+        payloads.array_npy(bits.view("<i2")),
+        payloads.array_npy(bits.view("V2")),
+        payloads.array_npy(np.asfortranarray(bits)),
+        payloads.array_npy(z.astype(np.float32)),
+        payloads.npy((5, 4), ">u2"),
+        payloads.npy((1, 4), "<u2", np.array([0x3F80, 0x7FC0, 0x7F80, 0], "<u2").tobytes()),
+        payloads.npy((-1, 4), "<u2"),
+    ]
+    bf16_npz = [
+        payloads.npz({"logits.npy": payloads.array_npy(bits.view("V2")), "labels.npy": labels}),
+        payloads.npz({"logits.npy": payloads.array_npy(bits), "labels.npy": labels}, 8),
+        payloads.npz({"predictions.npy": payloads.array_npy(bits), "ground_truth.npy": labels}),
+        payloads.npz({"logits.npy": payloads.array_npy(z.astype(np.float16)),
+                      "labels.npy": labels}),
+    ]
+    out = {"npy": npy, "npz": npz, "json": js, "npy-bfloat16": bf16_npy,
+           "npz-bfloat16": bf16_npz}
     for fmt in harness.FORMATS:
         for path in sorted((CORPUS / fmt).glob("*")):
             out[fmt].append(path.read_bytes())

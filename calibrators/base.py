@@ -52,6 +52,7 @@ from sklearn.base import BaseEstimator
 from calibrators.cost import Cost, conservative_cost
 from calibrators.numerics import map_rows, softmax
 from calibrators.validation import (
+    SCORE_DTYPE_KINDS,
     CalibrationInputError,
     NotFittedError,
     as_scores,
@@ -406,13 +407,17 @@ class Calibrator(BaseEstimator):
         if not isinstance(params, Mapping):
             raise CalibrationInputError(f"params must be a dict. Got {type(params).__name__}.")
         fmt = params.get("format", PARAMS_FORMAT)
-        if fmt != PARAMS_FORMAT:
-            raise CalibrationInputError(f"params format must be {PARAMS_FORMAT!r}. Got {fmt!r}.")
-        if params.get("method") != cls.method:
+        if not isinstance(fmt, str) or fmt != PARAMS_FORMAT:
             raise CalibrationInputError(
-                f"params method must be {cls.method!r}. Got {params.get('method')!r}."
+                f"params format must be {PARAMS_FORMAT!r}. Got {_short(fmt)}."
             )
-        cal = cls.from_options(params.get("options") or {})
+        method = params.get("method")
+        if not isinstance(method, str) or method != cls.method:
+            raise CalibrationInputError(
+                f"params method must be {cls.method!r}. Got {_short(method)}."
+            )
+        options = params.get("options")
+        cal = cls.from_options({} if options is None else options)
         cal._load_params(params)
         return cal
 
@@ -444,12 +449,7 @@ class Calibrator(BaseEstimator):
                 raise CalibrationInputError(
                     f"params {name} for {self.method} must be numbers of shape {want}. Got None."
                 )
-            try:
-                arr = np.asarray(value, dtype=np.float64)
-            except (TypeError, ValueError) as exc:
-                raise CalibrationInputError(
-                    f"params {name} must be numbers. Got {exc}."
-                ) from None
+            arr = _numbers(f"params {name} for {self.method}", value)
             if arr.shape != want:
                 raise CalibrationInputError(
                     f"params {name} for {self.method} must have shape {want}. Got {arr.shape}."
@@ -459,7 +459,7 @@ class Calibrator(BaseEstimator):
             arrays[name] = float(arr) if want == () else arr
         for name, value in arrays.items():
             setattr(self, f"{name}_", value)
-        self.fit_info_ = dict(params.get("fit_info") or {})
+        self.fit_info_ = _fit_info(params.get("fit_info"))
         self.n_classes_ = k
 
     # -- export -----------------------------------------------------------
@@ -488,3 +488,38 @@ class Calibrator(BaseEstimator):
             doc_string=f"welltempered {self.method} scaling",
             metadata=meta,
         ).SerializeToString()
+
+
+def _numbers(what: str, value: Any) -> np.ndarray:
+    """``value`` (a number or nested lists of them) as float64, else CalibrationInputError.
+
+    Only real numbers: numpy would read ``"1.5"`` and ``True`` as 1.5 and 1.0, ragged
+    lists and integers beyond float64 not at all (ValueError, OverflowError).
+    """
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError):  # ragged nesting, too many dimensions
+        raise CalibrationInputError(
+            f"{what} must be numbers in nested lists of equal lengths. Got {_short(value)}."
+        ) from None
+    if arr.dtype.kind not in SCORE_DTYPE_KINDS:  # strings, bools, None, huge ints (objects)
+        raise CalibrationInputError(
+            f"{what} must be numbers (nested lists of them). Got {_short(value)}."
+        )
+    return arr.astype(np.float64)
+
+
+def _fit_info(value: Any) -> dict[str, Any]:
+    """``fit_info`` of params: absent or null ({}), else a mapping with string keys."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or not all(isinstance(key, str) for key in value):
+        raise CalibrationInputError(
+            f"params fit_info must be an object with string keys, or null. Got {_short(value)}."
+        )
+    return dict(value)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -100,6 +100,14 @@ def check_integer(name: str, value: Any, *, minimum: int | None = None) -> int:
     return value if type(value) is int else int(value)
 
 
+def _finite_float(value: numbers.Real) -> bool:
+    """``value`` is finite as a float64 (an int beyond 1.8e308 is not: OverflowError)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def check_positive(
     name: str, value: Any, *, allow_zero: bool = False, allow_none: bool = False
 ) -> Any:
@@ -135,7 +143,7 @@ def check_positive(
     if (
         isinstance(value, bool | np.bool_)
         or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
+        or not _finite_float(value)
         or value < 0
         or (value == 0 and not allow_zero)
     ):

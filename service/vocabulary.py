@@ -23,6 +23,7 @@ __all__ = [
     "DEFAULT_NAMESPACE",
     "DURATION_UNITS",
     "FITTED",
+    "FROM_PARAMS",
     "KEY_STATES",
     "KINDS",
     "MAX_ID",
@@ -64,8 +65,11 @@ UNFINISHED = ("queued", "running")
 #: Fitted: params and hold-out metrics exist (only ``succeeded`` may be served).
 FITTED = ("succeeded", "rejected")
 
+#: The source of a version from posted parameters (``POST .../calibrators/import``):
+#: queued like a fit, its job evaluates them instead of fitting.
+FROM_PARAMS = "params"
 #: Where a version's params come from: a fit here, or posted parameters (evaluated here).
-VERSION_SOURCES = ("fit", "params")
+VERSION_SOURCES = ("fit", FROM_PARAMS)
 
 #: The scopes of a tenant's API keys, lowest first: each allows what the ones before it
 #: allow, in the key's namespace. An ``admin`` key may create keys of these scopes.

@@ -1,5 +1,5 @@
 """Shared hypothesis strategies: labelled logit matrices of awkward shapes, logits
-with ties and extreme values, random fitted params."""
+with ties and extreme values, random fitted params, any JSON value."""
 
 from __future__ import annotations
 
@@ -60,3 +60,18 @@ def calibrator_params(draw, cls, *, min_classes=3, max_classes=8):
             elements = st.floats(-3, 3, allow_nan=False, width=32)
             params[name] = draw(hnp.arrays(np.float64, dims, elements=elements)).tolist()
     return params
+
+
+#: Any JSON value, as a client may post it where params belong: nested lists and
+#: objects of null, booleans, integers beyond float64's range, finite floats and short
+#: strings.
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=5),
+    max_leaves=20,
+)

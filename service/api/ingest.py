@@ -995,15 +995,28 @@ def npy_chunks(arr: np.ndarray) -> tuple[int, Iterator[bytes | memoryview]]:
     """``arr`` as a .npy file: its size, and its bytes as the header then views of the
     data of at most :data:`_CHUNK` bytes (no copy of the data: for big answers)."""
     arr = np.ascontiguousarray(arr)
-    header = npy_header(arr)
-    data = memoryview(arr.reshape(-1).view(np.uint8))
+    return byte_chunks(npy_header(arr), [arr])
+
+
+def byte_chunks(
+    head: bytes, arrays: list[np.ndarray]
+) -> tuple[int, Iterator[bytes | memoryview]]:
+    """``head`` followed by the little-endian bytes of each array in row-major order: the
+    total size, and the bytes as ``head`` then views of the arrays' data of at most
+    :data:`_CHUNK` bytes each (no copy of a little-endian C-contiguous array: for big
+    answers, a .npy or the Open Inference Protocol's binary tensors)."""
+    data = [
+        memoryview(np.ascontiguousarray(a, a.dtype.newbyteorder("<")).reshape(-1).view(np.uint8))
+        for a in arrays
+    ]
 
     def chunks() -> Iterator[bytes | memoryview]:
-        yield header
-        for at in range(0, len(data), _CHUNK):
-            yield data[at : at + _CHUNK]
+        yield head
+        for view in data:
+            for at in range(0, len(view), _CHUNK):
+                yield view[at : at + _CHUNK]
 
-    return len(header) + arr.nbytes, chunks()
+    return len(head) + sum(len(view) for view in data), chunks()
 
 
 def npy_view(arr: np.ndarray) -> memoryview:

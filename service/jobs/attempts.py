@@ -1,4 +1,5 @@
-"""One attempt of a fit: claim the version, run :func:`~service.jobs.fitting.fit_job`,
+"""One attempt of a fit: claim the version, run :func:`~service.jobs.fitting.fit_job`
+(:func:`~service.jobs.fitting.import_job` for a version from posted parameters),
 record the outcome; stop at once when asked.
 
 Whichever queue hands the job over (the embedded one of :mod:`service.jobs.local`, or
@@ -37,7 +38,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import sessionmaker
 
-from service.jobs.fitting import fit_job
+from service.jobs.fitting import fit_job, import_job
 from service.storage import fits
 from service.storage.arrays import ArrayStore
 from service.storage.db import make_engine
@@ -107,9 +108,15 @@ def run_claimed(
     try:
         store = ArrayStore(Path(config.data_dir), config.array_store)
         scores, labels = store.load(task.scores_sha256), store.load(task.labels_sha256)
-        result = fit_job(
-            scores, labels, progress=progress, memory_budget=config.memory_budget, **task.spec
-        )
+        if task.params is not None:  # a version from posted parameters: evaluated only
+            result = import_job(
+                task.params, scores, labels, memory_budget=config.memory_budget, **task.spec
+            )
+        else:
+            result = fit_job(
+                scores, labels, progress=progress, memory_budget=config.memory_budget,
+                **task.spec,
+            )
     except _Stopped:
         raise
     except Exception as exc:  # the fit's outcome: recorded, not raised

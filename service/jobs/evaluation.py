@@ -1,7 +1,8 @@
 """A calibrator on held-out rows, and what the model's argmax policy makes of it.
 
 One home for the rule, used by a fit (:func:`service.jobs.fitting.fit_job`, for each
-candidate) and by a version made from posted parameters: the hold-out metrics, the
+candidate) and by a version made from posted parameters
+(:func:`service.jobs.fitting.import_job`): the hold-out metrics, the
 argmax report, whether the policy allows it, the warning of ``warn`` and the reasons
 of a rejection, stored on the version at the time of its outcome.
 """
@@ -17,7 +18,6 @@ import calibrators
 from calibrators import CalibrationInputError, checks, metrics
 from calibrators.base import Calibrator
 from calibrators.holdout import split_indices
-from service.storage.db import utcnow
 
 
 def evaluate(
@@ -66,25 +66,16 @@ def rejection(results: Mapping[str, Mapping[str, Any]], argmax_policy: str) -> l
 
 def from_posted_params(params: Mapping[str, Any], num_classes: int) -> Calibrator:
     """The calibrator of posted ``params`` for a model of ``num_classes`` classes;
-    :class:`calibrators.CalibrationInputError` (a 422) for anything else.
-
-    :func:`calibrators.from_params` validates what it reads; what it does not expect
-    of a client's JSON (a list where an object belongs, say) is refused here too, in
-    the same words, never raised as something else."""
+    :class:`calibrators.CalibrationInputError` (a 422) for anything else: from
+    :func:`calibrators.from_params`, which refuses whatever is not what ``to_params``
+    gives (a list where an object belongs, a string where numbers do) in its own words."""
     k = params.get("n_classes")
     if k != num_classes or isinstance(k, bool):
         raise CalibrationInputError(
             f"params n_classes must be the model's number of classes, {num_classes}. "
             f"Got {k!r}."
         )
-    try:
-        return calibrators.from_params(dict(params))
-    except CalibrationInputError:
-        raise
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
-        raise CalibrationInputError(
-            f"params must be what a calibrator's to_params() returns. Got {exc}."
-        ) from None
+    return calibrators.from_params(dict(params))
 
 
 def evaluate_params(
@@ -98,17 +89,17 @@ def evaluate_params(
     seed: int,
     argmax_policy: str,
 ) -> dict[str, Any]:
-    """The columns of a version made from posted ``params``: evaluated on the hold-out
+    """The outcome of a version made from posted ``params``: evaluated on the hold-out
     rows of ``scores``/``labels`` (the split of a fit with the same holdout and seed)
-    and policed like a fitted one (status succeeded or rejected, warning, rejection)."""
+    and policed like a fitted one. The columns :func:`service.jobs.fitting.fit_job`
+    returns (status succeeded or rejected, chosen_method, params, metrics, argmax,
+    warning, rejection), without the fit's own (candidates, fit_seconds)."""
     cal = from_posted_params(params, num_classes)
     _, hold_idx = split_indices(labels.shape[0], holdout, seed)
     x_hold, y_hold = np.asarray(scores[hold_idx]), labels[hold_idx]
-    started = utcnow()
     result = evaluate(cal, x_hold, y_hold, kind=kind, argmax_policy=argmax_policy)
     return {
         "status": "succeeded" if result["allowed"] else "rejected",
-        "progress": 1.0,
         "chosen_method": cal.method,
         "params": cal.to_params(),
         "metrics_before": metrics.scores_report(x_hold, y_hold, kind),
@@ -116,7 +107,4 @@ def evaluate_params(
         "argmax": result["argmax"],
         "warning": warning(cal.method, result["argmax"], argmax_policy),
         "rejection": rejection({cal.method: result}, argmax_policy),
-        "source": "params",
-        "started_at": started,
-        "finished_at": utcnow(),
     }

@@ -1,10 +1,14 @@
-"""The fit itself and the checks made before it is queued.
+"""The fit itself, the import of posted parameters, and the checks made before either
+is queued.
 
 :func:`fit_job` is pure numerics (no database): split, fit every candidate, evaluate
-on the hold-out, police the argmax. It is the same function whichever queue and
-worker run it (:mod:`service.jobs.attempts`), so it is tested directly.
-:func:`check_fit_request` and :func:`affordable` run at submission, so bad options
-and fits no worker can hold are a 422 then, not a failed job later.
+on the hold-out, police the argmax. :func:`import_job` is its second half alone, for
+a version from posted parameters (``to_params`` JSON, fitted elsewhere). Both are the
+same functions whichever queue and worker run them (:mod:`service.jobs.attempts`), so
+they are tested directly. :func:`check_fit_request`, :func:`affordable` and
+:func:`import_affordable` run at submission, so bad options and jobs no worker can
+hold are a 422 then, not a failed job later; the jobs check the budget again where
+they run.
 """
 
 from __future__ import annotations
@@ -71,28 +75,33 @@ def memory_budget(configured: int | None, fit_workers: int) -> int:
     return physical // (2 * max(1, fit_workers))
 
 
+def hold_bytes(n_hold: int, k: int, itemsize: int) -> int:
+    """Memory estimate of a job's evaluation: the held-out rows and two float64
+    probability arrays of them (before and after calibration). All an import holds."""
+    return n_hold * k * (itemsize + 2 * 8)
+
+
 def job_bytes(
     method: str, options: dict[str, Any], n_fit: int, n_hold: int, k: int, itemsize: int
 ) -> int:
     """Memory estimate of one candidate's fit job, its scores included.
 
     The calibrator's own model (:func:`calibrators.estimate_cost`: working memory and
-    the fit rows) plus what the job holds beside it: the held-out rows and two
-    float64 probability arrays of them (before and after calibration).
+    the fit rows) plus what the job holds beside it (:func:`hold_bytes`).
     """
     fit = calibrators.estimate_cost(method, n_fit, k, options, itemsize=itemsize)
-    return fit.total_bytes + n_hold * k * (itemsize + 2 * 8)
+    return fit.total_bytes + hold_bytes(n_hold, k, itemsize)
 
 
-def _largest_k(method, options, n_fit, n_hold, k, itemsize, budget) -> int:
-    """The largest K <= k whose :func:`job_bytes` fits ``budget`` (bisection; 0 if none)."""
-    lo, hi = 1, k  # job_bytes(lo) fits (or lo = 1: none does), job_bytes(hi) does not
-    if job_bytes(method, options, n_fit, n_hold, 2, itemsize) > budget:
+def _largest_k(need: Callable[[int], int], k: int, budget: int) -> int:
+    """The largest K <= k with ``need(K) <= budget`` (bisection; 0 if none). ``need``
+    must be non-decreasing in K, as every estimate here is."""
+    if need(2) > budget:
         return 0
-    lo = 2
+    lo, hi = 2, k  # need(lo) fits; need(hi) does not (the caller's k is over the budget)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if job_bytes(method, options, n_fit, n_hold, mid, itemsize) <= budget:
+        if need(mid) <= budget:
             lo = mid
         else:
             hi = mid
@@ -101,6 +110,22 @@ def _largest_k(method, options, n_fit, n_hold, k, itemsize, budget) -> int:
 
 def _method_options(method: str, options: dict[str, Any], m: str) -> dict[str, Any]:
     return (options.get(m) or {}) if method == AUTO else options
+
+
+def _too_large(
+    job: str, method: str, n: int, rows: str, k: int, need: int, budget: int, largest: int
+) -> FitTooLarge:
+    """The refusal of a job of ``n`` x ``k`` scores (``rows``: what the n rows are)."""
+    return FitTooLarge(
+        f"{job} on {n:,} x {k:,} {rows} needs about {need / 2**30:.3g} GiB (estimate), more "
+        f"than a fit worker's budget of {budget / 2**30:.3g} GiB (WELLTEMPERED_FIT_MEMORY_BYTES); "
+        f"at {n:,} {rows.replace('scores', 'rows')} the largest K that fits is {largest:,}. "
+        f"Got K = {k:,}.",
+        method=method,
+        estimate_bytes=need,
+        budget_bytes=budget,
+        max_classes=largest,
+    )
 
 
 def affordable(
@@ -131,19 +156,33 @@ def affordable(
     if fits:
         return fits
     cheapest = min(candidates, key=need.__getitem__)
+    opts = _method_options(method, options, cheapest)
     largest = _largest_k(
-        cheapest, _method_options(method, options, cheapest), n_fit, n_hold, k, itemsize, budget
+        lambda kk: job_bytes(cheapest, opts, n_fit, n_hold, kk, itemsize), k, budget
     )
-    raise FitTooLarge(
-        f"a {cheapest} fit on {n_fit:,} x {k:,} scores needs about {need[cheapest] / 2**30:.3g} "
-        f"GiB (estimate), more than a fit worker's budget of {budget / 2**30:.3g} GiB "
-        f"(WELLTEMPERED_FIT_MEMORY_BYTES); at {n_fit:,} rows the largest K that fits is "
-        f"{largest:,}. Got K = {k:,}.",
-        method=cheapest,
-        estimate_bytes=need[cheapest],
-        budget_bytes=budget,
-        max_classes=largest,
+    raise _too_large(
+        f"a {cheapest} fit", cheapest, n_fit, "scores", k, need[cheapest], budget, largest
     )
+
+
+def import_affordable(
+    method: str, *, n_rows: int, k: int, itemsize: int, holdout: float, budget: int | None
+) -> None:
+    """Raise :class:`service.errors.FitTooLarge` when evaluating a ``method`` calibrator
+    from posted parameters on the hold-out rows needs more than ``budget``: the same
+    guard as a fit's, on the part of a fit's job an import runs (:func:`hold_bytes`;
+    nothing is fitted). Its parameters are bounded by the body limit of the request
+    that posted them, and not counted."""
+    if budget is None:
+        return
+    _, n_hold = split_sizes(n_rows, holdout)
+    need = hold_bytes(n_hold, k, itemsize)
+    if need > budget:
+        largest = _largest_k(lambda kk: hold_bytes(n_hold, kk, itemsize), k, budget)
+        raise _too_large(
+            f"evaluating imported {method} parameters", method, n_hold, "held-out scores", k,
+            need, budget, largest,
+        )
 
 
 def fit_job(
@@ -233,3 +272,37 @@ def fit_job(
         "rejection": evaluation.rejection(results, argmax_policy),
         "fit_seconds": total,
     }
+
+
+def import_job(
+    params: dict[str, Any],
+    scores: np.ndarray,
+    labels: np.ndarray,
+    *,
+    kind: str,
+    holdout: float,
+    seed: int,
+    argmax_policy: str,
+    memory_budget: int | None = None,
+) -> dict[str, Any]:
+    """A version from posted ``params``: the budget checked again where it runs (the
+    worker's may differ from the API's), then :func:`service.jobs.evaluation.evaluate_params`;
+    no side effects. Returns the columns of the finished version, as :func:`fit_job`."""
+    import_affordable(
+        str(params.get("method")),
+        n_rows=labels.shape[0],
+        k=int(scores.shape[1]),
+        itemsize=scores.dtype.itemsize,
+        holdout=holdout,
+        budget=memory_budget,
+    )
+    return evaluation.evaluate_params(
+        params,
+        scores,
+        labels,
+        num_classes=int(scores.shape[1]),
+        kind=kind,
+        holdout=holdout,
+        seed=seed,
+        argmax_policy=argmax_policy,
+    )

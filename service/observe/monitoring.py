@@ -34,6 +34,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from calibrators import drift, metrics
+from calibrators.numerics import row_chunks
 from calibrators.validation import PROBABILITY_FLOOR
 from service.errors import InvalidInput, NotReady
 from service.observe import metrics as obs
@@ -116,7 +117,16 @@ def feedback_statistics(probs: np.ndarray, labels: np.ndarray) -> dict[str, np.n
         ``-log max(p_y, 2**-149)``, ``entropy_sum`` ``-sum p log p`` (nats) and
         ``brier_sum`` ``sum_k (p_k - [y = k])**2`` of the rows in each bin: the same
         per-row quantities as :func:`calibrators.metrics.report`.
+
+    Computed a row chunk at a time (:func:`calibrators.numerics.row_chunks`), the
+    chunks' sums added (:func:`add_statistics`): float64 copies of one chunk, never of
+    the (n, K) probabilities.
     """
+    n, k = probs.shape
+    return add_statistics(_statistics(probs[rows], labels[rows]) for rows in row_chunks(n, k))
+
+
+def _statistics(probs: np.ndarray, labels: np.ndarray) -> dict[str, np.ndarray]:
     confidence = probs.max(axis=1).astype(np.float64)
     correct = probs.argmax(axis=1) == labels
     stats = metrics.bin_statistics(confidence, correct, N_BINS)
@@ -135,6 +145,16 @@ def feedback_statistics(probs: np.ndarray, labels: np.ndarray) -> dict[str, np.n
         "entropy_sum": np.bincount(index, weights=entropy, minlength=N_BINS),
         "brier_sum": np.bincount(index, weights=brier, minlength=N_BINS),
     }
+
+
+def add_statistics(parts: Iterable[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The sums of per-bin statistics (of row chunks, of posts): :func:`empty_statistics`
+    plus each part."""
+    total = empty_statistics()
+    for part in parts:
+        for name in SUMS:
+            total[name] += part[name]
+    return total
 
 
 def record_feedback(

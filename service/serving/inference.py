@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
 import anyio.to_thread
@@ -168,8 +168,9 @@ def onnx_bytes(params: dict) -> bytes:
     return calibrators.from_params(params).to_onnx()
 
 
-def as_onnx_input(scores: np.ndarray, kind: str) -> np.ndarray:
-    """float32 logits for the graph; probabilities go in as their log (zeros floored)."""
+def as_onnx_input(scores: np.ndarray, kind: str, first_row: int = 0) -> np.ndarray:
+    """float32 logits for the graph; probabilities go in as their log (zeros floored).
+    ``first_row``: the request's row number of ``scores[0]`` (for a chunk's message)."""
     if kind == "probabilities":
         return np.log(np.maximum(scores, PROBABILITY_FLOOR), dtype=np.float32)
     with np.errstate(over="ignore"):  # float64 beyond float32's range: refused just below
@@ -178,7 +179,8 @@ def as_onnx_input(scores: np.ndarray, kind: str) -> np.ndarray:
         row = int(np.flatnonzero(~np.isfinite(logits).all(axis=1))[0])
         raise CalibrationInputError(
             "logits must fit in float32 (magnitude below 3.4e38), the precision of the "
-            f"served graph. Got {scores[row][np.abs(scores[row]).argmax()]!r} at row {row}."
+            f"served graph. Got {scores[row][np.abs(scores[row]).argmax()]!r} at row "
+            f"{first_row + row}."
         )
     return logits
 
@@ -196,6 +198,18 @@ def run(session: ort.InferenceSession, logits: np.ndarray) -> dict[str, np.ndarr
                 out[name] = np.empty((n, *value.shape[1:]), dtype=value.dtype)
             out[name][rows] = value
     return out
+
+
+def run_chunks(
+    session: ort.InferenceSession, scores: np.ndarray, kind: str
+) -> Iterator[tuple[slice, dict[str, np.ndarray]]]:
+    """The graph's outputs for consecutive row chunks of validated ``scores`` (about
+    :data:`RUN_ELEMENTS` each, converted by :func:`as_onnx_input` one at a time): for a
+    caller that reduces them (feedback), so that neither the graph's input nor its
+    (n, K) outputs of the whole batch are ever held."""
+    n, k = scores.shape
+    for rows in row_chunks(n, k, RUN_ELEMENTS):
+        yield rows, run(session, as_onnx_input(scores[rows], kind, rows.start))
 
 
 def check_top_k(k: int, num_classes: int) -> None:

@@ -140,7 +140,10 @@ class CalibratorVersion(Base):
     """One fit: queued -> running -> succeeded | rejected | failed | cancelled, then frozen.
 
     ``params`` and the metrics are written in the same transaction as the final
-    status, so no reader ever sees a half-fitted calibrator.
+    status, so no reader ever sees a half-fitted calibrator. A version from posted
+    parameters (``source`` ``params``) holds them from its creation, as the input of
+    its job; like a fit's, they are answered, exported and served only once its status
+    is fitted.
     """
 
     __tablename__ = "calibrator_versions"

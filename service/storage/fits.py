@@ -21,19 +21,21 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.storage.db import CalibratorVersion, Dataset, Model, utcnow
-from service.vocabulary import UNFINISHED
+from service.vocabulary import FROM_PARAMS, UNFINISHED
 
 
 @dataclass(frozen=True)
 class FitTask:
     """What an attempt needs of the version it claimed: the keyword arguments of
-    :func:`service.jobs.fitting.fit_job`, the hashes of the dataset's arrays and the
-    attempt's number."""
+    :func:`service.jobs.fitting.fit_job` (of :func:`~service.jobs.fitting.import_job`
+    for a version from posted parameters), the hashes of the dataset's arrays, the
+    attempt's number, and the posted parameters (None for a fit)."""
 
     spec: dict[str, Any]
     scores_sha256: str
     labels_sha256: str
     attempt: int
+    params: dict[str, Any] | None = None
 
 
 def _running(version_id: int, attempt: int):
@@ -68,13 +70,16 @@ def claim(sessions: sessionmaker, version_id: int, worker: str, max_attempts: in
         row.attempts, row.worker = row.attempts + 1, worker[:128]
         spec = {
             "kind": dataset.kind,
-            "method": row.method,
             "holdout": row.holdout,
             "seed": row.seed,
-            "options": dict(row.options or {}),
             "argmax_policy": policy,
         }
-        return FitTask(spec, dataset.scores_sha256, dataset.labels_sha256, row.attempts)
+        params = None
+        if row.source == FROM_PARAMS:  # posted parameters to evaluate, not a fit
+            params = dict(row.params)
+        else:
+            spec |= {"method": row.method, "options": dict(row.options or {})}
+        return FitTask(spec, dataset.scores_sha256, dataset.labels_sha256, row.attempts, params)
 
 
 def record_progress(sessions: sessionmaker, version_id: int, attempt: int, progress: float) -> None:

@@ -49,7 +49,13 @@ from service.storage.db import (
 )
 from service.storage.pages import PageRequest, paged
 from service.storage.usage import Quotas
-from service.vocabulary import ALIAS_PATTERN, DEFAULT_ALIAS, NAME_PATTERN, UNFINISHED
+from service.vocabulary import (
+    ALIAS_PATTERN,
+    DEFAULT_ALIAS,
+    FROM_PARAMS,
+    NAME_PATTERN,
+    UNFINISHED,
+)
 
 _NAME = re.compile(NAME_PATTERN)
 _ALIAS = re.compile(ALIAS_PATTERN)
@@ -244,16 +250,16 @@ def create_version(
     holdout: float,
     seed: int,
     options: dict[str, Any],
-    outcome: dict[str, Any] | None = None,
     enqueue: Callable[[Session, CalibratorVersion], None] | None = None,
+    params: dict[str, Any] | None = None,
 ) -> CalibratorVersion:
     """A queued version with the next number of this model (atomic UPDATE ... RETURNING).
 
     ``enqueue(session, version)`` runs after the row is flushed and before the commit:
     the job queue writes its job in the same transaction (:mod:`service.jobs.engine`).
-    With ``outcome`` (the columns of a finished version: status, params, metrics...)
-    instead, a version finished from the start (posted parameters, evaluated by the
-    caller), which no queue sees.
+    With ``params`` (posted ``to_params`` JSON, checked by the caller), a version from
+    parameters (source :data:`~service.vocabulary.FROM_PARAMS`): its job evaluates them
+    instead of fitting, and its outcome replaces them with the canonical ones.
     """
     after = session.execute(
         update(Model)
@@ -276,8 +282,8 @@ def create_version(
         status="queued",
         progress=0.0,
     )
-    for column, value in (outcome or {}).items():
-        setattr(row, column, value)
+    if params is not None:
+        row.params, row.source = params, FROM_PARAMS
     session.add(row)
     try:
         session.flush()

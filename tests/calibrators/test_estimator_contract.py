@@ -14,7 +14,7 @@ import calibrators
 from calibrators import CALIBRATORS, METHODS, CalibrationInputError
 from calibrators.base import Calibrator
 from tests.calibrators.helpers import FIT_OPTIONS, assert_estimator_contract, labelled_logits
-from tests.strategies import calibrator_params
+from tests.strategies import JSON_VALUES, calibrator_params
 
 
 def test_every_method_has_one_row_of_test_options():
@@ -48,6 +48,86 @@ def test_any_valid_params_round_trip_and_predict_distributions(method, data):
     np.testing.assert_allclose(p.sum(axis=1), 1.0, atol=1e-12)
     if cal.preserves_argmax:
         np.testing.assert_array_equal(p.argmax(axis=1), z.argmax(axis=1))
+
+
+#: What else a Python caller may hand over where params belong.
+PYTHON_VALUES = st.sampled_from(
+    [(1.0, 2.0), {1.0}, b"\x00\x01", np.float32(2.0), np.zeros((2, 2)), np.array(["a"]),
+     np.array([1, 2], dtype=np.int8), object(), float("nan"), float("inf"), 10**400, 1j]
+)
+
+
+@st.composite
+def malformed_params(draw, cls):
+    """Valid params of ``cls`` with one to three fields (top level, or one option) replaced
+    by any JSON value or odd Python object; the fields include unknown and absent ones."""
+    params = draw(calibrator_params(cls, min_classes=2, max_classes=5))
+    params["options"] = cls().get_options()
+    params["fit_info"] = {"converged": True}
+    keys = st.sampled_from(sorted({*params, "format", "extra"}))
+    for _ in range(draw(st.integers(1, 3))):
+        value = draw(JSON_VALUES | PYTHON_VALUES)
+        if isinstance(params["options"], dict) and params["options"] and draw(st.booleans()):
+            name = draw(st.sampled_from(sorted(params["options"])))
+            params["options"] = {**params["options"], name: value}
+        else:
+            params[draw(keys)] = value
+    return params
+
+
+@pytest.mark.parametrize("method", METHODS)
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_malformed_params_raise_calibration_input_error_only(method, data):
+    """from_params takes what to_params gave or raises CalibrationInputError (a 422 in
+    the service), never a bare TypeError, ValueError, OverflowError..."""
+    params = data.draw(malformed_params(CALIBRATORS[method]))
+    try:
+        cal = calibrators.from_params(params)
+    except CalibrationInputError as exc:
+        assert str(exc).rstrip().endswith(".")
+        return
+    again = cal.to_params()
+    assert calibrators.from_params(again).to_params() == again
+
+
+@pytest.mark.parametrize(
+    ("fit_info", "message"),
+    [
+        ([1, 2], "fit_info must be an object"),
+        ("ab", "fit_info must be an object"),
+        (3.5, "fit_info must be an object"),
+        (False, "fit_info must be an object"),
+        ([["converged", True]], "fit_info must be an object"),  # dict() would take it
+        ({1: "a"}, "string keys"),
+    ],
+)
+def test_malformed_fit_info_is_refused(fit_info, message):
+    params = {"method": "temperature", "n_classes": 3, "weight": 1.5, "fit_info": fit_info}
+    with pytest.raises(CalibrationInputError, match=message) as info:
+        calibrators.from_params(params)
+    assert str(info.value).endswith(f"Got {fit_info!r}.")
+
+
+@pytest.mark.parametrize("fit_info", [None, {}, {"nll": 0.5, "passes": [1, 2]}])
+def test_fit_info_may_be_absent_null_or_an_object(fit_info):
+    params = {"method": "temperature", "n_classes": 3, "weight": 1.5}
+    if fit_info is not None:
+        params["fit_info"] = fit_info
+    assert calibrators.from_params(params).fit_info_ == (fit_info or {})
+
+
+@pytest.mark.parametrize(
+    "weight",
+    [["1.5", "2", "1"], [True, False, True], [None, 1, 1], [10**400, 1, 1], 10**400,
+     [[1, 2], [3]], [1, 1j, 1], "abc", {"a": 1}],
+)
+def test_fitted_arrays_must_be_real_numbers(weight):
+    """numpy would read strings and booleans as numbers; ragged lists and integers beyond
+    float64 not at all (ValueError, OverflowError): all are the same refusal."""
+    params = {"method": "vector", "n_classes": 3, "weight": weight, "bias": [0.0, 0.0, 0.0]}
+    with pytest.raises(CalibrationInputError, match="params weight for vector must be numbers"):
+        calibrators.from_params(params)
 
 
 @pytest.mark.parametrize("method", METHODS)

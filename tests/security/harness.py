@@ -1,5 +1,7 @@
 """One input through every body parser: the fuzz target of bench/fuzz_parsers.py, and
-the replay of its corpus in tests/security/test_corpus.py.
+the replay of its corpus in tests/security/test_corpus.py. The binary parsers run as
+they do without ``?dtype=`` and with ``?dtype=bfloat16`` (raw bfloat16 bit patterns,
+widened to float32 while read): two more formats.
 
 A parser may refuse an input only with a domain error (``ServiceError``, which the
 API maps to a 400/413/415/422 problem, or the core's ``CalibrationInputError``, a
@@ -10,6 +12,8 @@ The JSON target also checks that the parser that reads number arrays in groups
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import tempfile
 from pathlib import Path
@@ -23,35 +27,41 @@ from service.errors import ServiceError
 
 #: A model of 4 classes; small limits, so the row and byte limits are reachable.
 BOUNDS = ingest.Bounds(num_classes=4, model="m", max_rows=1000, max_bytes=1 << 20, what="dataset")
+#: The same with ``?dtype=bfloat16``: binary scores are raw bfloat16 bit patterns.
+BFLOAT16_BOUNDS = dataclasses.replace(BOUNDS, dtype="bfloat16")
 REFUSALS = (ServiceError, CalibrationInputError)
-#: The formats, in the order of the fuzzer's selector byte.
-FORMATS = ("npy", "npz", "json")
+#: The formats, in the order of the fuzzer's selector byte (new ones go last, so the
+#: selector byte of a saved input keeps its meaning).
+FORMATS = ("npy", "npz", "json", "npy-bfloat16", "npz-bfloat16")
 
 
 class Mismatch(AssertionError):
     """The group parser and orjson disagree on a JSON body."""
 
 
-def run_npy(data: bytes, chunk: int = 7) -> None:
-    """A .npy predict body, arriving in chunks of ``chunk`` bytes."""
-    stream = ingest.NpyStream("The .npy body", ingest.npy_check(BOUNDS))
+def run_npy(data: bytes, chunk: int = 7, bounds: ingest.Bounds = BOUNDS) -> None:
+    """A .npy predict body, arriving in chunks of ``chunk`` bytes, read as predict reads
+    it with ``bounds.dtype`` as ``?dtype=``."""
+    check = ingest.npy_check(bounds)
+    stream = ingest.NpyStream("The .npy body", check, score_dtype=bounds.dtype)
     for at in range(0, len(data), chunk):
         stream.feed(data[at : at + chunk])
-    ingest.scores_from_npy(stream.finish(), BOUNDS, None)
+    ingest.scores_from_npy(stream.finish(), bounds, None)
 
 
 _NPZ_PATH: Path | None = None
 
 
-def run_npz(data: bytes) -> None:
-    """A .npz upload (datasets, feedback), from a file as the service reads it."""
+def run_npz(data: bytes, bounds: ingest.Bounds = BOUNDS) -> None:
+    """A .npz upload (datasets, feedback), from a file as the service reads it, with
+    ``bounds.dtype`` as ``?dtype=``."""
     global _NPZ_PATH
     if _NPZ_PATH is None:
         fd, name = tempfile.mkstemp(suffix=".npz", prefix="fuzz-")
         os.close(fd)
         _NPZ_PATH = Path(name)
     _NPZ_PATH.write_bytes(data)
-    ingest.labelled_from_npz(_NPZ_PATH, BOUNDS, None)
+    ingest.labelled_from_npz(_NPZ_PATH, bounds, None)
 
 
 def _same(a, b) -> bool:
@@ -92,7 +102,13 @@ def run_json(data: bytes) -> None:
             pass
 
 
-RUNNERS = {"npy": run_npy, "npz": run_npz, "json": run_json}
+RUNNERS = {
+    "npy": run_npy,
+    "npz": run_npz,
+    "json": run_json,
+    "npy-bfloat16": functools.partial(run_npy, bounds=BFLOAT16_BOUNDS),
+    "npz-bfloat16": functools.partial(run_npz, bounds=BFLOAT16_BOUNDS),
+}
 
 
 def run(fmt: str, data: bytes) -> None:

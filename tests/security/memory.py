@@ -274,6 +274,30 @@ def _vocab_npz_case(dtype: str, rows: int = 1_360) -> Case:
                                 "application/octet-stream"), array_bytes=stored)
 
 
+def _vocab_feedback_case(dtype: str, rows: int = 1_360) -> Case:
+    """Feedback as a .npz: the rows are calibrated by the version that served them and
+    folded into the monitoring statistics; compared with its arrays as read (float32
+    scores, int64 labels), as an upload is with the arrays it stores."""
+    rng = np.random.default_rng(7)
+    z = rng.standard_normal((rows, VOCAB_K), dtype=np.float32).astype(dtype)
+    y = rng.integers(0, VOCAB_K, rows)
+    body = pl.npz({"logits.npy": pl.array_npy(z), "labels.npy": pl.array_npy(y)})
+    del z
+    arrays = rows * VOCAB_K * (8 if dtype == "float64" else 4) + rows * 8
+    return Case(f"npz feedback of {rows:,} x {VOCAB_K:,} {dtype} ({len(body) / MiB:.0f} MiB), "
+                "accepted", len(body), 200,
+                lambda s: _post(s, f"/v1/models/{VOCAB_MODEL}/feedback", body,
+                                "application/octet-stream"), warm=True, array_bytes=arrays)
+
+
+def _vocab_feedback_float32_case() -> Case:
+    return _vocab_feedback_case("float32")
+
+
+def _vocab_feedback_float16_case() -> Case:
+    return _vocab_feedback_case("float16")
+
+
 def _vocab_float32_case() -> Case:
     return _vocab_npz_case("float32")
 
@@ -304,6 +328,30 @@ def _vocab_predict_npy_case() -> Case:
     return _vocab_predict_case("", "application/x-npy")
 
 
+def _v2_binary_case() -> Case:
+    """Open Inference Protocol infer, binary tensor data in and out: the whole rows come
+    back as raw float32 after the JSON header."""
+    rows = 1_000
+    z = np.random.default_rng(6).standard_normal((rows, VOCAB_K), np.float32)
+    head = json.dumps({
+        "inputs": [{"name": "logits", "shape": [rows, VOCAB_K], "datatype": "FP32",
+                    "parameters": {"binary_data_size": z.nbytes}}],
+        "parameters": {"binary_data_output": True},
+    }).encode()
+    body = head + z.tobytes()
+    del z
+
+    def run(s: Server) -> tuple[int, bytes]:
+        with s.client() as c:
+            r = c.post(f"/v2/models/{VOCAB_MODEL}/infer", content=body,
+                       headers={"content-type": "application/octet-stream",
+                                "inference-header-content-length": str(len(head))})
+            return r.status_code, r.content[:2000]
+
+    return Case(f"v2 binary infer of {rows:,} x {VOCAB_K:,} float32 ({len(body) / MiB:.0f} MiB)"
+                ", binary outputs, accepted", len(body), 200, run, warm=True)
+
+
 CASES = [
     _bomb_case,
     _zero_npz_case,
@@ -320,6 +368,9 @@ CASES = [
     _vocab_float16_case,
     _vocab_predict_top_k_case,
     _vocab_predict_npy_case,
+    _v2_binary_case,
+    _vocab_feedback_float32_case,
+    _vocab_feedback_float16_case,
 ]
 
 

@@ -31,18 +31,42 @@ def test_corpus_file(path):
     harness.run(path.parent.name, path.read_bytes())
 
 
+def _bfloat16(z: np.ndarray) -> np.ndarray:
+    """The bfloat16 bit patterns of ``z`` (the top half of each float32), as <u2."""
+    return (z.astype(np.float32).view(np.uint32) >> 16).astype("<u2")
+
+
 def _seeds() -> list[tuple[str, bytes]]:
     z = np.random.default_rng(0).normal(size=(3, 4))
     y = np.arange(3)
     good = {"logits.npy": pl.array_npy(z), "labels.npy": pl.array_npy(y)}
+    bits = _bfloat16(z)
+    as_saved = {"logits.npy": pl.array_npy(bits.view("V2")), "labels.npy": pl.array_npy(y)}
     return [
         ("npy", pl.array_npy(z)),
         ("npy", pl.array_npy(np.asfortranarray(z).astype(">f4"))),
         ("npz", pl.npz(good)),
         ("npz", pl.npz(good, compression=8)),
+        ("npy-bfloat16", pl.array_npy(bits.view("V2"))),
+        ("npy-bfloat16", pl.array_npy(np.asfortranarray(bits).view("<i2"))),
+        ("npz-bfloat16", pl.npz(as_saved)),
+        ("npz-bfloat16", pl.npz(as_saved, compression=8)),
         ("json", b'{"logits": [[1, 2, 3, 4], [0, 0, 1, 2], [5, 1, 1, 1]], "labels": [0, 1, 2]}'),
         ("json", b'{"probabilities": [[0.25, 0.25, 0.25, 0.25]], "labels": [3], "version": 2}'),
     ]
+
+
+def test_the_bfloat16_formats_read_what_dtype_bfloat16_reads():
+    """The bfloat16 targets reach the widening path: the patterns np.save writes for an
+    ml_dtypes.bfloat16 array (|V2) are accepted there, and refused without ?dtype."""
+    z = np.random.default_rng(1).normal(size=(3, 4))
+    npy = pl.array_npy(_bfloat16(z).view("V2"))
+    npz = pl.npz({"logits.npy": npy, "labels.npy": pl.array_npy(np.arange(3))})
+    harness.RUNNERS["npy-bfloat16"](npy)  # no refusal
+    harness.RUNNERS["npz-bfloat16"](npz)
+    for fmt, body in (("npy", npy), ("npz", npz)):
+        with pytest.raises(harness.REFUSALS, match="dtype=bfloat16"):
+            harness.RUNNERS[fmt](body)
 
 
 @given(

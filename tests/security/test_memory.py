@@ -5,8 +5,9 @@ Every refusal must cost the server at most a constant (the inflation bomb, the
 endless chunked .npy, the JSON over the row limit), or, when the refusal comes
 only after reading, the limit it enforced; an accepted body at most about twice
 its size, plus a constant (predict of 1,000 x 49,152 float32 included, top_k or
-.npy answer); an accepted language-model upload (issue 13: 1,360 x 49,152 float32
-or float16, 255 MiB stored) at most 1.5 times the arrays it stores, no constant.
+.npy answer, and /v2 binary infer of the same); an accepted language-model upload
+(issue 13: 1,360 x 49,152 float32 or float16, 255 MiB stored), and a feedback post of
+the same, at most 1.5 times the arrays it stores (reads), no constant.
 bench/README.md has the figures of this code and of the code before issue 12
 ("Request bodies: peak memory") and issue 13 ("Language-model uploads").
 """

@@ -147,6 +147,17 @@ def fit(client: TestClient, model: str, dataset_id: int, method: str = "temperat
     return wait_for(client, model, r.json()["version"])
 
 
+def import_params(client: TestClient, model: str, dataset_id: int, params: dict, **extra):
+    """POST .../calibrators/import and wait for the version's outcome."""
+    r = client.post(
+        f"/v1/models/{model}/calibrators/import",
+        json={"dataset_id": dataset_id, "params": params, **extra},
+    )
+    assert r.status_code == 202, r.text
+    assert r.headers["location"] == r.json()["status_url"]
+    return wait_for(client, model, r.json()["version"])
+
+
 def assert_problem(r, status: int, *words: str) -> dict:
     assert r.status_code == status, r.text
     assert r.headers["content-type"].startswith("application/problem+json"), r.headers

@@ -1,19 +1,23 @@
 """A fit no worker can hold is refused at submission (422 fit-too-large), never an
-out-of-memory worker; an auto fit skips the candidates above the budget."""
+out-of-memory worker; an auto fit skips the candidates above the budget. An import of
+parameters fitted elsewhere is guarded the same way, on the evaluation it runs."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from fastapi.testclient import TestClient
 
 import calibrators
 from calibrators.holdout import split_sizes
 from service.api.app import create_app
-from service.jobs.fitting import _largest_k, auto_candidates, job_bytes
+from service.errors import FitTooLarge
+from service.jobs.fitting import _largest_k, auto_candidates, hold_bytes, import_job, job_bytes
 from tests.service.helpers import (
     assert_problem,
     create_model,
     fit,
+    import_params,
     logits_data,
     make_settings,
     upload,
@@ -78,8 +82,62 @@ def test_auto_with_no_candidate_under_the_budget_names_the_cheapest(database_url
 
 
 def test_largest_k_is_the_boundary():
-    n_fit, n_hold = split_sizes(N, HOLDOUT)
     for method in ("temperature", "matrix"):
         budget = need(method, 500)
-        k = _largest_k(method, {}, n_fit, n_hold, 10_000, 8, budget)
+        k = _largest_k(lambda kk, m=method: need(m, kk), 10_000, budget)
         assert k >= 500 and need(method, k) <= budget < need(method, k + 1)
+
+
+# -- imports: posted parameters, evaluated on the hold-out, no fit -------------------
+
+
+def import_need(k: int = K) -> int:
+    _, n_hold = split_sizes(N, HOLDOUT)
+    return hold_bytes(n_hold, k, np.dtype(np.float64).itemsize)
+
+
+def test_an_import_over_the_budget_is_refused_and_nothing_is_queued(database_url, tmp_path):
+    """The guard of a fit, on what an import runs: the evaluation of the hold-out rows
+    (hold_bytes), not the fit it does not do."""
+    z, y = logits_data(n=N, k=K)
+    params = calibrators.create("vector").fit(z, y).to_params()
+    budget = import_need() - 1
+    assert need("vector") > import_need()  # a fit's estimate would refuse far sooner
+    with serve(database_url, tmp_path, budget) as c:
+        create_model(c, "m", K, argmax_policy="off")
+        ds = upload(c, "m", z, y)
+        r = c.post(
+            "/v1/models/m/calibrators/import", json={"dataset_id": ds["id"], "params": params}
+        )
+        body = assert_problem(r, 422, "vector", "held-out", "budget", "largest K")
+        assert body["type"].endswith("/fit-too-large")
+        assert body["method"] == "vector" and body["budget_bytes"] == budget
+        assert body["estimate_bytes"] == import_need() > budget
+        largest = body["max_classes"]
+        assert import_need(largest) <= budget < import_need(largest + 1)
+        assert c.get("/v1/models/m/calibrators").json()["calibrators"] == []
+        # a smaller hold-out fits the same budget; so does a fit's budget of the estimate
+        v = import_params(c, "m", ds["id"], params, holdout=0.1)
+        assert v["status"] == "succeeded" and v["source"] == "params"
+
+
+def test_an_import_at_the_budget_runs_in_the_fit_queue(database_url, tmp_path):
+    z, y = logits_data(n=N, k=K)
+    params = calibrators.create("temperature").fit(z, y).to_params()
+    with serve(database_url, tmp_path, import_need()) as c:
+        create_model(c, "m", K, argmax_policy="off")
+        ds = upload(c, "m", z, y)
+        v = import_params(c, "m", ds["id"], params)
+        assert (v["status"], v["source"], v["attempts"]) == ("succeeded", "params", 1)
+        assert v["worker"] and v["started_at"] and v["finished_at"] and v["error"] is None
+
+
+def test_the_import_job_checks_the_budget_where_it_runs():
+    """A worker whose budget is smaller than the API's fails the job, naming it."""
+    z, y = logits_data(n=N, k=K)
+    params = calibrators.create("temperature").fit(z, y).to_params()
+    spec = {"kind": "logits", "holdout": HOLDOUT, "seed": 0, "argmax_policy": "off"}
+    out = import_job(params, z, y, memory_budget=import_need(), **spec)
+    assert out["status"] == "succeeded" and out["params"]["weight"] == params["weight"]
+    with pytest.raises(FitTooLarge, match="temperature"):
+        import_job(params, z, y, memory_budget=import_need() - 1, **spec)

@@ -175,6 +175,13 @@ def test_fit_and_alias_errors(served):
         422,
         "keyed by method",
     )
+    # an integer beyond float64 (an OverflowError in math.isfinite, a 500 before)
+    huge = {"dataset_id": 1, "method": "temperature", "options": {"tol": 10**400}}
+    assert_problem(
+        c.post(fit_url, json=huge),
+        422,
+        "tol must be a finite number",
+    )
     assert_problem(c.post(fit_url, json={"dataset_id": 1, "seed": -1}), 422, "seed")
     assert_problem(c.post(fit_url, json={"dataset_id": 10**40}), 422)
     create_model(c, "other", 4)

@@ -133,11 +133,16 @@ def test_the_journey(served, generated):
     accepted = start.sync("gen", client=client, body=fit_body)
     assert isinstance(accepted, m.FitAccepted), accepted
     get_version = import_module(f"{PACKAGE}.api.calibrators.get_version")
-    for _ in range(1200):  # a bound on polls, not a timed assertion
-        version = get_version.sync("gen", accepted.version, client=client)
-        if version.status.value not in ("queued", "running"):
-            break
-        time.sleep(0.05)
+
+    def outcome(number: int):
+        for _ in range(1200):  # a bound on polls, not a timed assertion
+            version = get_version.sync("gen", number, client=client)
+            if version.status.value not in ("queued", "running"):
+                return version
+            time.sleep(0.05)
+        return version
+
+    version = outcome(accepted.version)
     assert version.status.value == "succeeded", version
     assert version.options.to_dict()["max_passes"] == 40  # the typed options arrived
 
@@ -177,10 +182,12 @@ def test_the_journey(served, generated):
     patched = patch.sync("gen", client=client, body=m.ModelPatch.from_dict(
         {"class_names": ["a", "b", "c", "d"]}))
     assert patched.class_names == ["a", "b", "c", "d"]
-    imported = import_module(f"{PACKAGE}.api.calibrators.import_params").sync(
+    queued = import_module(f"{PACKAGE}.api.calibrators.import_params").sync(
         "gen", client=client,
         body=m.ParamsImport.from_dict({"dataset_id": ds.id, "params": cal.to_params()}),
     )
+    assert isinstance(queued, m.FitAccepted), queued  # queued like a fit
+    imported = outcome(queued.version)
     assert imported.status.value == "succeeded" and imported.source.value == "params"
 
 

@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,16 +16,22 @@ import calibrators
 from calibrators import metrics
 from calibrators.holdout import split_indices
 from calibrators.offline import main as offline_main
-from service.vocabulary import DEFAULT_ALIAS
+from service.api.app import create_app
+from service.vocabulary import DEFAULT_ALIAS, FITTED
 from tests.service.helpers import (
     assert_problem,
     create_model,
     fit,
+    hold_queue,
+    import_params,
     logits_data,
+    make_settings,
     npz,
     promote,
     upload,
+    wait_for,
 )
+from tests.strategies import JSON_VALUES
 
 NAMES = ["cat", "dog", "eel", "fox"]
 IMPORT = "/v1/models/m/calibrators/import"
@@ -159,9 +166,11 @@ def test_import_evaluates_posted_params_like_a_fit(client):
         IMPORT,
         json={"dataset_id": ds["id"], "params": cal.to_params(), "holdout": 0.5, "seed": 7},
     )
-    assert r.status_code == 201, r.text
-    v = r.json()
-    assert r.headers["location"] == f"/v1/models/m/calibrators/{v['version']}"
+    assert r.status_code == 202, r.text  # queued like a fit
+    queued = r.json()
+    assert queued["status"] == "queued"
+    assert r.headers["location"] == queued["status_url"] == "/v1/models/m/calibrators/1"
+    v = wait_for(client, "m", queued["version"])
     assert (v["status"], v["source"], v["method"], v["chosen_method"]) == (
         "succeeded", "params", "temperature", "temperature"
     )
@@ -188,9 +197,7 @@ def test_import_takes_the_params_of_welltempered_fit_json(client, tmp_path):
     assert code == 0
     params = json.loads(out.read_text())["methods"]["ets"]["params"]
     ds = upload(client, "m", z, y)
-    r = client.post(IMPORT, json={"dataset_id": ds["id"], "params": params})
-    assert r.status_code == 201, r.text
-    v = r.json()
+    v = import_params(client, "m", ds["id"], params)
     assert v["status"] == "succeeded" and v["method"] == "ets"
     want = _expected(calibrators.from_params(params), z, y)
     assert v["metrics"]["after"]["nll"] == pytest.approx(want["nll"], rel=1e-12)
@@ -201,15 +208,48 @@ def test_imported_params_are_policed_by_the_argmax_policy(client):
     logits, labels = shuffled_labels()
     ds = upload(client, "m", logits, labels)
     cal = calibrators.create("matrix", reg_lambda=0.0).fit(logits, labels)
-    r = client.post(
-        IMPORT, json={"dataset_id": ds["id"], "params": cal.to_params()}
-    )
-    assert r.status_code == 201, r.text
-    v = r.json()
+    v = import_params(client, "m", ds["id"], cal.to_params())
     assert v["status"] == "rejected" and v["argmax"]["changed"] > 0
     assert "matrix calibration changed the predicted class" in v["rejection"][0]
     r = client.put(f"/v1/models/m/aliases/{DEFAULT_ALIAS}", json={"version": v["version"]})
     assert_problem(r, 409, "argmax")
+
+
+def test_an_import_is_a_job_of_the_fit_queue(database_url, tmp_path):
+    """Queued like a fit: the queue's limits count it, a fit counts against it, it can be
+    cancelled, and its posted params are not answered before it is evaluated."""
+    config = make_settings(database_url, tmp_path, max_queued_fits_per_namespace=1)
+    with TestClient(create_app(config), raise_server_exceptions=False) as c:
+        create_model(c, "m", 4)
+        ds = upload(c, "m", *logits_data(100, 4))["id"]
+        hold_queue(c)
+        r = c.post(IMPORT, json={"dataset_id": ds, "params": _valid_params()})
+        assert r.status_code == 202, r.text
+        v = c.get(r.headers["location"]).json()
+        assert (v["status"], v["source"], v["params"], v["metrics"]) == (
+            "queued", "params", None, None
+        )
+        assert_problem(c.post(IMPORT, json={"dataset_id": ds, "params": _valid_params()}),
+                       429, "QUEUED_FITS_PER_NAMESPACE")
+        assert_problem(c.post("/v1/models/m/calibrators", json={"dataset_id": ds}), 429)
+        r = c.post(f"{r.headers['location']}/cancel")
+        assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+
+
+@pytest.mark.slow
+@pytest.mark.process
+def test_an_import_runs_in_a_fit_worker_process(database_url, tmp_path):
+    """The evaluation runs where fits run: in a child process of the fit worker, never in
+    the API's threads (the task, posted params included, crosses the process boundary)."""
+    config = make_settings(database_url, tmp_path, fit_executor="process")
+    with TestClient(create_app(config)) as c:
+        create_model(c, "m", 4, argmax_policy="off")
+        z, y = logits_data(400, 4, seed=3)
+        ds = upload(c, "m", z, y)["id"]
+        cal = calibrators.create("vector").fit(z, y)
+        v = import_params(c, "m", ds, cal.to_params())
+        assert (v["status"], v["source"], v["attempts"]) == ("succeeded", "params", 1), v
+        assert v["metrics"]["after"]["nll"] == pytest.approx(_expected(cal, z, y)["nll"])
 
 
 def _valid_params():
@@ -229,8 +269,14 @@ def _valid_params():
         ({"bias": [[1.0]] * 4}, "bias"),
         ({"format": "other/9"}, "format"),
         ({"options": {"lambda": 1}}, "lambda"),
-        ({"fit_info": [1, 2]}, "params"),
-        ({"fit_info": "ab"}, "params"),
+        ({"fit_info": [1, 2]}, "fit_info must be an object"),
+        ({"fit_info": "ab"}, "fit_info must be an object"),
+        ({"fit_info": [["converged", True]]}, "fit_info must be an object"),
+        ({"fit_info": 3}, "fit_info must be an object"),
+        ({"weight": ["1", "2", "3", "4"]}, "weight for vector must be numbers"),
+        ({"weight": [True, False, True, True]}, "weight for vector must be numbers"),
+        ({"bias": [10**400, 0, 0, 0]}, "bias for vector must be numbers"),
+        ({"options": {"tol": 10**400}}, "tol"),
     ],
 )
 def test_import_refusals(client, change, word):
@@ -259,14 +305,6 @@ def test_import_refuses_a_foreign_dataset_and_a_bad_split(client):
     assert_problem(r, 422)
 
 
-JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False,
-                                                                        allow_infinity=False)
-    | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner,
-                                                                 max_size=5),
-    max_leaves=20,
-)
 KEYS = st.sampled_from(["format", "method", "n_classes", "options", "weight", "bias",
                         "fit_info", "extra"])
 
@@ -275,12 +313,14 @@ KEYS = st.sampled_from(["format", "method", "n_classes", "options", "weight", "b
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(changes=st.dictionaries(KEYS, JSON, min_size=1, max_size=3),
+@given(changes=st.dictionaries(KEYS, JSON_VALUES, min_size=1, max_size=3),
        method=st.sampled_from(sorted(calibrators.METHODS)))
-def test_any_params_are_a_201_or_a_422(client, changes, method):
+def test_any_params_are_a_202_or_a_422(client, changes, method):
     if client.get("/v1/models/m").status_code == 404:
         create_model(client, "m", 4)
         upload(client, "m", *logits_data(100, 4))
     params = {"method": method, "n_classes": 4, **changes}
     r = client.post(IMPORT, json={"dataset_id": 1, "params": params})
-    assert r.status_code in (201, 422), r.text
+    assert r.status_code in (202, 422), r.text
+    if r.status_code == 202:  # refused now, or evaluated: never a failed job
+        assert wait_for(client, "m", r.json()["version"])["status"] in FITTED

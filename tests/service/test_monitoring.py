@@ -21,6 +21,7 @@ from calibrators import metrics
 from service.api.app import create_app
 from service.observe import monitoring
 from service.security import keys
+from service.serving import inference
 from service.storage.db import make_engine
 from service.vocabulary import DEFAULT_NAMESPACE, METRICS_SCOPE
 from tests.service.helpers import (
@@ -169,6 +170,46 @@ def test_feedback_sums_add_up_and_windows(client):
     probs = served_probabilities(client, "m", {"logits": logits.tolist()})
     expected = metrics.report(probs, labels)
     assert live["n"] == 400 and abs(live["ece"] - expected["ece"]) <= 1e-9
+
+
+def test_feedback_in_row_chunks_equals_the_whole_post(client, monkeypatch):
+    """A post is calibrated (ONNX Runtime) and reduced to per-bin sums a row chunk at a
+    time, so its memory is the rows and one chunk (tests/security/memory.py): the live
+    figures are report's on the served rows whatever the chunks, and a refused row is
+    named by its number in the post, not in its chunk."""
+    create_model(client, "m", k=5)
+    z, y = logits_data(300, 5, seed=4)
+    promote(client, "m", upload(client, "m", z, y)["id"])
+    x, labels = logits_data(100, 5, seed=5)
+    served = served_probabilities(client, "m", {"logits": x.tolist()})
+    run_rows, sum_rows = [], []
+    real_run, real_chunks = inference.run, monitoring.row_chunks
+
+    def run(session, logits):
+        run_rows.append(len(logits))
+        return real_run(session, logits)
+
+    def chunks(n, k):
+        for rows in real_chunks(n, k, 3 * k):  # sums of 3 rows at a time
+            sum_rows.append(rows.stop - rows.start)
+            yield rows
+
+    monkeypatch.setattr(inference, "RUN_ELEMENTS", 7 * 5)  # ONNX Runtime on 7 rows at a time
+    monkeypatch.setattr(inference, "run", run)
+    monkeypatch.setattr(monitoring, "row_chunks", chunks)
+    answer = feed(client, "m", "logits", x, labels)[0]
+    assert answer["rows"] == 100 and answer["correct"] == int((served.argmax(1) == labels).sum())
+    assert run_rows == [7] * 14 + [2] and sum(sum_rows) == 100 and max(sum_rows) == 3
+    live = client.get("/v1/models/m/monitoring", params={"window": "1h"}).json()["live"]
+    expected = metrics.report(served, labels)
+    assert live["bins"]["count"] == expected["bins"]["count"]
+    for key in ("ece", "mce", "accuracy", "nll", "brier", "entropy"):
+        assert live[key] == pytest.approx(expected[key], rel=1e-12, abs=1e-12), key
+    huge = x.astype(np.float64)
+    huge[50, 2] = 1e300  # beyond float32: refused in the chunk of rows 49 to 55
+    r = client.post("/v1/models/m/feedback", json={"logits": huge.tolist(),
+                                                    "labels": labels.tolist()})
+    assert_problem(r, 422, "float32", "at row 50")
 
 
 def test_window_parsing():

@@ -40,6 +40,7 @@ from tests.service.servers import Server
 
 HEADER = v2.HEADER_LENGTH
 K = 4
+NPY = "application/x-npy"
 
 
 @pytest.fixture
@@ -107,9 +108,9 @@ def outputs(r) -> dict[str, np.ndarray]:
     return out
 
 
-def v1(client, scores: np.ndarray, query: str = "") -> dict[str, np.ndarray]:
+def v1(client, scores: np.ndarray, query: str = "", model: str = "m") -> dict[str, np.ndarray]:
     r = client.post(
-        f"/v1/models/m/predict{query}",
+        f"/v1/models/{model}/predict{query}",
         content=npy(scores),
         headers={"content-type": "application/x-npy"},
     )
@@ -585,6 +586,86 @@ def test_infer_body_limits(tmp_path, database_url):
         assert_error(r, 413, "decoded")
 
 
+def test_a_json_answer_of_whole_rows_is_bounded_like_v1(tmp_path, database_url, monkeypatch):
+    """/v1's rule (predict.check_json_answer: 16 bytes a probability, at most
+    MAX_JSON_BYTES) on the JSON probabilities output, checked before the calibration;
+    the fix names top_k and the binary tensor data extension."""
+    settings = make_settings(database_url, tmp_path, max_json_bytes=2000)
+    with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+        create_model(c, "m", K)
+        z, y = logits_data(60, K)
+        r = c.post("/v1/models/m/datasets", content=npz(logits=z, labels=y),
+                   headers={"content-type": "application/octet-stream"})
+        promote(c, "m", r.json()["id"])
+        calibrated = []
+        real = v2.calibrate
+        monkeypatch.setattr(
+            v2, "calibrate", lambda *a, **kw: calibrated.append(1) or real(*a, **kw)
+        )
+        z = rows(32)  # 32 x 4 probabilities could take 2,048 bytes of JSON: over 2,000
+        body, headers = binary_request(z)
+        error = assert_error(c.post("/v2/models/m/infer", content=body, headers=headers), 422,
+                             "MAX_JSON_BYTES", "top_k", "binary_data_output")
+        assert "2,048 bytes" in error and "x-npy" not in error
+        r = c.post("/v1/models/m/predict", content=npy(z), headers={"content-type": NPY})
+        assert_problem(r, 422, "MAX_JSON_BYTES", "top_k", "x-npy")  # the same rule on /v1
+        assert not calibrated  # refused before the work
+        want = v1(c, z[:31])  # 31 rows (1,984 bytes) are answered as JSON
+        body, headers = binary_request(z[:31])
+        assert_same(outputs(c.post("/v2/models/m/infer", content=body, headers=headers)), want)
+        # the same 32 rows: binary probabilities, top_k, or outputs without whole rows
+        for request in (
+            {"parameters": {"binary_data_output": True}},
+            {"outputs": [{"name": "probabilities", "parameters": {"binary_data": True}},
+                         {"name": "label"}]},
+            {"parameters": {"top_k": 2}},
+            {"outputs": [{"name": "label"}, {"name": "confidence"}, {"name": "entropy"}]},
+        ):
+            body, headers = binary_request(z, **request)
+            r = c.post("/v2/models/m/infer", content=body, headers=headers)
+            assert r.status_code == 200, (request, r.text)
+        got = outputs(r)
+        assert (got["label"] == np.load(io.BytesIO(c.post(
+            "/v1/models/m/predict", content=npy(z),
+            headers={"content-type": NPY, "accept": NPY}).content)).argmax(axis=1)).all()
+
+
+@pytest.mark.parametrize("names", [False, True])
+def test_a_large_binary_answer_is_streamed_from_views_of_the_outputs(named, monkeypatch, names):
+    """Over predict.STREAM_ANSWER_BYTES the binary answer is the JSON header, then views of
+    each output's bytes (no copy of them in one buffer): the same bytes as the one-buffer
+    answer of a small one, with its Content-Length."""
+    model = "n" if names else "m"
+    z = rows(300)
+    body, headers = binary_request(z, parameters={"binary_data_output": True, "top_k": 3},
+                                   outputs=[{"name": n} for n in (
+                                       "probabilities", "label", "top_k_indices",
+                                       *(("label_name", "top_k_names") if names else ()))])
+    whole = named.post(f"/v2/models/{model}/infer", content=body, headers=headers)
+    assert whole.status_code == 200, whole.text
+    monkeypatch.setattr(v2, "STREAM_ANSWER_BYTES", 1000)
+    chunks = []
+    real = v2.ingest.byte_chunks
+
+    def spy(head, arrays):
+        size, parts = real(head, arrays)
+        chunks.append([a.nbytes for a in arrays])
+        return size, parts
+
+    monkeypatch.setattr(v2.ingest, "byte_chunks", spy)
+    streamed = named.post(f"/v2/models/{model}/infer", content=body, headers=headers)
+    assert streamed.status_code == 200, streamed.text
+    assert chunks, "the answer was not streamed"
+    assert streamed.content == whole.content
+    assert int(streamed.headers["content-length"]) == len(streamed.content)
+    assert streamed.headers[HEADER] == whole.headers[HEADER]
+    assert streamed.headers["content-type"] == "application/octet-stream"
+    got = outputs(streamed)
+    assert_same({k: got[k] for k in ("probabilities", "label")},
+                {k: v for k, v in v1(named, z, model=model).items()
+                 if k in ("probabilities", "label")})
+
+
 # -- auth -------------------------------------------------------------------------------
 
 
@@ -733,6 +814,18 @@ def test_tritonclient_json_and_binary_4096_x_1000(triton_server):
         label_name = result.as_numpy("label_name")  # BYTES: tritonclient answers bytes
         assert label_name.shape == (4096,)
         assert [b.decode() for b in label_name] == names[want_p.argmax(axis=1)].tolist()
+        # over predict.STREAM_ANSWER_BYTES (16 MiB), streamed from views of the outputs
+        more = np.concatenate([z, z[:1000]])  # 5,096 x 1,000: 20 MB of probabilities
+        x = httpclient.InferInput("logits", list(more.shape), "FP32")
+        x.set_data_from_numpy(more, binary_data=True)
+        wanted = [httpclient.InferRequestedOutput(n, binary_data=True)
+                  for n in ("probabilities", "label")]
+        result = client.infer("big", [x], outputs=wanted, headers=auth())
+        streamed = result.as_numpy("probabilities")
+        assert streamed.nbytes > v2.STREAM_ANSWER_BYTES
+        assert (streamed[:4096] == probabilities).all()
+        assert (streamed[4096:] == probabilities[:1000]).all()
+        assert (result.as_numpy("label")[4096:] == want_p[:1000].argmax(axis=1)).all()
 
         # JSON in and out, the versioned path
         x = httpclient.InferInput("logits", [16, 1000], "FP32")

@@ -1,15 +1,16 @@
-"""/v1/models/{model}/calibrators: start a background fit, follow it, cancel it,
-download its ONNX, delete a version."""
+"""/v1/models/{model}/calibrators: start a background fit (or the evaluation of
+parameters fitted elsewhere), follow it, cancel it, download its ONNX, delete a version."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import numpy as np
 from fastapi import APIRouter, Depends, Request, Response
+from sqlalchemy.orm import Session
 
 from calibrators.holdout import split_indices
-from service.api.deps import ModelDep, SessionDep, StateDep, VersionDep
+from service.api.deps import AppState, ModelDep, SessionDep, StateDep, VersionDep
 from service.api.openapi import BINARY, OCTET_STREAM
 from service.api.pagination import Page, pages
 from service.api.schemas import (
@@ -24,11 +25,11 @@ from service.api.schemas import (
 from service.api.uploads import require_json
 from service.errors import Conflict, NotReady
 from service.jobs import evaluation
-from service.jobs.fitting import affordable, check_fit_request
+from service.jobs.fitting import affordable, check_fit_request, import_affordable
 from service.security import limits
 from service.serving.inference import onnx_bytes
 from service.storage import fits, registry
-from service.storage.db import CalibratorVersion, Model
+from service.storage.db import CalibratorVersion, Dataset, Model
 from service.vocabulary import FITTED
 
 router = APIRouter(prefix="/v1/models/{model}/calibrators", tags=["calibrators"])
@@ -86,6 +87,21 @@ def start_fit(
         holdout=body.holdout,
         budget=state.fits.config.memory_budget,
     )
+    return _enqueue(
+        model, dataset, session, state, response, method=body.method, holdout=body.holdout,
+        seed=body.seed, options=body.options,
+    )
+
+
+def _enqueue(
+    model: Model,
+    dataset: Dataset,
+    session: Session,
+    state: AppState,
+    response: Response,
+    **version: Any,
+) -> FitAccepted:
+    """A queued version of ``model`` (429 when the fit queue is full), its job submitted."""
     limits.check_fit_queue(
         session,
         model.namespace,
@@ -97,11 +113,8 @@ def start_fit(
         session,
         model,
         dataset,
-        method=body.method,
-        holdout=body.holdout,
-        seed=body.seed,
-        options=body.options,
-        enqueue=lambda s, version: queue.enqueue(s, version, model.namespace),
+        enqueue=lambda s, v: queue.enqueue(s, v, model.namespace),
+        **version,
     )
     queue.submitted(row.id, model.namespace)
     url = version_url(model, row.version)
@@ -110,43 +123,32 @@ def start_fit(
 
 
 @router.post(
-    "/import",
-    status_code=201,
-    response_model=VersionOut,
-    dependencies=[Depends(require_json)],
-    responses={201: {"description": "The new version, succeeded or rejected by the policy."}},
+    "/import", status_code=202, response_model=FitAccepted, dependencies=[Depends(require_json)]
 )
 def import_params(
     body: ParamsImport, model: ModelDep, session: SessionDep, state: StateDep, response: Response
-) -> VersionOut:
-    """A version from a calibrator fitted elsewhere (its to_params() JSON), evaluated on
-    the dataset's hold-out rows and policed by the model's argmax policy like a fit (a
-    new version, 'succeeded' or 'rejected'), without a fit. Answered when done."""
+) -> FitAccepted:
+    """Queue a version from a calibrator fitted elsewhere (its to_params() JSON): its job
+    evaluates it on the dataset's hold-out rows and polices it by the model's argmax
+    policy like a fit ('succeeded' or 'rejected'), without fitting. Poll the status URL.
+
+    In the fit queue, like a fit: the evaluation of a large hold-out takes a fit
+    worker's memory and time, which the fit budget and the queue's limits bound."""
     dataset = registry.find_dataset(session, model, body.dataset_id)
     split_indices(dataset.n_rows, body.holdout, body.seed)  # 422 if a part would be empty
-    evaluation.from_posted_params(body.params, model.num_classes)  # 422 before any loading
-    outcome = evaluation.evaluate_params(
-        body.params,
-        state.arrays.load(dataset.scores_sha256),
-        state.arrays.load(dataset.labels_sha256),
-        num_classes=model.num_classes,
-        kind=dataset.kind,
+    cal = evaluation.from_posted_params(body.params, model.num_classes)  # 422 now
+    import_affordable(  # 422 now for an evaluation no worker can hold
+        cal.method,
+        n_rows=dataset.n_rows,
+        k=dataset.n_classes,
+        itemsize=np.dtype(dataset.dtype).itemsize,
         holdout=body.holdout,
-        seed=body.seed,
-        argmax_policy=model.argmax_policy,
+        budget=state.fits.config.memory_budget,
     )
-    row = registry.create_version(
-        session,
-        model,
-        dataset,
-        method=outcome["chosen_method"],
-        holdout=body.holdout,
-        seed=body.seed,
-        options={},
-        outcome=outcome,
+    return _enqueue(
+        model, dataset, session, state, response, method=cal.method, holdout=body.holdout,
+        seed=body.seed, options={}, params=cal.to_params(),
     )
-    response.headers["Location"] = version_url(model, row.version)
-    return version_out(row, model)
 
 
 @router.get("", response_model=VersionList)

@@ -268,8 +268,11 @@ def post_feedback(
     # The reads are done: end their transaction, so the connection goes back to the
     # pool during the computation and the write below runs on a checked one, briefly.
     session.commit()
-    out = inference.run(onnx, inference.as_onnx_input(labelled.scores, labelled.kind))
-    stats = monitoring.feedback_statistics(out["probabilities"], labelled.labels)
+    # Calibrated and reduced a row chunk at a time: memory beyond the rows is one chunk's.
+    stats = monitoring.add_statistics(
+        monitoring.feedback_statistics(out["probabilities"], labelled.labels[rows])
+        for rows, out in inference.run_chunks(onnx, labelled.scores, labelled.kind)
+    )
     bucket = monitoring.bucket_start(time.time(), settings.feedback_bucket_seconds)
     answer = {
         "model": model.name,

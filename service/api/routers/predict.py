@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.routing import Match, Route
 from starlette.types import Scope
 
+from calibrators.numerics import row_chunks
 from service.api import ingest
 from service.api.deps import AppState, get_app_state
 from service.api.openapi import BINARY, OCTET_STREAM, SCORE_PROPERTIES
@@ -177,14 +178,26 @@ def calibrate(
     if top_k is not None:  # before the work, not after
         inference.check_top_k(top_k, served.num_classes)
     out = inference.run(served.session, inference.as_onnx_input(scores, kind))
-    # Rows whose calibrated argmax is not the input's (the log of probabilities keeps it).
-    flipped = int((scores.argmax(axis=1) != out["label"]).sum())
+    flipped = _flipped(scores, out["label"])
     metrics.observe_predictions(
         served.namespace, served.model, served.version, out["entropy"], out["confidence"], flipped
     )
     if top_k is not None:
         out.update(inference.top_k(out["probabilities"], top_k))
     return out
+
+
+def _flipped(scores: np.ndarray, labels: np.ndarray) -> int:
+    """Rows whose calibrated argmax is not the input's (the log of probabilities keeps
+    it). A big batch in row chunks: numpy's argmax copies an unaligned array whole, and a
+    /v2 binary input is a view of the body at the JSON header's length, any offset."""
+    n, k = scores.shape
+    if n * k <= inference.RUN_ELEMENTS:
+        return int((scores.argmax(axis=1) != labels).sum())
+    return sum(
+        int((scores[rows].argmax(axis=1) != labels[rows]).sum())
+        for rows in row_chunks(n, k, inference.RUN_ELEMENTS)
+    )
 
 
 #: A .npy answer larger than this is sent as views of its array (header, then 1 MiB
@@ -195,14 +208,20 @@ STREAM_ANSWER_BYTES = 16 << 20
 JSON_ANSWER_BYTES_PER_VALUE = 16
 
 
-def check_json_answer(shape: tuple[int, int], max_json_bytes: int) -> None:
+#: How to get whole rows without JSON, on /v1 predict.
+NPY_ANSWER_FIX = "Ask for ?top_k=<k>, or for the whole rows as a .npy: Accept: application/x-npy."
+
+
+def check_json_answer(
+    shape: tuple[int, int], max_json_bytes: int, fix: str = NPY_ANSWER_FIX
+) -> None:
     """422 for a JSON answer of whole rows that could exceed ``max_json_bytes`` (the JSON
     request limit): at K = 262,144 a few rows are megabytes, and a 1 GiB .npy body would
-    be several GB of JSON. ``top_k`` or a .npy answer hold the same information."""
+    be several GB of JSON. ``top_k`` or a binary answer hold the same information:
+    ``fix`` says how to ask for them (/v1: .npy; /v2: binary tensor data)."""
     n, k = shape
     need = n * k * JSON_ANSWER_BYTES_PER_VALUE
     if need > max_json_bytes:
-        fix = "Ask for ?top_k=<k>, or for the whole rows as a .npy: Accept: application/x-npy."
         raise InvalidInput(
             f"A JSON answer of {n:,} rows of {k:,} probabilities could take {need:,} bytes, "
             f"more than MAX_JSON_BYTES ({max_json_bytes:,}). {fix}",

@@ -50,13 +50,20 @@ import anyio.to_thread
 import numpy as np
 import orjson
 from fastapi import FastAPI, Query, Request, Response
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from service.api import ingest
 from service.api.deps import StateDep, get_app_state
 from service.api.problems import OIP_PREFIX, problem_response
 from service.api.routers import health
-from service.api.routers.predict import VERSION_HEADER, add_hot_route, calibrate
+from service.api.routers.predict import (
+    STREAM_ANSWER_BYTES,
+    VERSION_HEADER,
+    add_hot_route,
+    calibrate,
+    check_json_answer,
+)
 from service.api.uploads import read_body
 from service.errors import (
     Conflict,
@@ -340,7 +347,8 @@ def parse_request(
 
 
 def _binary_body(head: bytes, arrays: list[np.ndarray]) -> memoryview:
-    """The JSON header and the arrays' little-endian bytes, in one buffer (one copy)."""
+    """The JSON header and the arrays' little-endian bytes, in one buffer (one copy: the
+    fast path of a small answer; a big one is streamed, :func:`encode_response`)."""
     out = bytearray(len(head) + sum(a.nbytes for a in arrays))
     out[: len(head)] = head
     offset = len(head)
@@ -395,7 +403,19 @@ def encode_response(served: Served, request: InferRequest, out: dict[str, np.nda
     if not binary:
         return Response(head, media_type="application/json", headers=headers)
     headers[HEADER_LENGTH] = str(len(head))
+    if sum(a.nbytes for a in binary) > STREAM_ANSWER_BYTES:  # no copy: views of the arrays
+        size, chunks = ingest.byte_chunks(head, binary)
+        headers["Content-Length"] = str(size)
+        return StreamingResponse(chunks, media_type=OCTET_STREAM, headers=headers)
     return Response(_binary_body(head, binary), media_type=OCTET_STREAM, headers=headers)
+
+
+#: How to get whole rows without JSON, on /v2 infer.
+BINARY_ANSWER_FIX = (
+    "Ask for the parameter top_k (the outputs top_k_indices and top_k_probabilities), or "
+    "for probabilities as binary tensor data: the parameter binary_data_output, or the "
+    "output's binary_data, true."
+)
 
 
 def respond(
@@ -406,11 +426,14 @@ def respond(
     limit: int,
     max_rows: int,
     metrics: ServiceMetrics,
+    max_json_bytes: int,
 ) -> Response:
     """Decode, parse, validate, run ONNX Runtime and serialise: pure CPU work."""
     raw = decode_body(raw, encoding, limit)
     named = served.class_names is not None
     request = parse_request(raw, head, served.num_classes, served.model, named)
+    if ("probabilities", False) in request.outputs:  # whole rows as JSON: bounded like /v1
+        check_json_answer(request.scores.shape, max_json_bytes, BINARY_ANSWER_FIX)
     out = calibrate(served, request.scores, request.kind, max_rows, metrics, request.top_k)
     return encode_response(served, request, out)
 
@@ -438,7 +461,10 @@ async def infer(request: Request) -> Response:
     limit = settings.max_json_bytes if head is None else settings.max_body_bytes
     raw = await read_body(request, limit)
     encoding = request.headers.get("content-encoding", "").strip().lower()
-    args = (served, raw, encoding, head, limit, settings.max_predict_rows, state.metrics)
+    args = (
+        served, raw, encoding, head, limit, settings.max_predict_rows, state.metrics,
+        settings.max_json_bytes,
+    )
     if len(raw) <= settings.inline_predict_bytes and not encoding:
         return respond(*args)
     return await anyio.to_thread.run_sync(respond, *args, limiter=state.predict_limiter)
