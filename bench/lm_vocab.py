@@ -18,7 +18,8 @@ the same work done in this process without HTTP:
    ``VmHWM`` after ``clear_refs``: ``tests/security/memory.py``) above its RSS
    before, against the arrays it stores (float32 scores + int64 labels). Floor:
    ``np.load`` of the same file and ``np.save`` of its arrays to a file in the
-   server's data folder.
+   server's data folder. Then the service's own steps of an upload, called here on
+   the same file one after the other: where the seconds go.
 2. Fits of each ``--methods`` on the float32 dataset (hold-out ``--holdout``, seed
    0): seconds from submission to a finished status (polled every 0.1 s), the
    server's ``fit_seconds``, its peak RSS growth, and the hold-out metrics the
@@ -107,6 +108,34 @@ def upload_floor(path: Path, folder: Path) -> float:
             np.save(target, f[name])
             target.unlink()
     return time.perf_counter() - t0
+
+
+def upload_breakdown(path: Path, folder: Path) -> dict[str, float]:
+    """Seconds of the steps of the service's upload, called in this process on the file
+    (the spooled body): read and validate the .npz, hash the arrays, the dataset's
+    metrics, write the files (``service/api/routers/datasets.py``)."""
+    from service.api import ingest
+    from service.settings import Settings
+    from service.storage.arrays import ArrayStore
+
+    out = {}
+    with np.load(path) as f:
+        k = f["logits"].shape[1]
+    t0 = time.perf_counter()
+    data = ingest.labelled_from_npz(path, ingest.bounds(Settings(), "dataset", k, MODEL))
+    out["read and validate"] = time.perf_counter() - t0
+    store = ArrayStore(folder)
+    t0 = time.perf_counter()
+    hashes = [store.digest(a)[0] for a in (data.scores, data.labels)]
+    out["hash"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    metrics.scores_report(data.scores, data.labels, data.kind)
+    out["metrics (scores_report)"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for a, sha in zip((data.scores, data.labels), hashes, strict=True):
+        store.put(a, sha256=sha)
+    out["write (put, fsync)"] = time.perf_counter() - t0
+    return out
 
 
 def fit(client: httpx.Client, dataset_id: int, method: str, holdout: float) -> tuple[dict, float]:
@@ -230,8 +259,8 @@ def main(argv=None) -> None:
 
             print("\n## Upload\n")
             print("| body | bytes | status | seconds | floor s | x floor | MiB/s | RSS before "
-                  "MiB | peak growth MiB | growth / stored arrays |")
-            print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+                  "MiB | peak growth MiB | growth / stored arrays | anon growth MiB |")
+            print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
             datasets = {}
             for label, file in (("float32", path), ("float16", half)):
                 floor = upload_floor(file, tmp / "data")
@@ -240,11 +269,16 @@ def main(argv=None) -> None:
                 print(f"| .npz {label} | {size / MiB:.1f} MiB | {resp.status_code} | "
                       f"{seconds:.2f} | {floor:.2f} | {seconds / floor:.1f} | "
                       f"{size / MiB / seconds:.0f} | {before / MiB:.0f} | {growth / MiB:.0f} | "
-                      f"{growth / stored:.2f} |", flush=True)
+                      f"{growth / stored:.2f} | {monitor.anon_growth / MiB:.0f} |", flush=True)
                 if resp.status_code not in (200, 201):
                     print(f"upload failed: {resp.text[:2000]}")
                     raise SystemExit(1)
                 datasets[label] = resp.json()
+            for label, file in (("float32", path), ("float16", half)):
+                steps = upload_breakdown(file, tmp / "breakdown")
+                print(f"\n{label}, the upload's steps in this process: " + ", ".join(
+                    f"{name} {sec:.2f} s" for name, sec in steps.items())
+                    + f"; together {sum(steps.values()):.2f} s", flush=True)
             ds = datasets["float32"]
             print(f"\ndataset {ds['id']}: {ds['n']} x {ds['k']} {ds['dtype']}, service metrics of "
                   f"the raw scores: {figures(ds['metrics'])}; float16 dataset "
@@ -253,8 +287,8 @@ def main(argv=None) -> None:
             print(f"\n## Fit (hold-out {args.holdout:.0%}: {len(fit_rows)} fit rows, "
                   f"{len(hold_rows)} held out)\n")
             print("| method | status | seconds to done | fit_seconds | floor s | x floor | peak "
-                  "growth MiB | before: NLL / ECE | after: NLL / ECE | here: after NLL / ECE | "
-                  "accuracy before / after |")
+                  "growth MiB (RSS / anon) | before: NLL / ECE | after: NLL / ECE | here: after "
+                  "NLL / ECE | accuracy before / after |")
             print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- | --- |")
             versions, local = {}, {}
             before_here = metrics.scores_report(z[hold_rows], y[hold_rows])
@@ -273,7 +307,8 @@ def main(argv=None) -> None:
                 after_here = metrics.report(cal.predict_proba(z[hold_rows]), y[hold_rows])
                 mb, ma = body["metrics"]["before"], body["metrics"]["after"]
                 print(f"| {method} | {body['status']} | {seconds:.1f} | {body['fit_seconds']:.1f} "
-                      f"| {floor:.1f} | {body['fit_seconds'] / floor:.2f} | {growth / MiB:.0f} | "
+                      f"| {floor:.1f} | {body['fit_seconds'] / floor:.2f} | {growth / MiB:.0f} / "
+                      f"{monitor.anon_growth / MiB:.0f} | "
                       f"{mb['nll']:.4f} / {mb['ece']:.4f} | {ma['nll']:.4f} / {ma['ece']:.4f} | "
                       f"{after_here['nll']:.4f} / {after_here['ece']:.4f} | "
                       f"{mb['accuracy']:.4f} / {ma['accuracy']:.4f} |", flush=True)
