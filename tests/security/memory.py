@@ -48,14 +48,28 @@ def _status_kib(pid: int, field: str) -> int:
 
 
 class RssMonitor:
-    """The peak RSS growth of process ``pid`` while a function runs."""
+    """The peak RSS growth of process ``pid`` while a function runs; after
+    :meth:`measure`, ``anon_growth`` is the peak growth of its anonymous memory
+    (``RssAnon``: allocations, without the pages of files it maps, such as a
+    memory-mapped dataset)."""
 
     def __init__(self, pid: int, interval: float = 0.002):
         self.pid = pid
         self.interval = interval
+        self.anon_growth = 0
 
     def rss(self) -> int:
         return _status_kib(self.pid, "VmRSS") * 1024
+
+    def _rss_and_anon(self) -> tuple[int, int]:
+        """``VmRSS`` and ``RssAnon`` in bytes, from one read of the status file."""
+        fields = {}
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name in ("VmRSS", "RssAnon"):
+                    fields[name] = int(value.split()[0]) * 1024
+        return fields["VmRSS"], fields["RssAnon"]
 
     def _reset_peak(self) -> bool:
         try:
@@ -69,17 +83,18 @@ class RssMonitor:
         """``fn()``, the RSS before it, and the peak growth (bytes) while it ran."""
         time.sleep(0.2)  # let the previous request's memory settle
         hwm = self._reset_peak()
-        before = self.rss()
-        peak = before
+        before, anon_before = self._rss_and_anon()
+        peak, anon_peak = before, anon_before
         done = threading.Event()
 
         def sample() -> None:
-            nonlocal peak
+            nonlocal peak, anon_peak
             while not done.is_set():
                 try:
-                    peak = max(peak, self.rss())
-                except (OSError, LookupError):
+                    rss, anon = self._rss_and_anon()
+                except (OSError, LookupError, KeyError):
                     return
+                peak, anon_peak = max(peak, rss), max(anon_peak, anon)
                 time.sleep(self.interval)
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -92,6 +107,7 @@ class RssMonitor:
             sampler.join()
         if hwm:
             peak = max(peak, _status_kib(self.pid, "VmHWM") * 1024)
+        self.anon_growth = anon_peak - anon_before
         return result, before, peak - before
 
 
