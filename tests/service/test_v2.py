@@ -618,13 +618,23 @@ def test_a_json_answer_of_whole_rows_is_bounded_like_v1(tmp_path, database_url, 
             {"parameters": {"binary_data_output": True}},
             {"outputs": [{"name": "probabilities", "parameters": {"binary_data": True}},
                          {"name": "label"}]},
-            {"parameters": {"top_k": 2}},
+            {"parameters": {"top_k": 1}},  # 32 x (1 index + 1 probability): 1,024 bytes
             {"outputs": [{"name": "label"}, {"name": "confidence"}, {"name": "entropy"}]},
         ):
             body, headers = binary_request(z, **request)
             r = c.post("/v2/models/m/infer", content=body, headers=headers)
             assert r.status_code == 200, (request, r.text)
         got = outputs(r)
+        # top_k = K is whole rows again, as indices and probabilities: no way around it
+        body, headers = binary_request(z, parameters={"top_k": K})
+        assert_error(c.post("/v2/models/m/infer", content=body, headers=headers), 422,
+                     "MAX_JSON_BYTES", "4,096 bytes")
+        r = c.post(f"/v1/models/m/predict?top_k={K}", content=npy(z),
+                   headers={"content-type": NPY})
+        assert_problem(r, 422, "MAX_JSON_BYTES", "smaller ?top_k")
+        r = c.post(f"/v1/models/m/predict?top_k={K}", content=npy(z),
+                   headers={"content-type": NPY, "accept": NPY})  # as .npy: answered
+        assert r.status_code == 200, r.text
         assert (got["label"] == np.load(io.BytesIO(c.post(
             "/v1/models/m/predict", content=npy(z),
             headers={"content-type": NPY, "accept": NPY}).content)).argmax(axis=1)).all()

@@ -210,6 +210,7 @@ JSON_ANSWER_BYTES_PER_VALUE = 16
 
 #: How to get whole rows without JSON, on /v1 predict.
 NPY_ANSWER_FIX = "Ask for ?top_k=<k>, or for the whole rows as a .npy: Accept: application/x-npy."
+TOP_K_ANSWER_FIX = "Ask for a smaller ?top_k, fewer rows, or a .npy: Accept: application/x-npy."
 
 
 def check_json_answer(
@@ -223,10 +224,16 @@ def check_json_answer(
     need = n * k * JSON_ANSWER_BYTES_PER_VALUE
     if need > max_json_bytes:
         raise InvalidInput(
-            f"A JSON answer of {n:,} rows of {k:,} probabilities could take {need:,} bytes, "
+            f"A JSON answer of {n:,} rows of {k:,} numbers could take {need:,} bytes, "
             f"more than MAX_JSON_BYTES ({max_json_bytes:,}). {fix}",
             fix=fix,
         )
+
+
+def json_answer_width(num_classes: int, top_k: int | None) -> int:
+    """Numbers per row of a JSON answer: the whole row, or with ``top_k`` its k classes
+    and their probabilities (a top_k as large as K is no way around the limit)."""
+    return num_classes if top_k is None else 2 * min(top_k, num_classes)
 
 
 #: The .npy answer of a ``top_k`` request: per row and rank, the class and its probability.
@@ -269,8 +276,10 @@ def respond(
         scores, kind = ingest.scores_from_json(raw, bounds, query.kind)
     else:
         scores, kind = ingest.scores_from_npy(raw, bounds, query.kind)
-    if not want_npy and query.top_k is None:
-        check_json_answer(scores.shape, max_json_bytes)
+    if not want_npy:
+        width = json_answer_width(scores.shape[1], query.top_k)
+        fix = NPY_ANSWER_FIX if query.top_k is None else TOP_K_ANSWER_FIX
+        check_json_answer((scores.shape[0], width), max_json_bytes, fix)
     out = calibrate(served, scores, kind, bounds.max_rows, metrics, query.top_k)
     headers = {VERSION_HEADER: str(served.version)}
     if want_npy:

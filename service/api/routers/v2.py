@@ -432,8 +432,15 @@ def respond(
     raw = decode_body(raw, encoding, limit)
     named = served.class_names is not None
     request = parse_request(raw, head, served.num_classes, served.model, named)
-    if ("probabilities", False) in request.outputs:  # whole rows as JSON: bounded like /v1
-        check_json_answer(request.scores.shape, max_json_bytes, BINARY_ANSWER_FIX)
+    n, k = request.scores.shape
+    top_k = 0 if request.top_k is None else min(request.top_k, k)
+    as_json = {name for name, binary in request.outputs if not binary}
+    # Rows of numbers as JSON (whole rows, or top-k ones): bounded like /v1
+    width = (k if "probabilities" in as_json else 0) + top_k * len(
+        as_json & {"top_k_indices", "top_k_probabilities"}
+    )
+    if width:
+        check_json_answer((n, width), max_json_bytes, BINARY_ANSWER_FIX)
     out = calibrate(served, request.scores, request.kind, max_rows, metrics, request.top_k)
     return encode_response(served, request, out)
 
