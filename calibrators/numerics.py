@@ -63,10 +63,10 @@ def map_rows(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> np.ndarra
 
 
 def map_chunks(fn: Callable[[slice], object], n_rows: int, n_cols: int) -> list:
-    """``[fn(s) for s in row_chunks(...)]``, on a few threads when the input is big."""
+    """``[fn(s) for s in row_chunks(...)]``, on a few threads when there are several chunks."""
     slices = list(row_chunks(n_rows, n_cols))
     workers = n_threads()
-    if workers == 1 or len(slices) < 4:
+    if workers == 1 or len(slices) < 2:
         return [fn(s) for s in slices]
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(fn, slices))

@@ -77,7 +77,7 @@ from calibrators.linear import (
 from calibrators.linear_softmax import WEIGHT_SHAPES
 from calibrators.numerics import (
     log_softmax,
-    map_rows,
+    map_chunks,
     n_threads,
     row_chunks,
     single_threaded_blas,
@@ -644,10 +644,15 @@ class _StructuredScaler(Calibrator):
             # The float64 logits once (the memory the features take anyway): temperature
             # scaling's passes then skip the log of probabilities (the same numbers as
             # its own chunks'), and the features are computed in their place.
-            feats = map_rows(lambda block: logits64(block, kind), x)
+            feats = np.empty((n, k))
+
+            def logits(rows):
+                feats[rows] = logits64(x[rows], kind)
+
+            map_chunks(logits, n, k)
             beta = float(TemperatureScaler().fit(feats, y).weight_)
-            for rows in row_chunks(n, k):
-                structured_features(feats[rows], beta, smoothing, overwrite=True)
+            map_chunks(lambda rows: structured_features(feats[rows], beta, smoothing,
+                                                        overwrite=True), n, k)
         else:
             beta = float(TemperatureScaler().fit(x, y, kind=kind).weight_)
             feats = FeatureRows(x, kind, beta, smoothing)
