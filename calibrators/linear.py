@@ -562,7 +562,8 @@ def fold_assignment(n: int, n_folds: int, seed: int) -> np.ndarray:
 
 def cross_validate_path(make_problem, feats, y, fold_of, candidates, warm, progress, *,
                         max_iter: int, tol: float, patience: int = PATIENCE,
-                        solve_options: dict | None = None, tie: float = 0.0):
+                        solve_options: dict | None = None, tie: float = 0.0,
+                        retarget=None):
     """Mean held-out NLL of penalty candidates along a path, over the folds.
 
     The candidates are walked in order (strongest penalty first); each
@@ -595,6 +596,12 @@ def cross_validate_path(make_problem, feats, y, fold_of, candidates, warm, progr
     patience : int, default PATIENCE
     tie : float, default 0.0
         Relative tolerance of a rise (0: any candidate after the best is one).
+    retarget : callable, optional
+        ``retarget(problem, candidate)`` -> the fold's problem at the next
+        candidate, on the same rows (no copy): each fold's rows are then copied
+        once, not once per candidate, and the problem may carry over what it
+        knows (:class:`calibrators.structured._Problem`). Default: a new
+        ``make_problem`` per candidate.
 
     Returns
     -------
@@ -609,13 +616,21 @@ def cross_validate_path(make_problem, feats, y, fold_of, candidates, warm, progr
     thetas = list(warm)
     scores, solutions, evaluations = [], [], 0
 
+    problems, held = [None] * n_folds, [None] * n_folds
+
     def fit_fold(args):
         fold, cand = args
         train, test = splits[fold]
-        prob = make_problem(feats[train], y[train], cand)
+        if problems[fold] is None:
+            prob = make_problem(feats[train], y[train], cand)
+            rows = feats[test], y[test]
+        else:
+            prob, rows = retarget(problems[fold], cand), held[fold]
+        if retarget is not None:
+            problems[fold], held[fold] = prob, rows
         start = prob.initial() if thetas[fold] is None else thetas[fold]
         res = prob.solve(start, max_iter=max_iter, tol=tol, **(solve_options or {}))
-        return res.x, prob.nll(res.x, feats[test], y[test]), prob.evaluations
+        return res.x, prob.nll(res.x, *rows), prob.evaluations
 
     with ThreadPoolExecutor(max_workers=min(n_folds, n_threads())) as pool:
         for cand in candidates:

@@ -56,6 +56,7 @@ Calibration", arXiv:2511.03685, 2025.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -345,6 +346,37 @@ class _Problem(PenalisedSoftmax):
         super().__init__(x, y, structure, **options)
         self.at = np.arange(self.n)
         self.xmax = max(float(-x.min()), float(x.max())) if self.n else 0.0
+        # (theta, loss, gw, gb): the last data term, and one handed over by retarget
+        self.last = self.handed = None
+
+    def retarget(self, keep_start: bool, **penalties) -> _Problem:
+        """The same rows (no copy) with other penalty coefficients, for the next
+        candidate of the search, warm-started where this problem's solve ended.
+
+        The NLL and its gradient there are this problem's last evaluation: only the
+        penalty is new, so that point costs no evaluation. ``keep_start``: the
+        penalties have the same shape (off-diagonal to diagonal ratio), so the
+        canonical projection is the same and that point is canonical as it is (a
+        second projection would only round it differently).
+        """
+        other = copy.copy(self)
+        other.c_off, other.c_diag, other.c_bias = (
+            penalties.get(name, 0.0) for name in ("off", "diag", "bias"))
+        other.evaluations = 0
+        other.last, other.handed = None, self.last if keep_start else None
+        return other
+
+    def canonical(self, theta: np.ndarray) -> np.ndarray:
+        if self.handed is not None and np.array_equal(theta, self.handed[0]):
+            return self.handed[0]
+        return super().canonical(theta)
+
+    def __call__(self, theta: np.ndarray):
+        if self.handed is not None and theta is self.handed[0]:
+            _, loss, gw, gb = self.handed
+            self.handed = None
+            return self.penalised(theta, loss, gw.copy(), gb.copy())
+        return super().__call__(theta)
 
     def data_term(self, theta: np.ndarray):
         w, b = self.unpack(theta)
@@ -366,6 +398,7 @@ class _Problem(PenalisedSoftmax):
         u[at, y] -= u.dtype.type(1.0 / n)
         gb = u.sum(axis=0)
         gw = u.T @ x if self.structure == "full" else np.einsum("nk,nk->k", u, x)
+        self.last = (theta, loss, gw.copy(), gb.copy())
         return loss, gw, gb
 
     def curvature_rows(self) -> np.ndarray:
@@ -425,6 +458,13 @@ class _RowSplit(_Problem):
         weights = [w for _, w in self.parts]
         return tuple(sum(w * r[i] for w, r in zip(weights, results, strict=True))
                      for i in range(3))
+
+
+def _coefficients(n: int, k: int, multipliers: dict[str, float]) -> dict[str, float]:
+    """Penalty part -> coefficient per squared entry: the multiplier times the paper's
+    rule for ``n`` rows and ``k`` classes."""
+    scale = {"off": k * (k - 1) / n, "diag": k / n, "bias": k / n}
+    return {part: m * scale[part] for part, m in multipliers.items()}
 
 
 class _StructuredScaler(Calibrator):
@@ -548,11 +588,12 @@ class _StructuredScaler(Calibrator):
         ``E = HELD_ELEMENTS`` for SVS (infinite for SMS) and ``M = min(N K, E)``.
 
         * held features (SMS; SVS with ``N K <= E``): ``temperature + 8 M + 4 M' +
-          max(2 * 8 M + S, T * fold) + 8 G C P + chunk_bytes(1, K, threads=1)``: the
+          max(2 * 8 M + S, search) + 8 G C P + chunk_bytes(1, K, threads=1)``: the
           temperature fit's chunks, the features, their float32 copy (``M' = M`` for
-          SMS or a search, else 0), the final fit's logits and softmax or ``fold = 8
-          M (3 (F - 1) + 1) / F + S`` (a fold's copies and temporaries) when
-          searching, the fold solutions of the candidates, a chunk of slack.
+          SMS or a search, else 0), the final fit's logits and softmax or ``search =
+          8 M G + T (2 * 8 M (F - 1) / F + S)`` when searching (the scored folds' row
+          copies, kept along the path, and a fit's temporaries per thread), the fold
+          solutions of the candidates, a chunk of slack.
         * chunked features (SVS with ``N K > E``): ``temperature + 8 N (F + 7) +
           T (S + chunk_bytes(8, K) + 8 * 5 K n_threads()) + 8 G C P``: per-row
           labels, folds, row indices and log-normalisers; per fold in flight the solver and, per
@@ -585,13 +626,15 @@ class _StructuredScaler(Calibrator):
             whitening = 3 * FLOAT64 * min(rows * k, HELD_ELEMENTS)
         solver = 2 * lbfgs_bytes(params, 20) + 30 * FLOAT64 * params + whitening
         scores = FLOAT64 * held
-        fold = scores * (3 * (folds - 1) + 1) / folds + solver if candidates else 0
+        # the scored folds' row copies (kept along the path), a fit's temporaries per thread
+        search = scored * scores + min(scored, n_threads()) * (
+            2 * scores * (folds - 1) / folds + solver) if candidates else 0
         threads = min(scored, n_threads()) if candidates else 1
         temperature = TemperatureScaler.fit_cost(n, k, TemperatureScaler().get_options())
         solutions = FLOAT64 * scored * candidates * params
         low = scores / 2 if full or candidates else 0
         memory = temperature.bytes + scores + low + max(
-            2 * scores + solver, threads * fold
+            2 * scores + solver, search
         ) + solutions + chunk_bytes(1, n_classes=k, threads=1)
         evaluation = (4.0 * n * k * k if full else 0.0) + SWEEP_FLOPS * n * k
         if not full and n * k > HELD_ELEMENTS:
@@ -620,16 +663,11 @@ class _StructuredScaler(Calibrator):
                  split: bool = False, **options):
         """The penalised problem on rows ``x, y`` (the paper's rule with their N);
         ``split``: evaluated on all threads (:class:`_RowSplit`)."""
-        n, k = x.shape
-        scale = {"off": k * (k - 1) / n, "diag": k / n, "bias": k / n}
         if not isinstance(x, np.ndarray):
             problem = _ChunkedDiagonal
         else:
             problem = _RowSplit if split else _Problem
-        return problem(
-            x, y, self.structure, **{part: m * scale[part] for part, m in multipliers.items()},
-            **options,
-        )
+        return problem(x, y, self.structure, **_coefficients(*x.shape, multipliers), **options)
 
     def _fit(self, x: np.ndarray, y: np.ndarray, *, kind: str, options: dict,
              progress: Progress) -> dict[str, Any]:
@@ -681,12 +719,22 @@ class _StructuredScaler(Calibrator):
             def with_multiplier(m):
                 return {part: m if value is None else value for part, value in fixed.items()}
 
+            # The next candidate's fold problem keeps the rows, and the NLL at its start
+            # (the last point of the fold's previous fit), when the penalty keeps its shape.
+            keep_start = self.structure == "diagonal" or ("off" in searched) == (
+                "diag" in searched)
+
+            def retarget(prob, m):
+                return prob.retarget(keep_start, **_coefficients(prob.n, prob.k,
+                                                                 with_multiplier(m)))
+
             scores, solutions, evaluations = cross_validate_path(
                 lambda xx, yy, m: self._problem(xx, yy, with_multiplier(m),
                                                 block_rows=CV_BLOCK_ROWS),
                 low, y, fold_assignment(n, n_folds, FOLD_SEED), grid,
                 [None] * scored, tick, max_iter=opts["max_iter"], tol=max(opts["tol"], CV_TOL),
                 patience=PATIENCE, solve_options=SOLVER,
+                retarget=retarget if isinstance(low, np.ndarray) else None,
             )
             best = int(np.argmin(scores))
             multipliers, warm = with_multiplier(grid[best]), np.mean(solutions[best], axis=0)

@@ -393,3 +393,24 @@ def test_the_search_scores_all_folds_for_svs_and_two_for_sms(method, scored, mon
     cal, _, _ = fitted(method, n=400, k=4, grid=[1.0, 0.1])
     assert fits == [(scored, 4)]  # scored folds of 4: each fit on 3/4 of the rows
     assert cal.fit_info_["cross_validation"]["scored_folds"] == scored
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_search_hands_each_fold_its_last_evaluation(method, monkeypatch):
+    """A fold's next candidate starts where its last fit ended, with the NLL there known:
+    one evaluation fewer per warm-started fit, the same CV NLL and choice as a fresh
+    evaluation at that point."""
+    grid = [4.0, 1.0, 0.25, 1 / 16]
+    handed, _, _ = fitted(method, n=400, k=4, seed=3, grid=grid)
+    original = structured._Problem.retarget
+    monkeypatch.setattr(structured._Problem, "retarget",
+                        lambda self, keep_start, **c: original(self, False, **c))
+    fresh, _, _ = fitted(method, n=400, k=4, seed=3, grid=grid)
+    cv = [c.fit_info_["cross_validation"] for c in (handed, fresh)]
+    tried = len(cv[0]["candidates"])
+    assert tried == len(cv[1]["candidates"]) >= 2
+    np.testing.assert_allclose([c["cv_nll"] for c in cv[0]["candidates"]],
+                               [c["cv_nll"] for c in cv[1]["candidates"]], rtol=1e-6)
+    assert handed.fit_info_["multipliers"] == fresh.fit_info_["multipliers"]
+    saved = fresh.fit_info_["evaluations"] - handed.fit_info_["evaluations"]
+    assert saved == (tried - 1) * cv[0]["scored_folds"]
