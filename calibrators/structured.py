@@ -24,7 +24,9 @@ cross-validation over ``grid``: the rows are dealt into ``n_folds`` folds, and f
 each of them (SMS: the first ``SMS_SCORED_FOLDS``) a problem on the other folds'
 rows is fitted and scored on the fold's; each problem uses its own N in the rule,
 the grid is walked from the strongest penalty down, each fit warm-started from
-its neighbour, until the CV NLL rises; the final fit on all rows starts from the
+its neighbour (on the same copy of the fold's rows, inheriting the NLL and gradient
+at its start: only the penalty is new there, :meth:`_Problem.retarget`), until the
+CV NLL rises; the final fit on all rows starts from the
 mean of the fits' solutions. The fits' size (``(F - 1) / F`` of the rows) is what
 decides which penalty wins, since weak penalties pay off only with enough rows;
 for SMS, whose evaluations cost ``O(N K**2)``, scoring two folds rather than all
