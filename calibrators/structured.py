@@ -503,9 +503,10 @@ class _StructuredScaler(Calibrator):
     bias_ : ndarray of shape (K,)
     fit_info_ : dict
         The multipliers used, the penalty coefficients, the search's candidates
-        and CV NLL, how the final fit converged, and ``features``: "held" (an
-        N x K array) or "chunked" (:class:`FeatureRows`, SVS above
-        ``HELD_ELEMENTS``).
+        and CV NLL, how the final fit converged (``float32_iterations``: those of
+        SMS's float32 first stage, ``PRESOLVE_TOL``; None for SVS), and
+        ``features``: "held" (an N x K array) or "chunked" (:class:`FeatureRows`,
+        SVS above ``HELD_ELEMENTS``).
     """
 
     structure: ClassVar[str]
