@@ -198,8 +198,12 @@ class PenalisedSoftmax:
     def __call__(self, theta: np.ndarray):
         """Loss and gradient at ``theta``."""
         self.evaluations += 1
-        w, b = self.unpack(theta)
-        x, y, n, k = self.x, self.y, self.n, self.k
+        return self.penalised(theta, *self.data_term(theta))
+
+    def data_term(self, theta: np.ndarray):
+        """The mean NLL at ``theta`` and its gradient in ``W`` and ``b``, without the
+        penalty: ``(loss, gw, gb)``, ``gw`` of ``W``'s shape (full) or (K,)."""
+        x, y, n = self.x, self.y, self.n
         u = self.logits(theta, x)
         uy = u[np.arange(n), y]
         u, row_max, log_total = softmax_terms(u, overwrite=True)  # now u = p
@@ -207,8 +211,15 @@ class PenalisedSoftmax:
         u[np.arange(n), y] -= 1.0  # p - onehot(y)
         u /= n
         gb = u.sum(axis=0)
+        gw = u.T @ x if self.structure == "full" else np.einsum("nk,nk->k", u, x)
+        return loss, gw, gb
+
+    def penalised(self, theta: np.ndarray, loss: float, gw: np.ndarray, gb: np.ndarray):
+        """``(loss, gradient)`` of the whole objective from :meth:`data_term`'s parts
+        (``gw`` and ``gb`` are updated in place)."""
+        w, b = self.unpack(theta)
+        k = self.k
         if self.structure == "full":
-            gw = u.T @ x
             off = w * self.offdiag
             loss += self.c_off * float(np.sum(off * off))
             gw += 2.0 * self.c_off * off
@@ -217,12 +228,10 @@ class PenalisedSoftmax:
                 loss += self.c_diag * float(d @ d)
                 gw[np.arange(k), np.arange(k)] += 2.0 * self.c_diag * d
             gw = gw.ravel()
-        else:
-            gw = np.einsum("nk,nk->k", u, x)
-            if self.c_diag:
-                d = w - 1.0
-                loss += self.c_diag * float(d @ d)
-                gw += 2.0 * self.c_diag * d
+        elif self.c_diag:
+            d = w - 1.0
+            loss += self.c_diag * float(d @ d)
+            gw += 2.0 * self.c_diag * d
         loss += self.c_bias * float(b @ b)
         gb += 2.0 * self.c_bias * b
         return loss, np.concatenate([gw, gb])
@@ -333,6 +342,11 @@ class PenalisedSoftmax:
         res.x, res.jac = self.canonical(res.x * d), res.jac / d
         return res
 
+    def curvature_rows(self) -> np.ndarray:
+        """The rows the whitening's curvature is estimated on: at most ``block_rows``,
+        evenly spaced."""
+        return self.x[:: -(-self.n // self.block_rows)]
+
     def curvature_blocks(self, theta: np.ndarray) -> np.ndarray:
         """Per-class curvature of the loss at ``theta``, shape (K, K+1, K+1).
 
@@ -350,7 +364,7 @@ class PenalisedSoftmax:
         near 0.
         """
         k = self.k
-        x = self.x[:: -(-self.n // self.block_rows)]
+        x = self.curvature_rows()
         n = len(x)
         # p as exp(log_softmax): the fitted numbers are pinned to this rounding
         # (tests/calibrators/test_reference_outputs.py), not to that of softmax().
@@ -389,7 +403,7 @@ class PenalisedSoftmax:
         a large negative offset, so ``w_i`` and ``b_i`` are strongly coupled:
         these blocks undo that.
         """
-        x = self.x[:: -(-self.n // self.block_rows)]
+        x = self.curvature_rows()
         q = np.exp(log_softmax(self.logits(theta, x)))
         q *= 1.0 - q
         damping = DAMPING * float(q.mean())
@@ -412,7 +426,7 @@ class PenalisedSoftmax:
         ``O(K^2)`` memory, for any K.
         """
         k = self.k
-        x = self.x[:: -(-self.n // self.block_rows)]
+        x = self.curvature_rows()
         m = len(x)
         xt = np.concatenate([x, np.ones((m, 1), dtype=x.dtype)], axis=1)
         xx = xt * xt
@@ -548,7 +562,8 @@ def fold_assignment(n: int, n_folds: int, seed: int) -> np.ndarray:
 
 def cross_validate_path(make_problem, feats, y, fold_of, candidates, warm, progress, *,
                         max_iter: int, tol: float, patience: int = PATIENCE,
-                        solve_options: dict | None = None, tie: float = 0.0):
+                        solve_options: dict | None = None, tie: float = 0.0,
+                        retarget=None):
     """Mean held-out NLL of penalty candidates along a path, over the folds.
 
     The candidates are walked in order (strongest penalty first); each
@@ -581,6 +596,12 @@ def cross_validate_path(make_problem, feats, y, fold_of, candidates, warm, progr
     patience : int, default PATIENCE
     tie : float, default 0.0
         Relative tolerance of a rise (0: any candidate after the best is one).
+    retarget : callable, optional
+        ``retarget(problem, candidate)`` -> the fold's problem at the next
+        candidate, on the same rows (no copy): each fold's rows are then copied
+        once, not once per candidate, and the problem may carry over what it
+        knows (:class:`calibrators.structured._Problem`). Default: a new
+        ``make_problem`` per candidate.
 
     Returns
     -------
@@ -595,13 +616,21 @@ def cross_validate_path(make_problem, feats, y, fold_of, candidates, warm, progr
     thetas = list(warm)
     scores, solutions, evaluations = [], [], 0
 
+    problems, held = [None] * n_folds, [None] * n_folds
+
     def fit_fold(args):
         fold, cand = args
         train, test = splits[fold]
-        prob = make_problem(feats[train], y[train], cand)
+        if problems[fold] is None:
+            prob = make_problem(feats[train], y[train], cand)
+            rows = feats[test], y[test]
+        else:
+            prob, rows = retarget(problems[fold], cand), held[fold]
+        if retarget is not None:
+            problems[fold], held[fold] = prob, rows
         start = prob.initial() if thetas[fold] is None else thetas[fold]
         res = prob.solve(start, max_iter=max_iter, tol=tol, **(solve_options or {}))
-        return res.x, prob.nll(res.x, feats[test], y[test]), prob.evaluations
+        return res.x, prob.nll(res.x, *rows), prob.evaluations
 
     with ThreadPoolExecutor(max_workers=min(n_folds, n_threads())) as pool:
         for cand in candidates:

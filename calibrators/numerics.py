@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import numpy as np
-from threadpoolctl import threadpool_limits
+from threadpoolctl import ThreadpoolController
 
 #: Entries per chunk (2**18 float64 = 2 MiB per temporary: stays in L2/L3).
 CHUNK_ELEMENTS = 1 << 18
@@ -63,10 +63,10 @@ def map_rows(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> np.ndarra
 
 
 def map_chunks(fn: Callable[[slice], object], n_rows: int, n_cols: int) -> list:
-    """``[fn(s) for s in row_chunks(...)]``, on a few threads when the input is big."""
+    """``[fn(s) for s in row_chunks(...)]``, on a few threads when there are several chunks."""
     slices = list(row_chunks(n_rows, n_cols))
     workers = n_threads()
-    if workers == 1 or len(slices) < 4:
+    if workers == 1 or len(slices) < 2:
         return [fn(s) for s in slices]
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(fn, slices))
@@ -139,6 +139,9 @@ def _normalised_exp(
 _blas_lock = threading.Lock()
 _blas_users = 0
 _blas_limiter = None
+# Built on first use (numpy's and scipy's BLAS are loaded by then): finding the
+# libraries takes milliseconds, setting a limit microseconds.
+_blas_controller = None
 
 
 @contextmanager
@@ -153,10 +156,12 @@ def single_threaded_blas():
     last restores it (a plain ``threadpool_limits`` per thread would restore
     it under the feet of a thread still running).
     """
-    global _blas_users, _blas_limiter
+    global _blas_users, _blas_limiter, _blas_controller
     with _blas_lock:
         if _blas_users == 0:
-            _blas_limiter = threadpool_limits(limits=1, user_api="blas")
+            if _blas_controller is None:
+                _blas_controller = ThreadpoolController()
+            _blas_limiter = _blas_controller.limit(limits=1, user_api="blas")
         _blas_users += 1
     try:
         yield

@@ -393,3 +393,58 @@ def test_the_search_scores_all_folds_for_svs_and_two_for_sms(method, scored, mon
     cal, _, _ = fitted(method, n=400, k=4, grid=[1.0, 0.1])
     assert fits == [(scored, 4)]  # scored folds of 4: each fit on 3/4 of the rows
     assert cal.fit_info_["cross_validation"]["scored_folds"] == scored
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_search_hands_each_fold_its_last_evaluation(method, monkeypatch):
+    """A fold's next candidate starts where its last fit ended, with the NLL there known:
+    one evaluation fewer per warm-started fit, the same CV NLL and choice as a fresh
+    evaluation at that point."""
+    grid = [4.0, 1.0, 0.25, 1 / 16]
+    handed, _, _ = fitted(method, n=400, k=4, seed=3, grid=grid)
+    original = structured._Problem.retarget
+    monkeypatch.setattr(structured._Problem, "retarget",
+                        lambda self, keep_start, **c: original(self, False, **c))
+    fresh, _, _ = fitted(method, n=400, k=4, seed=3, grid=grid)
+    cv = [c.fit_info_["cross_validation"] for c in (handed, fresh)]
+    tried = len(cv[0]["candidates"])
+    assert tried == len(cv[1]["candidates"]) >= 2
+    np.testing.assert_allclose([c["cv_nll"] for c in cv[0]["candidates"]],
+                               [c["cv_nll"] for c in cv[1]["candidates"]], rtol=1e-6)
+    assert handed.fit_info_["multipliers"] == fresh.fit_info_["multipliers"]
+    saved = fresh.fit_info_["evaluations"] - handed.fit_info_["evaluations"]
+    assert saved == (tried - 1) * cv[0]["scored_folds"]
+
+
+@pytest.mark.parametrize("structure", ["diagonal", "full"])
+@pytest.mark.parametrize("spread", [0.1, 30.0], ids=["bounded", "shifted"])
+def test_the_lean_loss_equals_the_shared_one(structure, spread):
+    """structured._Problem's loss and gradient are linear.PenalisedSoftmax's, with and
+    without the row-maximum shift (a spread of 30 puts the logits' bound above
+    EXP_BOUND), in float64 to rounding and in float32 to float32's."""
+    z, y = confused_logits(301, 5, seed=11)
+    x = structured_features(z, 0.9, 1.0 / (301 * 5))
+    options = {"off": 0.01, "diag": 0.02, "bias": 0.03}
+    shared = structured.PenalisedSoftmax(x, y, structure, **options)
+    theta = shared.initial() + spread * np.random.default_rng(1).normal(
+        size=shared.initial().shape)
+    w, b = shared.unpack(theta)
+    bound = np.abs(b) + (np.abs(w).sum(axis=1) if structure == "full" else np.abs(w)) * (
+        -x.min())
+    assert (bound.max() < structured.EXP_BOUND) == (spread < 1)
+    want, grad = shared(theta)
+    for dtype, rtol in ((np.float64, 1e-12), (np.float32, 1e-5)):
+        lean = structured._Problem(x.astype(dtype), y, structure, **options)
+        got, got_grad = lean(theta)
+        assert got == pytest.approx(want, rel=rtol)
+        np.testing.assert_allclose(got_grad, grad, rtol=rtol, atol=rtol * np.abs(grad).max())
+
+
+def test_sms_float32_first_stage_ends_at_the_float64_optimum(monkeypatch):
+    cal, z, y = fitted("sms", n=300, k=4, seed=2, **FIXED, tol=1e-12)
+    monkeypatch.setattr(structured, "PRESOLVE_TOL", None)
+    plain = calibrators.create("sms", **FIXED, tol=1e-12).fit(z, y)
+    assert cal.fit_info_["float32_iterations"] > 0
+    assert plain.fit_info_["float32_iterations"] is None
+    assert cal.fit_info_["loss"] == pytest.approx(plain.fit_info_["loss"], rel=1e-12, abs=1e-12)
+    np.testing.assert_allclose(cal.weight_, plain.weight_, atol=1e-4)
