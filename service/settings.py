@@ -44,7 +44,8 @@ class Settings(BaseSettings):
     max_json_bytes: int = Field(
         64 * MiB,
         gt=0,
-        description="Largest JSON body (uploads and predict): use .npz/.npy for big arrays.",
+        description="Largest JSON body (uploads, predict, calibrator imports): use .npz/.npy "
+        "for big arrays.",
     )
     max_metadata_bytes: int = Field(
         1 * MiB, gt=0, description="Largest body for the other endpoints (model, fit, alias)."

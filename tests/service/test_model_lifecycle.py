@@ -188,6 +188,19 @@ def test_import_evaluates_posted_params_like_a_fit(client):
     np.testing.assert_allclose(got["probabilities"], cal.predict_proba(z[:8]), atol=1e-6)
 
 
+def test_import_of_a_matrix_larger_than_a_metadata_body(client):
+    """K x K weights: 1.4 MB of params at K = 250, over MAX_METADATA_BYTES (1 MiB), under
+    MAX_JSON_BYTES, the import's limit (it was a 413)."""
+    k = 250
+    create_model(client, "m", k, argmax_policy="warn")
+    z, y = logits_data(300, k, seed=1)
+    ds = upload(client, "m", z, y)
+    params = calibrators.create("matrix", reg_lambda=10.0, reg_mu=10.0).fit(z, y).to_params()
+    assert len(json.dumps(params)) > client.app.state.welltempered.settings.max_metadata_bytes
+    v = import_params(client, "m", ds["id"], params)
+    assert (v["status"], v["method"]) == ("succeeded", "matrix"), v
+
+
 def test_import_takes_the_params_of_welltempered_fit_json(client, tmp_path):
     create_model(client, "m", 4)
     z, y = logits_data(300, 4, seed=5)
