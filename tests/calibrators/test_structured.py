@@ -207,7 +207,7 @@ def test_params_round_trip_through_json_and_clone(method):
         ({"beta": -1.0}, "beta must be > 0. Got -1.0."),
         ({"beta": None}, "beta for"),
         ({"bias": [0.0, 1.0]}, "bias for"),
-        ({"weight": "x"}, "weight must be numbers"),
+        ({"weight": "x"}, "must be numbers"),
     ],
 )
 def test_bad_params_are_refused(method, change, message):
