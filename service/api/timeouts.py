@@ -73,8 +73,11 @@ class _HeaderDeadline:
     request has arrived.
     """
 
-    header_timeout: float
     _deadline: asyncio.TimerHandle | None = None
+
+    def __init__(self, *args, header_timeout: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.header_timeout = header_timeout
 
     # -- uvicorn's hooks ---------------------------------------------------------
 
@@ -138,10 +141,6 @@ class GuardedH11Protocol(_HeaderDeadline, H11Protocol):
     uvicorn builds one per connection; give it as ``http=guarded_protocol(seconds, "h11")``.
     """
 
-    def __init__(self, *args, header_timeout: float, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.header_timeout = header_timeout
-
     def _client_owes_bytes(self) -> bool:
         state = self.conn.their_state
         if state is h11.IDLE:  # h11 stays IDLE until a request's headers are complete
@@ -161,10 +160,7 @@ class GuardedHttpToolsProtocol(_HeaderDeadline, HttpToolsProtocol):
     None between requests, then ``headers``, then ``body`` until the request's last byte.
     """
 
-    def __init__(self, *args, header_timeout: float, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.header_timeout = header_timeout
-        self._phase: str | None = None
+    _phase: str | None = None
 
     def on_message_begin(self) -> None:
         super().on_message_begin()

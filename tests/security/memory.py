@@ -277,13 +277,18 @@ def _npz_accepted_case() -> Case:
                                 "application/octet-stream"))
 
 
-def _vocab_npz_case(dtype: str, rows: int = 1_360) -> Case:
-    rng = np.random.default_rng(4)
+def _vocab_npz(dtype: str, rows: int, seed: int) -> tuple[bytes, int]:
+    """A .npz of ``rows`` x VOCAB_K ``dtype`` logits and their labels, and the bytes of
+    its arrays as the service reads them (float32 scores, or float64; int64 labels)."""
+    rng = np.random.default_rng(seed)
     z = rng.standard_normal((rows, VOCAB_K), dtype=np.float32).astype(dtype)
     y = rng.integers(0, VOCAB_K, rows)
     body = pl.npz({"logits.npy": pl.array_npy(z), "labels.npy": pl.array_npy(y)})
-    del z
-    stored = rows * VOCAB_K * (8 if dtype == "float64" else 4) + rows * 8
+    return body, rows * VOCAB_K * (8 if dtype == "float64" else 4) + rows * 8
+
+
+def _vocab_npz_case(dtype: str, rows: int = 1_360) -> Case:
+    body, stored = _vocab_npz(dtype, rows, seed=4)
     return Case(f"npz dataset of {rows:,} x {VOCAB_K:,} {dtype} ({len(body) / MiB:.0f} MiB), "
                 "accepted", len(body), 201,
                 lambda s: _post(s, f"/v1/models/{VOCAB_MODEL}/datasets", body,
@@ -294,12 +299,7 @@ def _vocab_feedback_case(dtype: str, rows: int = 1_360) -> Case:
     """Feedback as a .npz: the rows are calibrated by the version that served them and
     folded into the monitoring statistics; compared with its arrays as read (float32
     scores, int64 labels), as an upload is with the arrays it stores."""
-    rng = np.random.default_rng(7)
-    z = rng.standard_normal((rows, VOCAB_K), dtype=np.float32).astype(dtype)
-    y = rng.integers(0, VOCAB_K, rows)
-    body = pl.npz({"logits.npy": pl.array_npy(z), "labels.npy": pl.array_npy(y)})
-    del z
-    arrays = rows * VOCAB_K * (8 if dtype == "float64" else 4) + rows * 8
+    body, arrays = _vocab_npz(dtype, rows, seed=7)
     return Case(f"npz feedback of {rows:,} x {VOCAB_K:,} {dtype} ({len(body) / MiB:.0f} MiB), "
                 "accepted", len(body), 200,
                 lambda s: _post(s, f"/v1/models/{VOCAB_MODEL}/feedback", body,
