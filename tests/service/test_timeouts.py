@@ -239,8 +239,10 @@ def test_haproxy_in_front_closes_slow_headers_before_the_service(tmp_path):
     config = (ROOT / "deploy" / "haproxy" / "haproxy.cfg").read_text()
     config = re.sub(r"timeout http-request \S+", f"timeout http-request {TIMEOUT:g}s", config)
     config = re.sub(r"(?m)^\s+server .*\n", "", config)
-    config = config.replace("    bind :8000", f"    bind 127.0.0.1:{(port := free_port())}")
     with srv:
+        # Chosen while the server listens: before, the kernel could hand out the port the
+        # server was about to take, and the checks below then reached it, not HAProxy.
+        config = config.replace("    bind :8000", f"    bind 127.0.0.1:{(port := free_port())}")
         config += f"    server api-1 127.0.0.1:{srv.port}\n"
         (tmp_path / "haproxy.cfg").write_text(config)
         log = (tmp_path / "haproxy.log").open("w")
