@@ -16,6 +16,7 @@ from starlette.types import Scope
 from service.api import docs, openapi, problems
 from service.api.deps import AppState
 from service.api.faults import DatabaseFaultMiddleware
+from service.api.hotpath import ServingApp
 from service.api.routers import (
     aliases,
     calibrators,
@@ -116,7 +117,7 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
             engine.dispose()
             metrics.mark_process_dead()
 
-    app = FastAPI(
+    app = ServingApp(
         title="welltempered",
         summary="Fit, compare, promote and serve post-hoc calibrators.",
         version="0.1.0",

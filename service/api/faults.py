@@ -103,7 +103,8 @@ class DatabaseFaultMiddleware:
 
         with retry.recording() as writes:
             try:
-                await self.app(scope, replaying_receive, tracked_send)
+                # Nothing to replay or keep (a POST): the request's own receive, unwrapped.
+                await self.app(scope, receive if seen is None else replaying_receive, tracked_send)
                 return None
             except Exception as exc:
                 if started or not retry.is_transient(exc):

@@ -860,12 +860,38 @@ def plain_object(body, allowed: set[str], bounds: Bounds) -> dict[str, Any] | No
             return out if pos == len(body) else None
 
 
-def _only_numbers(key: str, value: Any, scan: bool) -> Any:
+def _quotes_only_in_keys(body, keys: int) -> bool:
+    """Whether ``body``, a JSON object of ``keys`` keys, has no ``"`` but its keys' own
+    (two each): then none of its values holds a string. One ``memchr`` per quote.
+
+    >>> _quotes_only_in_keys(b'{"logits": [[1, 2]]}', 1), _quotes_only_in_keys(b'{"a": ["1"]}', 1)
+    (True, False)
+    """
+    at = -1
+    for _ in range(2 * keys + 1):
+        at = body.find(b'"', at + 1)
+        if at < 0:
+            return True
+    return False
+
+
+def _only_numbers(key: str, value: Any, scan: bool, no_strings: bool = False) -> Any:
     """A parsed array of numbers as float64. true/false/null are looked for when ``scan``
     (a 422: numpy would read true as 1.0 next to a float); strings, ragged or nested
-    arrays are left as they are, for the core's message."""
+    arrays are left as they are, for the core's message.
+
+    ``no_strings`` (the body holds none, :func:`_quotes_only_in_keys`) and no ``scan``:
+    numbers and lists are all there is, and numpy converts them to float64 in one pass
+    (what :func:`_numbers` does for large bodies), without first discovering a dtype:
+    a third of the conversion's time for a 1 x 1,000 predict.
+    """
     if not isinstance(value, list):
         return value
+    if no_strings and not scan:
+        try:
+            return np.asarray(value, dtype=np.float64)
+        except (ValueError, TypeError, OverflowError):
+            pass  # ragged, nested or out of range: the checks below word it
     for row in value if scan else ():
         items = row if isinstance(row, list) else (row,)
         for item in items:
@@ -910,7 +936,8 @@ def json_object(body: bytes | bytearray, allowed_keys: set[str], bounds: Bounds)
             f"Unknown field(s) {_short(sorted(unknown))}; expected {sorted(allowed_keys)!r}."
         )
     scan = _may_hold_literals(body)
-    return {k: _only_numbers(k, v, scan) if k != "version" else v for k, v in obj.items()}
+    plain = _quotes_only_in_keys(body, len(obj))
+    return {k: _only_numbers(k, v, scan, plain) if k != "version" else v for k, v in obj.items()}
 
 
 def score_key(obj: dict, allowed: tuple[str, ...]) -> str:

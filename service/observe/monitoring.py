@@ -412,13 +412,16 @@ class MetricsMiddleware:
                 )
             await send(message)
 
-        with metrics.track_in_progress():
-            try:
-                await self.app(scope, receive, send_observed)
-            except BaseException:
-                if not observed:
-                    observed = True
-                    metrics.observe_request(
-                        obs.route_template(scope), scope["method"], 500, time.perf_counter() - start
-                    )
-                raise
+        in_progress = metrics.http_in_progress  # not track_in_progress: no generator per request
+        in_progress.inc()
+        try:
+            await self.app(scope, receive, send_observed)
+        except BaseException:
+            if not observed:
+                observed = True
+                metrics.observe_request(
+                    obs.route_template(scope), scope["method"], 500, time.perf_counter() - start
+                )
+            raise
+        finally:
+            in_progress.dec()

@@ -26,6 +26,7 @@ from starlette.types import Scope
 from calibrators.numerics import row_chunks
 from service.api import ingest
 from service.api.deps import AppState, get_app_state
+from service.api.hotpath import ServingApp
 from service.api.openapi import BINARY, OCTET_STREAM, SCORE_PROPERTIES
 from service.api.schemas import Kind, PredictOut, ScoreDtype
 from service.api.uploads import media_type, read_body, read_npy
@@ -359,10 +360,15 @@ def add_hot_route(app: FastAPI, path: str, endpoint, **documented) -> None:
     against peers"). Starlette's route calls the endpoint and sends its answer; errors
     take the app's exception handlers either way. The documented route (``documented``
     are :meth:`FastAPI.add_api_route`'s arguments) stays in the app for /openapi.json,
-    matched by no request, since the plain route matches first.
+    matched by no request, since the plain route matches first. On a
+    :class:`~service.api.hotpath.ServingApp` (the service's app), its POSTs skip
+    Starlette's and FastAPI's middleware layers as well.
     """
     app.add_api_route(path, endpoint, methods=["POST"], **documented)
-    app.router.routes.insert(0, _HotRoute(path, endpoint, methods=["POST"]))
+    route = _HotRoute(path, endpoint, methods=["POST"])
+    app.router.routes.insert(0, route)
+    if isinstance(app, ServingApp):  # and past Starlette's layers (service.api.hotpath)
+        app.add_hot_route(route)
 
 
 def install(app: FastAPI) -> None:
