@@ -74,7 +74,8 @@ class ServingApp(FastAPI):
     def _build_hot_stacks(self) -> list[tuple[Route, ASGIApp]]:
         """Each hot route's endpoint inside the service's middlewares; none (the full
         stack for everything) while FastAPI's OpenTelemetry instrumentation is on."""
-        if self._native_telemetry.enabled():
+        telemetry = getattr(self, "_native_telemetry", None)  # FastAPI 0.16x's own
+        if telemetry is not None and telemetry.enabled():
             return []
         handlers = {
             key: handler
