@@ -31,11 +31,15 @@ from service.storage.retry import retry_read
 OUTPUTS = ("probabilities", "label", "confidence", "entropy")
 #: The outputs :func:`top_k` adds when a request asks for the k largest probabilities.
 TOP_K_OUTPUTS = ("top_k_indices", "top_k_probabilities")
-#: Scores of one ONNX Runtime call, at most (4 M: 16 MiB of float32). A bigger batch runs
-#: in row chunks written into the answer's arrays, so the graph's intermediate tensors
-#: cost a chunk, not the batch (at K = 49,152 a 1,000-row batch held about 3 times its
-#: input); every graph is row-wise, so the answer is the same.
-RUN_ELEMENTS = 1 << 22
+#: Scores of one ONNX Runtime call, at most (64 Ki: 256 KiB of float32; one row when K
+#: is larger). A bigger batch runs in row chunks written into the answer's arrays, so
+#: the graph's intermediate tensors cost a chunk, not the batch (at K = 49,152 a
+#: 1,000-row batch held about 3 times its input); every graph is row-wise, so the
+#: answer is the same. ONNX Runtime's arena keeps the largest chunk's intermediates for
+#: the session's life, and small ones stay in the CPU's caches: against 4 Mi a chunk,
+#: 4,096 x 1,000 ran in 27-31 instead of 80-142 ms, the arena 22 instead of 295 MiB
+#: (bench/README.md, "Serving against peers").
+RUN_ELEMENTS = 1 << 16
 
 
 def version_key(row) -> tuple:
