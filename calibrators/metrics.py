@@ -118,6 +118,7 @@ from scipy.special import entr
 
 from calibrators.numerics import imap_chunks, row_chunks, softmax_entropy
 from calibrators.validation import (
+    MAX_BINS,
     CalibrationInputError,
     as_labels,
     as_scores,
@@ -154,7 +155,7 @@ STRATEGIES = ("uniform", "quantile")
 
 
 def _check_n_bins(n_bins) -> int:
-    return check_integer("n_bins", n_bins, minimum=1)
+    return check_integer("n_bins", n_bins, minimum=1, maximum=MAX_BINS)
 
 
 def _check_strategy(strategy) -> str:
@@ -779,7 +780,8 @@ def report(probs, labels, *, n_bins: int = DEFAULT_N_BINS) -> dict:
     labels : array-like of shape (n_samples,)
         Integer class labels in ``[0, n_classes)``.
     n_bins : int, default 15
-        Bins of every binned metric.
+        Bins of every binned metric, 1 to 10,000 (``calibrators.validation.MAX_BINS``,
+        as for every ``n_bins`` here).
 
     Returns
     -------

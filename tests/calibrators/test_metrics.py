@@ -190,7 +190,7 @@ def test_bad_input_raises_the_shared_error(function, probs, labels):
         function(probs, labels)
 
 
-@pytest.mark.parametrize("n_bins", [0, -3, 1.5, True, "15", None])
+@pytest.mark.parametrize("n_bins", [0, -3, 1.5, True, "15", None, 10_001])
 def test_bad_n_bins_raises(n_bins):
     for function in (expected_calibration_error, classwise_calibration_error, report):
         with pytest.raises(CalibrationInputError, match="n_bins must be an integer >= 1") as info:
