@@ -10,7 +10,9 @@ the service's own steps. This script measures, in one process, on the same array
   ``row_chunks``, ``softmax`` and the validation, unchanged) and of this checkout,
   alternating, ``--rounds`` times each: wall and CPU seconds, and the peak
   anonymous resident memory above its level before the call (``RssAnon``, sampled
-  every 2 ms: allocations, the array itself excluded);
+  every 2 ms: allocations, the array itself excluded; glibc keeps freed blocks, so a
+  call after a bigger one shows less); then one more call of each under
+  tracemalloc, whose peak counts every numpy buffer exactly;
 * **floor**: one float64 softmax pass over the array in row chunks (float64 copy,
   max, exp, sum, divide) on one thread: what both must compute at least;
 * **per metric**: one pass of each version on one thread with each step timed
@@ -33,7 +35,7 @@ a float16 body.
 
 Usage::
 
-    .venv/bin/python bench/upload_metrics.py     # the three default cases (about 8 min)
+    .venv/bin/python bench/upload_metrics.py     # the three default cases (10-15 min)
     .venv/bin/python bench/upload_metrics.py --cases 400x49152:float32 --rounds 1 --upload-cases ''
 """
 
@@ -140,6 +142,16 @@ def timed_call(module, z, y) -> tuple[dict, float, float, int]:
     return out, seconds, cpu, anon.extra
 
 
+def traced_peak(module, z, y) -> int:
+    """tracemalloc's peak during one ``scores_report`` call (the array excluded)."""
+    tracemalloc.start()
+    try:
+        module.scores_report(z, y)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def floor_pass(z: np.ndarray) -> float:
     """One float64 softmax pass in row chunks, one thread; seconds."""
     t0 = time.perf_counter()
@@ -188,6 +200,7 @@ def steps_after(new, z, y) -> Steps:
     n, k = z.shape
     step = Steps()
     classwise = new._ClasswiseSums(k, N_BINS)
+    inner = new.bin_edges(N_BINS)[1:-1]
     for rows in row_chunks(n, k):
         u = step("float64 copy", z[rows].astype, np.float64)
         chunk, _ = step("softmax + entropy", numerics.softmax_entropy, u)
@@ -195,7 +208,7 @@ def steps_after(new, z, y) -> Steps:
         step("top label", new._top_label, chunk, labels)
         step("true class", new._true_class_probability, chunk, labels)
         step("brier", new._brier_sum, chunk, labels, scratch=True)
-        part = step("classwise", new._classwise_chunk, chunk, N_BINS)
+        part = step("classwise", new._classwise_chunk, chunk, inner)
         step("classwise", classwise.add, part)
     return step
 
@@ -286,15 +299,17 @@ def run_case(spec: str, old, rounds: int, upload: bool) -> None:
     print(f"(ECE {after['ece']:.4f}, classwise ECE {after['classwise_ece']:.3e}, NLL "
           f"{after['nll']:.4f}, entropy {after['entropy']:.4f}, accuracy {after['accuracy']:.4f})")
 
-    print("\n| code | best s | median s | CPU s (median) | x floor (best) | peak anon MiB |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    traced = {"before": traced_peak(old, z, y), "after": traced_peak(metrics, z, y)}
+    print("\n| code | best s | median s | CPU s (median) | x floor (best) | peak anon MiB "
+          "| traced peak MiB |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name in ("before", "after"):
         seconds = [r[0] for r in results[name]]
         cpus = [r[1] for r in results[name]]
         anon = max(r[2] for r in results[name])
         print(f"| {name} | {min(seconds):.2f} | {statistics.median(seconds):.2f} "
               f"| {statistics.median(cpus):.2f} | {min(seconds) / floor:.1f} "
-              f"| {anon / 2**20:.1f} |")
+              f"| {anon / 2**20:.1f} | {traced[name] / 2**20:.1f} |")
     best = min(r[0] for r in results["before"]) / min(r[0] for r in results["after"])
     median = (statistics.median(r[0] for r in results["before"])
               / statistics.median(r[0] for r in results["after"]))

@@ -116,6 +116,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.special import entr
 
+from calibrators import numerics
 from calibrators.numerics import imap_chunks, row_chunks, softmax_entropy
 from calibrators.validation import (
     MAX_BINS,
@@ -496,7 +497,7 @@ def reliability_bins(
 # classwise calibration
 
 
-def _classwise_chunk(chunk: np.ndarray, n_bins: int) -> tuple:
+def _classwise_chunk(chunk: np.ndarray, inner: np.ndarray) -> tuple:
     """A row chunk's part of the per-(class, bin) probability sums, without binning
     every entry.
 
@@ -505,15 +506,16 @@ def _classwise_chunk(chunk: np.ndarray, n_bins: int) -> tuple:
     model's K nearly every entry is in bin 0. Those few are found with one
     comparison and binned with ``searchsorted``; bin 0's sums are the chunk's column
     sums once they are set to 0. Each sum adds the same numbers in the same order as
-    binning every entry with ``searchsorted`` + ``bincount`` would (adding 0.0
-    changes no float), so the sums are equal to the bit.
+    binning every entry with ``searchsorted`` + ``bincount`` would (row after row;
+    adding 0.0 changes no float), so the sums are equal to the bit.
 
     Parameters
     ----------
     chunk : ndarray of shape (n_rows, K), float64
         Probabilities, the caller's scratch copy: its entries above bin 0 are
-        overwritten with 0.
-    n_bins : int
+        overwritten with 0 (and a one-row chunk is returned as ``low``).
+    inner : ndarray of shape (n_bins - 1,)
+        The inner bin edges, ``bin_edges(n_bins)[1:-1]``.
 
     Returns
     -------
@@ -523,65 +525,93 @@ def _classwise_chunk(chunk: np.ndarray, n_bins: int) -> tuple:
         The other entries: their flat (class, bin) index ``class * n_bins + bin``
         and value, in row order.
     """
-    k = chunk.shape[1]
-    inner = bin_edges(n_bins)[1:-1]
+    n_rows, k = chunk.shape
     flat = chunk.reshape(-1)
-    upper = np.flatnonzero(flat >= inner[0]) if n_bins > 1 else np.empty(0, dtype=np.intp)
+    upper = np.flatnonzero(flat >= inner[0]) if inner.size else np.empty(0, dtype=np.intp)
     values = flat[upper]
     flat[upper] = 0.0
-    slots = (upper % k) * n_bins + np.searchsorted(inner, values, side="right")
-    return flat.reshape(chunk.shape).sum(axis=0), slots, values
+    slots = (upper % k) * (inner.size + 1) + np.searchsorted(inner, values, side="right")
+    # einsum adds the rows one after the other, as bincount did (and sum(axis=0) does,
+    # several times slower on a narrow K)
+    low = flat if n_rows == 1 else np.einsum("ij->j", flat.reshape(n_rows, k))
+    return low, slots, values
 
 
 class _ClasswiseSums:
     """Per-(class, bin) probability sums, added up from :func:`_classwise_chunk` parts
-    in chunk order: bin 0 in a vector of K (contiguous: a chunk's column sums add
-    in one pass), the other bins in a (K * n_bins,) array touched only at the slots
-    of their entries."""
+    in chunk order, and the classwise ECE they give.
+
+    Bin 0 is a vector of K (a chunk's column sums add in one pass). The other bins
+    hold a few entries a row at most: when K x ``n_bins`` is larger than a chunk,
+    only the (class, bin) slots that hold entries are kept (sorted slots and their
+    sums), so the memory is a few vectors of K, not K x ``n_bins`` arrays (31 MiB
+    each at K = 262,144); otherwise one dense array.
+    """
 
     def __init__(self, k: int, n_bins: int):
-        self.n_bins = n_bins
+        self.k, self.n_bins = k, n_bins
         self.low = np.zeros(k)
-        self.upper = np.zeros(k * n_bins)
+        self.upper = np.zeros(k * n_bins) if k * n_bins <= numerics.CHUNK_ELEMENTS else None
+        self.slots = np.empty(0, dtype=np.intp)
+        self.sums = np.empty(0)
 
     def add(self, part: tuple) -> None:
         low, slots, values = part
         self.low += low
-        if 4 * slots.size >= self.upper.size:  # many entries for few slots: one bincount
+        if self.upper is not None:
             self.upper += np.bincount(slots, weights=values, minlength=self.upper.size)
-        elif slots.size:  # a few entries of a large K: only their slots
+        elif slots.size:
             used, where = np.unique(slots, return_inverse=True)
-            self.upper[used] += np.bincount(where, weights=values)
+            sums = np.bincount(where, weights=values)  # this chunk's, as bincount adds them
+            at = np.searchsorted(self.slots, used)
+            known = at < self.slots.size
+            known[known] = self.slots[at[known]] == used[known]
+            self.sums[at[known]] += sums[known]
+            if not known.all():
+                self.slots = np.insert(self.slots, at[~known], used[~known])
+                self.sums = np.insert(self.sums, at[~known], sums[~known])
 
-    def total(self) -> np.ndarray:
-        """The sums, shape (K * n_bins,): ``[class * n_bins + bin]`` (once: no copy)."""
-        self.upper[:: self.n_bins] = self.low
-        return self.upper
+    def errors(self, true_probability: np.ndarray, labels: np.ndarray) -> np.ndarray:
+        """ECE of each class, shape (K,), given the true-class probability of each row.
 
-
-def _classwise_finish(
-    confidence_sum: np.ndarray, true_probability: np.ndarray, labels: np.ndarray, n_bins: int
-) -> np.ndarray:
-    """ECE of each class (K,) from the per-(class, bin) sums (overwritten: the gaps are
-    computed in their memory) and the true-class probabilities."""
-    k = confidence_sum.shape[0] // n_bins
-    inner = bin_edges(n_bins)[1:-1]
-    true_bin = np.searchsorted(inner, true_probability, side="right")
-    positives = np.bincount(labels * n_bins + true_bin, minlength=k * n_bins)
-    gap = np.abs(np.subtract(positives, confidence_sum, out=confidence_sum), out=confidence_sum)
-    return gap.reshape(k, n_bins).sum(axis=1) / len(labels)
+        Per class, ``sum_b |positives_b - sums_b| / N`` over the bins, positives
+        being the rows labelled with the class whose probability of it falls in
+        ``b``. A class with nothing above bin 0 has one non-zero gap; the others
+        are summed as one row of ``n_bins`` gaps: the same arithmetic as the whole
+        (K, n_bins) table, without it.
+        """
+        k, n_bins = self.k, self.n_bins
+        if self.upper is not None:
+            self.slots = np.flatnonzero(self.upper)  # entries >= 1 / n_bins: sums > 0
+            self.sums = self.upper[self.slots]
+        true_bin = np.searchsorted(bin_edges(n_bins)[1:-1], true_probability, side="right")
+        above = true_bin > 0
+        gap = np.abs(np.bincount(labels[~above], minlength=k) - self.low)  # bin 0
+        positive = labels[above] * n_bins + true_bin[above]
+        classes = np.union1d(self.slots // n_bins, positive // n_bins)
+        if classes.size:
+            counts = np.bincount(
+                np.searchsorted(classes, positive // n_bins) * n_bins + positive % n_bins,
+                minlength=classes.size * n_bins,
+            ).reshape(classes.size, n_bins)
+            sums = np.zeros((classes.size, n_bins))
+            sums[np.searchsorted(classes, self.slots // n_bins), self.slots % n_bins] = self.sums
+            table = np.abs(counts - sums)
+            table[:, 0] = gap[classes]
+            gap[classes] = table.sum(axis=1)
+        return gap / len(labels)
 
 
 def _classwise_errors(probs: np.ndarray, labels: np.ndarray, n_bins: int) -> np.ndarray:
     """ECE of each class column against its one-vs-rest indicator, shape (K,)."""
     n, k = probs.shape
     sums = _ClasswiseSums(k, n_bins)
+    inner = bin_edges(n_bins)[1:-1]
     for part in imap_chunks(
-        lambda rows: _classwise_chunk(probs[rows].astype(np.float64), n_bins), n, k
+        lambda rows: _classwise_chunk(probs[rows].astype(np.float64), inner), n, k
     ):
         sums.add(part)
-    true_probability = _true_class_probability(probs, labels)
-    return _classwise_finish(sums.total(), true_probability, labels, n_bins)
+    return sums.errors(_true_class_probability(probs, labels), labels)
 
 
 def classwise_calibration_error(probs, labels, *, n_bins: int = DEFAULT_N_BINS) -> float:
@@ -873,6 +903,7 @@ def _report(block, labels: np.ndarray, n: int, k: int, n_bins: int) -> dict:
     confidence = np.empty(n)
     correct = np.empty(n, dtype=bool)
     true_probability = np.empty(n)
+    inner = bin_edges(n_bins)[1:-1]
 
     def figures(rows: slice) -> tuple:
         chunk, entropy = block(rows)
@@ -880,7 +911,7 @@ def _report(block, labels: np.ndarray, n: int, k: int, n_bins: int) -> dict:
         confidence[rows], correct[rows] = _top_label(chunk, y)
         true_probability[rows] = _true_class_probability(chunk, y)
         brier = _brier_sum(chunk, y, scratch=True)
-        return brier, entropy, _classwise_chunk(chunk, n_bins)  # the last overwrites chunk
+        return brier, entropy, _classwise_chunk(chunk, inner)  # the last overwrites chunk
 
     classwise = _ClasswiseSums(k, n_bins)
     brier = entropy = 0.0
@@ -905,9 +936,7 @@ def _report(block, labels: np.ndarray, n: int, k: int, n_bins: int) -> dict:
         "ece": uniform["ece"],
         "ece_quantile": quantile["ece"],
         "mce": uniform["mce"],
-        "classwise_ece": float(
-            _classwise_finish(classwise.total(), true_probability, labels, n_bins).mean()
-        ),
+        "classwise_ece": float(classwise.errors(true_probability, labels).mean()),
         "n_bins": n_bins,
         "bins": uniform["bins"],
     }

@@ -640,37 +640,46 @@ def test_report_equals_a_straightforward_reference(case, rows_per_chunk):
     _assert_matches_reference(got, _reference_report(probs, labels, n_bins))
 
 
-def _binned_sums(probs, n_bins, chunk_rows):
-    """The classwise sums as they were computed before: every entry binned
-    (searchsorted + bincount), the row chunks' sums added in order."""
+def _binned_errors(probs, labels, n_bins, chunk_rows):
+    """The per-class ECE as it was computed before: every entry binned (searchsorted
+    + bincount), the row chunks' sums added in order, the whole (K, n_bins) table."""
     n, k = probs.shape
     inner = np.linspace(0.0, 1.0, n_bins + 1)[1:-1]
-    out = np.zeros(k * n_bins)
+    sums = np.zeros(k * n_bins)
     for start in range(0, n, chunk_rows):
         chunk = probs[start : start + chunk_rows]
         index = np.searchsorted(inner, chunk, side="right") + np.arange(k) * n_bins
-        out += np.bincount(index.ravel(), weights=chunk.ravel(), minlength=k * n_bins)
-    return out
+        sums += np.bincount(index.ravel(), weights=chunk.ravel(), minlength=k * n_bins)
+    true_bin = np.searchsorted(inner, probs[np.arange(n), labels], side="right")
+    positives = np.bincount(labels * n_bins + true_bin, minlength=k * n_bins)
+    return np.abs(positives - sums).reshape(k, n_bins).sum(axis=1) / n
 
 
-@given(labelled_probabilities(), st.integers(1, 5))
-def test_classwise_sums_equal_binning_every_entry_to_the_bit(case, chunk_rows):
-    probs, _, n_bins = case
+def _classwise_errors(probs, labels, n_bins, chunk_rows):
     sums = metrics._ClasswiseSums(probs.shape[1], n_bins)
     for start in range(0, probs.shape[0], chunk_rows):
-        sums.add(metrics._classwise_chunk(probs[start : start + chunk_rows].copy(), n_bins))
-    assert np.array_equal(sums.total(), _binned_sums(probs, n_bins, chunk_rows))
+        chunk = probs[start : start + chunk_rows].copy()
+        sums.add(metrics._classwise_chunk(chunk, bin_edges(n_bins)[1:-1]))
+    return sums.errors(probs[np.arange(probs.shape[0]), labels], labels)
 
 
-def test_classwise_sums_to_the_bit_at_language_model_k():
-    # Both ways of adding a chunk's upper entries (one bincount, or only their slots).
+@given(labelled_probabilities(), st.integers(1, 5), st.booleans())
+def test_classwise_errors_equal_binning_every_entry_to_the_bit(case, chunk_rows, sparse):
+    # sparse: only the (class, bin) slots with entries are kept, as above a chunk's size
+    probs, labels, n_bins = case
+    with mock.patch.object(numerics, "CHUNK_ELEMENTS", 1 if sparse else 1 << 18):
+        got = _classwise_errors(probs, labels, n_bins, chunk_rows)
+    assert np.array_equal(got, _binned_errors(probs, labels, n_bins, chunk_rows))
+
+
+def test_classwise_errors_to_the_bit_at_language_model_k():
+    # K = 10 keeps a dense (K, n_bins) array; K = 50,000 only the slots with entries.
     rng = np.random.default_rng(11)
     for k in (10, 50_000):
         probs = softmax(rng.standard_t(3, size=(40, k)) * 3)
-        sums = metrics._ClasswiseSums(k, 15)
-        for start in range(0, 40, 7):
-            sums.add(metrics._classwise_chunk(probs[start : start + 7].copy(), 15))
-        assert np.array_equal(sums.total(), _binned_sums(probs, 15, 7))
+        labels = np.where(rng.random(40) < 0.5, probs.argmax(axis=1), rng.integers(0, k, 40))
+        got = _classwise_errors(probs, labels, 15, 7)
+        assert np.array_equal(got, _binned_errors(probs, labels, 15, 7))
 
 
 def test_the_figures_do_not_depend_on_the_number_of_threads(monkeypatch):
