@@ -576,15 +576,19 @@ class _ClasswiseSums:
 
         Per class, ``sum_b |positives_b - sums_b| / N`` over the bins, positives
         being the rows labelled with the class whose probability of it falls in
-        ``b``. A class with nothing above bin 0 has one non-zero gap; the others
-        are summed as one row of ``n_bins`` gaps: the same arithmetic as the whole
-        (K, n_bins) table, without it.
+        ``b``: one row of ``n_bins`` gaps per class, summed. With only the slots
+        kept, a class with nothing above bin 0 has one non-zero gap, and only the
+        other classes get their row: the same arithmetic as the whole table.
         """
         k, n_bins = self.k, self.n_bins
-        if self.upper is not None:
-            self.slots = np.flatnonzero(self.upper)  # entries >= 1 / n_bins: sums > 0
-            self.sums = self.upper[self.slots]
         true_bin = np.searchsorted(bin_edges(n_bins)[1:-1], true_probability, side="right")
+        if self.upper is not None:  # the whole (K, n_bins) table, no larger than a chunk
+            table = self.upper
+            table[::n_bins] = self.low
+            slot = labels * n_bins
+            slot += true_bin
+            gap = np.abs(np.subtract(np.bincount(slot, minlength=table.size), table, out=table))
+            return gap.reshape(k, n_bins).sum(axis=1) / len(labels)
         above = true_bin > 0
         gap = np.abs(np.bincount(labels[~above], minlength=k) - self.low)  # bin 0
         positive = labels[above] * n_bins + true_bin[above]
