@@ -544,7 +544,7 @@ class _ClasswiseSums:
     Bin 0 is a vector of K (a chunk's column sums add in one pass). The other bins
     hold a few entries a row at most: when K x ``n_bins`` is larger than a chunk,
     only the (class, bin) slots that hold entries are kept (sorted slots and their
-    sums), so the memory is a few vectors of K, not K x ``n_bins`` arrays (31 MiB
+    sums), so the memory is a few vectors of K, not K x ``n_bins`` float64 arrays (30 MiB
     each at K = 262,144); otherwise one dense array.
     """
 
@@ -578,7 +578,8 @@ class _ClasswiseSums:
         being the rows labelled with the class whose probability of it falls in
         ``b``: one row of ``n_bins`` gaps per class, summed. With only the slots
         kept, a class with nothing above bin 0 has one non-zero gap, and only the
-        other classes get their row: the same arithmetic as the whole table.
+        other classes get their row: the same arithmetic as the whole table. Called
+        once: the dense table is overwritten with the gaps.
         """
         k, n_bins = self.k, self.n_bins
         true_bin = np.searchsorted(bin_edges(n_bins)[1:-1], true_probability, side="right")
