@@ -79,12 +79,18 @@ def _no_progress(fraction: float) -> None:
 
 @dataclass(frozen=True)
 class Integer:
-    """Option check: an integer (never a bool) ``>= minimum``."""
+    """Option check: an integer (never a bool) in ``[minimum, maximum]`` (None: no bound).
+
+    Every integer option of the library's methods has both bounds (the ranges are
+    in :mod:`calibrators.validation`: ``MAX_ITERATIONS``, ``MAX_FOLDS``, ...); the
+    service's OpenAPI document shows them.
+    """
 
     minimum: int | None = None
+    maximum: int | None = None
 
     def __call__(self, name: str, value: Any) -> int:
-        return check_integer(name, value, minimum=self.minimum)
+        return check_integer(name, value, minimum=self.minimum, maximum=self.maximum)
 
 
 @dataclass(frozen=True)

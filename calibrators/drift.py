@@ -81,7 +81,12 @@ from fractions import Fraction
 
 import numpy as np
 
-from calibrators.validation import CalibrationInputError, check_integer
+from calibrators.validation import (
+    INT64_MAX,
+    MAX_RESAMPLES,
+    CalibrationInputError,
+    check_integer,
+)
 
 __all__ = [
     "DEFAULT_ALPHA",
@@ -249,9 +254,9 @@ def detect_drift(
     min_count : int, default 200
         Fewer live rows than this give ``"insufficient_data"``.
     n_resamples : int, default 2000
-        Bootstrap replicates ``B``.
+        Bootstrap replicates ``B``, 1 to 1,000,000 (``MAX_RESAMPLES``).
     seed : int, default 0
-        Seed of ``numpy.random.default_rng``.
+        Seed of ``numpy.random.default_rng``, 0 to ``2**63 - 1``.
 
     Returns
     -------
@@ -278,9 +283,9 @@ def detect_drift(
         Malformed bins, different numbers of bins or edges, an empty
         hold-out, or ``alpha`` outside ``(1 / (n_resamples + 1), 1)``.
     """
-    min_count = check_integer("min_count", min_count, minimum=1)
-    n_resamples = check_integer("n_resamples", n_resamples, minimum=1)
-    seed = check_integer("seed", seed, minimum=0)
+    min_count = check_integer("min_count", min_count, minimum=1, maximum=INT64_MAX)
+    n_resamples = check_integer("n_resamples", n_resamples, minimum=1, maximum=MAX_RESAMPLES)
+    seed = check_integer("seed", seed, minimum=0, maximum=INT64_MAX)
     if not (isinstance(alpha, float | int) and 1.0 / (n_resamples + 1) < alpha < 1.0):
         raise CalibrationInputError(
             f"alpha must lie in (1 / (n_resamples + 1), 1) = ({1.0 / (n_resamples + 1):.3g}, 1) "

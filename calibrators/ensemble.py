@@ -63,7 +63,7 @@ from calibrators.cost import FLOAT64, SWEEP_FLOPS, Cost, chunk_bytes
 from calibrators.numerics import log_softmax
 from calibrators.parameterized import nll_terms
 from calibrators.temperature import TemperatureScaler
-from calibrators.validation import CalibrationInputError
+from calibrators.validation import MAX_PASSES, CalibrationInputError
 
 if TYPE_CHECKING:  # ONNX is imported by to_onnx only, not with the package
     from calibrators.onnx_export import GraphBuilder
@@ -177,7 +177,8 @@ class EnsembleTemperatureScaler(Calibrator):
         Stop when ``|dF/dlog beta| < tol``.
     max_passes : int, default=50
         Bound on the passes over the data of the Newton search (after temperature
-        scaling's fit, the pass at ``beta = 1`` and the starting grid's passes).
+        scaling's fit, the pass at ``beta = 1`` and the starting grid's passes);
+        1 to 10,000 (``MAX_PASSES``).
 
     Attributes
     ----------
@@ -194,7 +195,7 @@ class EnsembleTemperatureScaler(Calibrator):
     method = "ets"
     preserves_argmax = True  # a positive mixture of order-preserving maps
     onnx_graph_name = "ensemble_temperature"
-    option_checks: ClassVar[dict] = {"tol": Positive(), "max_passes": Integer(minimum=1)}
+    option_checks: ClassVar[dict] = {"tol": Positive(), "max_passes": Integer(1, MAX_PASSES)}
     fitted_arrays: ClassVar[dict] = {"beta": (), "log_weights": (3,)}
 
     def __init__(self, *, tol: float = 1e-10, max_passes: int = 50):

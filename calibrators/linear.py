@@ -52,7 +52,15 @@ from calibrators.numerics import (
     single_threaded_blas,
     softmax_terms,
 )
-from calibrators.validation import CalibrationInputError, check_positive, logits64
+from calibrators.validation import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_FOLDS,
+    MAX_ITERATIONS,
+    CalibrationInputError,
+    check_positive,
+    logits64,
+)
 
 #: Default penalty grid (both lam and mu), strongest first. The penalties are
 #: normalised by the number of entries, so useful values are large.
@@ -680,11 +688,12 @@ class _LinearScaler(LinearSoftmax):
         Candidate penalty weights for the cross-validation (stored in
         ``to_params()`` sorted, strongest first, without repeats).
     n_folds : int, default=3
+        2 to 1,000 (``MAX_FOLDS``).
     seed : int, default=0
-        Seed of the fold assignment (``numpy.random.default_rng``: >= 0 when
-        a penalty is cross-validated).
+        Seed of the fold assignment (``numpy.random.default_rng``): an int64, >= 0
+        when a penalty is cross-validated.
     max_iter : int, default=1000
-        L-BFGS iterations per fit.
+        L-BFGS iterations per fit; 1 to 1,000,000 (``MAX_ITERATIONS``).
     tol : float, default=1e-9
         L-BFGS tolerance on the relative loss decrease and projected gradient.
     """
@@ -694,9 +703,9 @@ class _LinearScaler(LinearSoftmax):
         "reg_lambda": Positive(allow_zero=True, allow_none=True),
         "reg_mu": Positive(allow_zero=True, allow_none=True),
         "grid": check_grid,
-        "n_folds": Integer(minimum=2),
-        "seed": Integer(),
-        "max_iter": Integer(minimum=1),
+        "n_folds": Integer(2, MAX_FOLDS),
+        "seed": Integer(INT64_MIN, INT64_MAX),
+        "max_iter": Integer(1, MAX_ITERATIONS),
         "tol": Positive(),
     }
 

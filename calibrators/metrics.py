@@ -38,10 +38,16 @@ Floors
     :data:`calibrators.validation.PROBABILITY_FLOOR` (``2**-149``), so a zero
     probability costs ``-log(2**-149) = 103.28`` nats instead of infinity.
     Entropy uses ``0 * log 0 = 0``.
-Memory
+Memory and time
     Element-wise work (Brier, entropy, classwise binning) runs over row chunks of
     about :data:`calibrators.numerics.CHUNK_ELEMENTS` entries with float64
     accumulators, so a large float32 input needs no full-size float64 temporary.
+    The chunks are computed on a few threads and their sums added in chunk order
+    (the figures do not depend on the number of threads). Classwise binning
+    bins only the entries above the first bin (at most about ``n_bins`` a row)
+    and takes bin 0's sums as column sums, so at a language model's K it costs a
+    comparison and an addition per entry; the entropy of logits needs one log per
+    row, not per entry (:func:`calibrators.numerics.softmax_entropy`).
 
 Reliability-diagram bins
 ------------------------
@@ -110,8 +116,10 @@ from __future__ import annotations
 import numpy as np
 from scipy.special import entr
 
-from calibrators.numerics import row_chunks, softmax
+from calibrators import numerics
+from calibrators.numerics import imap_chunks, row_chunks, softmax_entropy
 from calibrators.validation import (
+    MAX_BINS,
     CalibrationInputError,
     as_labels,
     as_scores,
@@ -148,7 +156,7 @@ STRATEGIES = ("uniform", "quantile")
 
 
 def _check_n_bins(n_bins) -> int:
-    return check_integer("n_bins", n_bins, minimum=1)
+    return check_integer("n_bins", n_bins, minimum=1, maximum=MAX_BINS)
 
 
 def _check_strategy(strategy) -> str:
@@ -166,9 +174,9 @@ def _probs_and_labels(probs, labels):
 
 def _top_label(probs: np.ndarray, labels: np.ndarray):
     """Confidence (float64, shape (N,)) and correctness (bool, shape (N,))."""
-    confidence = probs.max(axis=1).astype(np.float64)
-    correct = probs.argmax(axis=1) == labels
-    return confidence, correct
+    predicted = probs.argmax(axis=1)
+    confidence = probs[np.arange(probs.shape[0]), predicted].astype(np.float64)  # the row max
+    return confidence, predicted == labels
 
 
 def _true_class_probability(probs: np.ndarray, labels: np.ndarray) -> np.ndarray:
@@ -489,34 +497,126 @@ def reliability_bins(
 # classwise calibration
 
 
-def _classwise_sums(chunk: np.ndarray, n_bins: int, out: np.ndarray) -> None:
-    """Add a row chunk's per-(class, bin) probability sums to ``out`` (K * n_bins,)."""
-    k = chunk.shape[1]
-    inner = np.linspace(0.0, 1.0, n_bins + 1)[1:-1]
-    index = np.searchsorted(inner, chunk, side="right")
-    index += np.arange(k, dtype=np.int64) * n_bins
-    out += np.bincount(index.ravel(), weights=chunk.ravel(), minlength=k * n_bins)
+def _classwise_chunk(chunk: np.ndarray, inner: np.ndarray) -> tuple:
+    """A row chunk's part of the per-(class, bin) probability sums, without binning
+    every entry.
+
+    An entry in a bin above the first is at least ``1 / n_bins`` and a row sums to
+    about 1, so a row has at most about ``n_bins`` such entries: at a language
+    model's K nearly every entry is in bin 0. Those few are found with one
+    comparison and binned with ``searchsorted``; bin 0's sums are the chunk's column
+    sums once they are set to 0. Each sum adds the same numbers in the same order as
+    binning every entry with ``searchsorted`` + ``bincount`` would (row after row;
+    adding 0.0 changes no float), so the sums are equal to the bit.
+
+    Parameters
+    ----------
+    chunk : ndarray of shape (n_rows, K), float64
+        Probabilities, the caller's scratch copy: its entries above bin 0 are
+        overwritten with 0 (and a one-row chunk is returned as ``low``).
+    inner : ndarray of shape (n_bins - 1,)
+        The inner bin edges, ``bin_edges(n_bins)[1:-1]``.
+
+    Returns
+    -------
+    low : ndarray of shape (K,)
+        Per class, the sum of its entries in bin 0.
+    slots, values : ndarray of shape (m,)
+        The other entries: their flat (class, bin) index ``class * n_bins + bin``
+        and value, in row order.
+    """
+    n_rows, k = chunk.shape
+    flat = chunk.reshape(-1)
+    upper = np.flatnonzero(flat >= inner[0]) if inner.size else np.empty(0, dtype=np.intp)
+    values = flat[upper]
+    flat[upper] = 0.0
+    slots = (upper % k) * (inner.size + 1) + np.searchsorted(inner, values, side="right")
+    # einsum adds the rows one after the other, as bincount did (and sum(axis=0) does,
+    # several times slower on a narrow K)
+    low = flat if n_rows == 1 else np.einsum("ij->j", flat.reshape(n_rows, k))
+    return low, slots, values
 
 
-def _classwise_finish(
-    confidence_sum: np.ndarray, true_probability: np.ndarray, labels: np.ndarray, n_bins: int
-) -> np.ndarray:
-    """ECE of each class (K,) from :func:`_classwise_sums` and the true-class probabilities."""
-    k = confidence_sum.shape[0] // n_bins
-    inner = np.linspace(0.0, 1.0, n_bins + 1)[1:-1]
-    true_bin = np.searchsorted(inner, true_probability, side="right")
-    positives = np.bincount(labels * n_bins + true_bin, minlength=k * n_bins)
-    return np.abs(positives - confidence_sum).reshape(k, n_bins).sum(axis=1) / len(labels)
+class _ClasswiseSums:
+    """Per-(class, bin) probability sums, added up from :func:`_classwise_chunk` parts
+    in chunk order, and the classwise ECE they give.
+
+    Bin 0 is a vector of K (a chunk's column sums add in one pass). The other bins
+    hold a few entries a row at most: when K x ``n_bins`` is larger than a chunk,
+    only the (class, bin) slots that hold entries are kept (sorted slots and their
+    sums), so the memory is a few vectors of K, not K x ``n_bins`` float64 arrays (30 MiB
+    each at K = 262,144); otherwise one dense array.
+    """
+
+    def __init__(self, k: int, n_bins: int):
+        self.k, self.n_bins = k, n_bins
+        self.low = np.zeros(k)
+        self.upper = np.zeros(k * n_bins) if k * n_bins <= numerics.CHUNK_ELEMENTS else None
+        self.slots = np.empty(0, dtype=np.intp)
+        self.sums = np.empty(0)
+
+    def add(self, part: tuple) -> None:
+        low, slots, values = part
+        self.low += low
+        if self.upper is not None:
+            self.upper += np.bincount(slots, weights=values, minlength=self.upper.size)
+        elif slots.size:
+            used, where = np.unique(slots, return_inverse=True)
+            sums = np.bincount(where, weights=values)  # this chunk's, as bincount adds them
+            at = np.searchsorted(self.slots, used)
+            known = at < self.slots.size
+            known[known] = self.slots[at[known]] == used[known]
+            self.sums[at[known]] += sums[known]
+            if not known.all():
+                self.slots = np.insert(self.slots, at[~known], used[~known])
+                self.sums = np.insert(self.sums, at[~known], sums[~known])
+
+    def errors(self, true_probability: np.ndarray, labels: np.ndarray) -> np.ndarray:
+        """ECE of each class, shape (K,), given the true-class probability of each row.
+
+        Per class, ``sum_b |positives_b - sums_b| / N`` over the bins, positives
+        being the rows labelled with the class whose probability of it falls in
+        ``b``: one row of ``n_bins`` gaps per class, summed. With only the slots
+        kept, a class with nothing above bin 0 has one non-zero gap, and only the
+        other classes get their row: the same arithmetic as the whole table. Called
+        once: the dense table is overwritten with the gaps.
+        """
+        k, n_bins = self.k, self.n_bins
+        true_bin = np.searchsorted(bin_edges(n_bins)[1:-1], true_probability, side="right")
+        if self.upper is not None:  # the whole (K, n_bins) table, no larger than a chunk
+            table = self.upper
+            table[::n_bins] = self.low
+            slot = labels * n_bins
+            slot += true_bin
+            gap = np.abs(np.subtract(np.bincount(slot, minlength=table.size), table, out=table))
+            return gap.reshape(k, n_bins).sum(axis=1) / len(labels)
+        above = true_bin > 0
+        gap = np.abs(np.bincount(labels[~above], minlength=k) - self.low)  # bin 0
+        positive = labels[above] * n_bins + true_bin[above]
+        classes = np.union1d(self.slots // n_bins, positive // n_bins)
+        if classes.size:
+            counts = np.bincount(
+                np.searchsorted(classes, positive // n_bins) * n_bins + positive % n_bins,
+                minlength=classes.size * n_bins,
+            ).reshape(classes.size, n_bins)
+            sums = np.zeros((classes.size, n_bins))
+            sums[np.searchsorted(classes, self.slots // n_bins), self.slots % n_bins] = self.sums
+            table = np.abs(counts - sums)
+            table[:, 0] = gap[classes]
+            gap[classes] = table.sum(axis=1)
+        return gap / len(labels)
 
 
 def _classwise_errors(probs: np.ndarray, labels: np.ndarray, n_bins: int) -> np.ndarray:
     """ECE of each class column against its one-vs-rest indicator, shape (K,)."""
     n, k = probs.shape
-    confidence_sum = np.zeros(k * n_bins)
-    for rows in row_chunks(n, k):
-        _classwise_sums(probs[rows], n_bins, confidence_sum)
-    true_probability = _true_class_probability(probs, labels)
-    return _classwise_finish(confidence_sum, true_probability, labels, n_bins)
+    sums = _ClasswiseSums(k, n_bins)
+    inner = bin_edges(n_bins)[1:-1]
+    for part in imap_chunks(
+        lambda rows: _classwise_chunk(probs[rows].astype(np.float64), inner), n, k
+    ):
+        sums.add(part)
+    return sums.errors(_true_class_probability(probs, labels), labels)
 
 
 def classwise_calibration_error(probs, labels, *, n_bins: int = DEFAULT_N_BINS) -> float:
@@ -613,10 +713,20 @@ def nll_loss(probs, labels) -> float:
     return float(_nll_rows(probs, labels).mean())
 
 
-def _brier_sum(chunk: np.ndarray, labels: np.ndarray) -> float:
-    diff = chunk.astype(np.float64)
-    diff[np.arange(diff.shape[0]), labels] -= 1.0
-    return float(np.einsum("ij,ij->", diff, diff))
+def _brier_sum(chunk: np.ndarray, labels: np.ndarray, *, scratch: bool = False) -> float:
+    """``sum_i sum_k (p_ik - [y_i = k])**2`` of a row chunk, in float64.
+
+    With ``scratch`` the chunk (float64, the caller's copy) takes the ``- 1`` of the
+    true classes in place and gets its entries back afterwards: the same numbers as
+    on a copy, without the copy.
+    """
+    diff = chunk if scratch else chunk.astype(np.float64)
+    true = (np.arange(diff.shape[0]), labels)
+    kept = diff[true]
+    diff[true] = kept - 1.0
+    total = float(np.einsum("ij,ij->", diff, diff))
+    diff[true] = kept
+    return total
 
 
 def _brier(probs: np.ndarray, labels: np.ndarray) -> float:
@@ -705,7 +815,8 @@ def report(probs, labels, *, n_bins: int = DEFAULT_N_BINS) -> dict:
     labels : array-like of shape (n_samples,)
         Integer class labels in ``[0, n_classes)``.
     n_bins : int, default 15
-        Bins of every binned metric.
+        Bins of every binned metric, 1 to 10,000 (``calibrators.validation.MAX_BINS``,
+        as for every ``n_bins`` here).
 
     Returns
     -------
@@ -732,13 +843,17 @@ def report(probs, labels, *, n_bins: int = DEFAULT_N_BINS) -> dict:
     (4, 0.75, 0.36, 0.1)
     """
     probs, labels = _probs_and_labels(probs, labels)
-    return _report(lambda rows: probs[rows], labels, *probs.shape, _check_n_bins(n_bins))
+    return _report(_probability_block(probs), labels, *probs.shape, _check_n_bins(n_bins))
 
 
 def scores_report(scores, labels, kind: str = "logits", *, n_bins: int = DEFAULT_N_BINS) -> dict:
     """:func:`report` of the probabilities of ``scores`` (logits: their softmax), computed
     a row chunk at a time: the (N, K) probabilities are never held, only vectors of N
     and sums of K x ``n_bins`` (a dataset's metrics cost its scores' memory, not twice).
+
+    Every figure equals :func:`report` of ``softmax(scores)`` to the bit except, for
+    logits, ``entropy``: it comes from the logits without a log per entry
+    (:func:`calibrators.numerics.softmax_entropy`), equal to rounding (1e-12 relative).
 
     Parameters
     ----------
@@ -751,37 +866,64 @@ def scores_report(scores, labels, kind: str = "logits", *, n_bins: int = DEFAULT
 
     Examples
     --------
+    >>> from calibrators.numerics import softmax
     >>> z = [[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 3.0]]
     >>> a = scores_report(z, [0, 1, 1])
     >>> b = report(softmax(np.array(z)), [0, 1, 1])
-    >>> a == b, a["accuracy"]
-    (True, 0.6666666666666666)
+    >>> a["nll"] == b["nll"], a["classwise_ece"] == b["classwise_ece"], a["accuracy"]
+    (True, True, 0.6666666666666666)
+    >>> abs(a["entropy"] - b["entropy"]) < 1e-15
+    True
     """
     check_kind(kind)
     arr = as_scores(scores, kind)
     labels = as_labels(labels, *arr.shape)
     if kind == "logits":
-        block = lambda rows: softmax(arr[rows].astype(np.float64))  # noqa: E731
+        def block(rows: slice) -> tuple[np.ndarray, float]:
+            p, entropy = softmax_entropy(arr[rows].astype(np.float64))
+            return p, float(entropy.sum())
     else:
-        block = lambda rows: arr[rows].astype(np.float64)  # noqa: E731
+        block = _probability_block(arr)
     return _report(block, labels, *arr.shape, _check_n_bins(n_bins))
 
 
+def _probability_block(probs: np.ndarray):
+    """``block`` of :func:`_report` for a probability matrix: a float64 copy of the rows
+    and the sum of their entropies."""
+    def block(rows: slice) -> tuple[np.ndarray, float]:
+        chunk = probs[rows].astype(np.float64)
+        return chunk, float(entr(chunk).sum())
+    return block
+
+
 def _report(block, labels: np.ndarray, n: int, k: int, n_bins: int) -> dict:
-    """The figures of :func:`report`, from ``block(rows)``: the probabilities of a row
-    slice, read once in :func:`~calibrators.numerics.row_chunks`."""
+    """The figures of :func:`report`.
+
+    ``block(rows)`` returns the probabilities of a row slice as a float64 array of
+    the caller's own (used as scratch here) and the sum of their entropies. The row
+    chunks of :func:`~calibrators.numerics.imap_chunks` are read once, on a few
+    threads, and their sums added in chunk order: the figures do not depend on the
+    number of threads. Memory: a few chunks, vectors of N, and K x ``n_bins`` sums.
+    """
     confidence = np.empty(n)
     correct = np.empty(n, dtype=bool)
     true_probability = np.empty(n)
-    classwise = np.zeros(k * n_bins)
-    brier = entropy = 0.0
-    for rows in row_chunks(n, k):
-        chunk, y = block(rows), labels[rows]
+    inner = bin_edges(n_bins)[1:-1]
+
+    def figures(rows: slice) -> tuple:
+        chunk, entropy = block(rows)
+        y = labels[rows]
         confidence[rows], correct[rows] = _top_label(chunk, y)
         true_probability[rows] = _true_class_probability(chunk, y)
-        brier += _brier_sum(chunk, y)
-        entropy += float(entr(chunk.astype(np.float64)).sum())
-        _classwise_sums(chunk, n_bins, classwise)
+        brier = _brier_sum(chunk, y, scratch=True)
+        return brier, entropy, _classwise_chunk(chunk, inner)  # the last overwrites chunk
+
+    classwise = _ClasswiseSums(k, n_bins)
+    brier = entropy = 0.0
+    for chunk_brier, chunk_entropy, part in imap_chunks(figures, n, k):
+        brier += chunk_brier
+        entropy += chunk_entropy
+        classwise.add(part)
     quantile_edges = bin_edges(n_bins, strategy="quantile", confidence=confidence)
     uniform = ece_from_bin_statistics(**_bin_statistics(confidence, correct, bin_edges(n_bins)))
     quantile = ece_from_bin_statistics(**_bin_statistics(confidence, correct, quantile_edges))
@@ -799,9 +941,7 @@ def _report(block, labels: np.ndarray, n: int, k: int, n_bins: int) -> dict:
         "ece": uniform["ece"],
         "ece_quantile": quantile["ece"],
         "mce": uniform["mce"],
-        "classwise_ece": float(
-            _classwise_finish(classwise, true_probability, labels, n_bins).mean()
-        ),
+        "classwise_ece": float(classwise.errors(true_probability, labels).mean()),
         "n_bins": n_bins,
         "bins": uniform["bins"],
     }

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import numpy as np
+from scipy.special import entr
 from threadpoolctl import ThreadpoolController
 
 #: Entries per chunk (2**18 float64 = 2 MiB per temporary: stays in L2/L3).
@@ -64,12 +66,36 @@ def map_rows(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> np.ndarra
 
 def map_chunks(fn: Callable[[slice], object], n_rows: int, n_cols: int) -> list:
     """``[fn(s) for s in row_chunks(...)]``, on a few threads when there are several chunks."""
+    return list(imap_chunks(fn, n_rows, n_cols))
+
+
+def imap_chunks(fn: Callable[[slice], object], n_rows: int, n_cols: int) -> Iterator:
+    """``fn(s)`` for each ``s`` of :func:`row_chunks`, in order, computed ahead on
+    :func:`n_threads` threads with at most two chunks per thread in flight.
+
+    Results come in chunk order, so a caller that adds them up as they come gets the
+    same sums, to the bit, with any number of threads. At most ``2 * n_threads()``
+    chunks are in flight: a result of an (n_cols,) vector per chunk costs a few
+    vectors, not one per chunk (:func:`map_chunks` keeps them all).
+
+    Examples
+    --------
+    >>> [s.start for s in imap_chunks(lambda rows: rows, 5, 1 << 17)]
+    [0, 2, 4]
+    """
     slices = list(row_chunks(n_rows, n_cols))
     workers = n_threads()
     if workers == 1 or len(slices) < 2:
-        return [fn(s) for s in slices]
+        yield from map(fn, slices)
+        return
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(fn, slices))
+        pending: deque = deque()
+        for rows in slices:
+            pending.append(pool.submit(fn, rows))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def log_softmax(u: np.ndarray) -> np.ndarray:
@@ -124,13 +150,61 @@ def softmax_terms(
     return out, row_max[:, 0], np.log(total[:, 0])
 
 
+def softmax_entropy(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`softmax` of a float64 array and the entropy of each row, without a log
+    per entry.
+
+    With ``d = u - max(u)`` and ``S = sum(exp(d))`` (so ``log p = d - log S``), a row's
+    entropy is
+
+    .. math::
+
+        H = -\\sum_k p_k \\log p_k = \\log S - \\sum_k p_k d_k ,
+
+    a sum of two non-negative terms: one log per row and a dot product instead of a
+    log per entry. It equals ``scipy.special.entr(p).sum(axis=1)`` to rounding
+    (``tests/calibrators/test_metrics.py`` checks 1e-12 relative). ``u`` is
+    overwritten with ``d``.
+
+    Parameters
+    ----------
+    u : ndarray of shape (n_rows, n_cols), float64
+
+    Returns
+    -------
+    p : ndarray of shape (n_rows, n_cols), float64
+        Exactly ``softmax(u)``.
+    entropy : ndarray of shape (n_rows,), float64
+        In nats.
+
+    Examples
+    --------
+    >>> p, h = softmax_entropy(np.log(np.array([[0.5, 0.25, 0.25], [1.0, 1e-300, 1e-300]])))
+    >>> p.round(12).tolist()[0], h.round(6).tolist()
+    ([0.5, 0.25, 0.25], [1.039721, 0.0])
+    """
+    p, _, total = _normalised_exp(u, keep_shift=True)
+    entropy = np.log(total[:, 0]) - np.einsum("ij,ij->i", p, u)
+    bad = ~np.isfinite(entropy)  # d = -inf (a range past float64's): 0 * -inf
+    if bad.any():
+        entropy[bad] = entr(p[bad]).sum(axis=1)
+    return p, entropy
+
+
 def _normalised_exp(
-    u: np.ndarray, out: np.ndarray | None = None
+    u: np.ndarray, out: np.ndarray | None = None, *, keep_shift: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(softmax(u), row max, row sum of exp(u - row max))``, the last two of shape (n, 1)."""
+    """``(softmax(u), row max, row sum of exp(u - row max))``, the last two of shape (n, 1).
+
+    With ``keep_shift``, ``u`` is overwritten with ``u - row max`` and the softmax is a
+    new array (``out`` is ignored): the same numbers either way.
+    """
     row_max = u.max(axis=1, keepdims=True)
-    out = np.subtract(u, row_max, out=out)
-    np.exp(out, out=out)
+    if keep_shift:
+        out = np.exp(np.subtract(u, row_max, out=u))
+    else:
+        out = np.subtract(u, row_max, out=out)
+        np.exp(out, out=out)
     total = out.sum(axis=1, keepdims=True)
     out /= total
     return out, row_max, total

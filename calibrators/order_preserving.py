@@ -94,7 +94,15 @@ from calibrators.cost import FLOAT64, SWEEP_FLOPS, Cost, chunk_bytes, lbfgs_byte
 from calibrators.linear import check_grid, cross_validate_path, fold_assignment
 from calibrators.numerics import row_chunks, single_threaded_blas
 from calibrators.temperature import TemperatureScaler
-from calibrators.validation import CalibrationInputError, logits64
+from calibrators.validation import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_FOLDS,
+    MAX_ITERATIONS,
+    MAX_TOP,
+    CalibrationInputError,
+    logits64,
+)
 
 if TYPE_CHECKING:
     from calibrators.onnx_export import GraphBuilder
@@ -271,7 +279,8 @@ class IntraOrderPreserving(Calibrator):
     ----------
     n_top : int, default=32
         The gaps between the ``n_top + 1`` largest logits get their own
-        multipliers; the logits below keep temperature scaling's slope.
+        multipliers; the logits below keep temperature scaling's slope. 1 to
+        1,048,576 (``MAX_TOP``; at most ``K - 1`` are used).
     reg_lambda : float, optional
         Penalty weight of the dependence on the row (``W``), 0 or more; chosen
         by cross-validation when None.
@@ -282,10 +291,12 @@ class IntraOrderPreserving(Calibrator):
         Candidate penalty weights for the cross-validation (stored sorted,
         strongest first, without repeats).
     n_folds : int, default=3
+        2 to 1,000 (``MAX_FOLDS``).
     seed : int, default=0
-        Seed of the assignment of rows to folds.
+        Seed of the assignment of rows to folds (an int64; >= 0 when a penalty is
+        cross-validated).
     max_iter : int, default=2000
-        L-BFGS-B iterations per fit.
+        L-BFGS-B iterations per fit; 1 to 1,000,000 (``MAX_ITERATIONS``).
     tol : float, default=1e-10
         L-BFGS-B's ``ftol`` in the final fit.
 
@@ -317,13 +328,13 @@ class IntraOrderPreserving(Calibrator):
     preserves_argmax = True
     onnx_graph_name = "intra_order_preserving"
     option_checks: ClassVar[dict] = {
-        "n_top": Integer(minimum=1),
+        "n_top": Integer(1, MAX_TOP),
         "reg_lambda": Positive(allow_zero=True, allow_none=True),
         "reg_mu": Positive(allow_zero=True, allow_none=True),
         "grid": check_grid,
-        "n_folds": Integer(minimum=2),
-        "seed": Integer(),
-        "max_iter": Integer(minimum=1),
+        "n_folds": Integer(2, MAX_FOLDS),
+        "seed": Integer(INT64_MIN, INT64_MAX),
+        "max_iter": Integer(1, MAX_ITERATIONS),
         "tol": Positive(),
     }
     fitted_arrays: ClassVar[dict] = {

@@ -74,7 +74,7 @@ from calibrators.cost import FLOAT64, SWEEP_FLOPS, Cost, chunk_bytes
 from calibrators.linear import check_grid
 from calibrators.numerics import map_chunks
 from calibrators.temperature import TemperatureScaler
-from calibrators.validation import CalibrationInputError, logits64
+from calibrators.validation import MAX_PASSES, MAX_TOP, CalibrationInputError, logits64
 
 if TYPE_CHECKING:  # ONNX is imported by to_onnx only, not with the package
     from calibrators.onnx_export import GraphBuilder
@@ -253,7 +253,8 @@ class ParameterizedTemperatureScaler(Calibrator):
     Parameters
     ----------
     n_top : int, default=10
-        Gaps to the top score used as features (the paper uses the top 10 logits).
+        Gaps to the top score used as features (the paper uses the top 10 logits);
+        1 to 1,048,576 (``MAX_TOP``; at most ``K - 1`` are used).
     reg : float, optional
         Penalty on the standardised coefficients (>= 0); chosen over ``grid`` by
         the Takeuchi information criterion when None.
@@ -262,7 +263,8 @@ class ParameterizedTemperatureScaler(Calibrator):
     tol : float, default=1e-9
         Stop a fit when every entry of the objective's gradient is below this.
     max_passes : int, default=100
-        Bound on the passes over the data of each fit (one per penalty).
+        Bound on the passes over the data of each fit (one per penalty); 1 to 10,000
+        (``MAX_PASSES``).
 
     Attributes
     ----------
@@ -286,11 +288,11 @@ class ParameterizedTemperatureScaler(Calibrator):
     preserves_argmax = True  # beta(z) > 0 multiplies the whole row
     onnx_graph_name = "parameterized_temperature"
     option_checks: ClassVar[dict] = {
-        "n_top": Integer(minimum=1),
+        "n_top": Integer(1, MAX_TOP),
         "reg": Positive(allow_zero=True, allow_none=True),
         "grid": check_grid,
         "tol": Positive(),
-        "max_passes": Integer(minimum=1),
+        "max_passes": Integer(1, MAX_PASSES),
     }
     fitted_arrays: ClassVar[dict] = {
         "beta": (),

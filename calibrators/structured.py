@@ -88,7 +88,7 @@ from calibrators.numerics import (
     softmax_terms,
 )
 from calibrators.temperature import TemperatureScaler
-from calibrators.validation import CalibrationInputError, logits64
+from calibrators.validation import MAX_FOLDS, MAX_ITERATIONS, CalibrationInputError, logits64
 
 if TYPE_CHECKING:  # ONNX is imported by to_onnx only, not with the package
     from calibrators.onnx_export import GraphBuilder
@@ -486,9 +486,10 @@ class _StructuredScaler(Calibrator):
         first, without repeats).
     n_folds : int, default=4
         Folds of the search: each fit is on ``(n_folds - 1) / n_folds`` of the rows
-        (``n_folds`` fits per candidate; ``min(n_folds, SMS_SCORED_FOLDS)`` for SMS).
+        (``n_folds`` fits per candidate; ``min(n_folds, SMS_SCORED_FOLDS)`` for SMS);
+        2 to 1,000 (``MAX_FOLDS``).
     max_iter : int, default=1000
-        L-BFGS iterations per fit.
+        L-BFGS iterations per fit; 1 to 1,000,000 (``MAX_ITERATIONS``).
     tol : float, default=1e-9
         L-BFGS tolerance of the final fit on the relative loss decrease and the
         (whitened) projected gradient.
@@ -515,8 +516,8 @@ class _StructuredScaler(Calibrator):
         "reg_diagonal": Positive(allow_zero=True, allow_none=True),
         "reg_intercept": Positive(allow_zero=True, allow_none=True),
         "grid": check_grid,
-        "n_folds": Integer(minimum=2),
-        "max_iter": Integer(minimum=1),
+        "n_folds": Integer(2, MAX_FOLDS),
+        "max_iter": Integer(1, MAX_ITERATIONS),
         "tol": Positive(),
     }
     onnx_graph_name = "structured_scaling"

@@ -33,7 +33,7 @@ from calibrators.base import Integer, Positive, Progress
 from calibrators.cost import FLOAT64, SWEEP_FLOPS, Cost, chunk_bytes
 from calibrators.linear_softmax import LinearSoftmax
 from calibrators.numerics import map_chunks
-from calibrators.validation import CalibrationInputError, logits64
+from calibrators.validation import MAX_PASSES, CalibrationInputError, logits64
 
 #: Bracket ends: beta is searched in [BETA_MIN, BETA_MAX] / scale.
 BETA_MIN = 1e-8
@@ -140,7 +140,7 @@ class TemperatureScaler(LinearSoftmax):
         Stop when ``|dNLL/dbeta| < tol * scale`` (or ``|H - target| < tol``),
         where ``scale`` is the mean spread ``max z - mean z`` of the logits.
     max_passes : int, default=50
-        Bound on the passes over the full data.
+        Bound on the passes over the full data; 1 to 10,000 (``MAX_PASSES``).
 
     Attributes
     ----------
@@ -170,7 +170,7 @@ class TemperatureScaler(LinearSoftmax):
     option_checks: ClassVar[dict] = {
         "target_entropy": Positive(allow_none=True),
         "tol": Positive(),
-        "max_passes": Integer(minimum=1),
+        "max_passes": Integer(1, MAX_PASSES),
     }
 
     def __init__(self, *, target_entropy: float | None = None, tol: float = 1e-10,

@@ -66,15 +66,41 @@ def check_kind(kind: str) -> None:
         raise CalibrationInputError(f"kind must be {expected}. Got {kind!r}.")
 
 
-def check_integer(name: str, value: Any, *, minimum: int | None = None) -> int:
-    """``value`` if it is an integer (not a bool) ``>= minimum``, else CalibrationInputError.
+#: Ranges of the integer options, checked by :func:`check_integer` wherever an option
+#: is given (``calibrators.create``, ``from_params``, the metrics, the drift test).
+#: Each is far above any useful value and low enough that a typo or a hostile
+#: ``10**400`` is refused with a message, not run as a loop, an allocation or an
+#: overflow of that size.
+#: ``max_iter``: iterations of one solver run (defaults 1,000 and 2,000).
+MAX_ITERATIONS = 1_000_000
+#: ``max_passes``: passes over the rows of temperature, ets and pts (defaults 50, 100).
+MAX_PASSES = 10_000
+#: ``n_folds``: cross-validation folds (defaults 3 and 4; leave-one-out up to 1,000 rows).
+MAX_FOLDS = 1_000
+#: ``n_top``: top logits of pts and iop, more than any vocabulary (a fit uses at
+#: most ``K - 1``).
+MAX_TOP = 1 << 20
+#: ``n_bins`` of the metrics (default 15).
+MAX_BINS = 10_000
+#: ``n_resamples`` of the drift test (default 2,000).
+MAX_RESAMPLES = 1_000_000
+#: Seeds and counts: what an int64 holds.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def check_integer(
+    name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None
+) -> int:
+    """``value`` if it is an integer (not a bool) in ``[minimum, maximum]``, else
+    CalibrationInputError.
 
     Parameters
     ----------
     name : str
         Used in the message.
     value : object
-    minimum : int, optional
+    minimum, maximum : int, optional
+        Bounds, both included; None: no bound.
 
     Returns
     -------
@@ -89,15 +115,32 @@ def check_integer(name: str, value: Any, *, minimum: int | None = None) -> int:
     Traceback (most recent call last):
     ...
     calibrators.validation.CalibrationInputError: n_folds must be an integer >= 2. Got True.
+    >>> check_integer("max_iter", 10**400, minimum=1, maximum=MAX_ITERATIONS)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    calibrators.validation.CalibrationInputError: ... and <= 1000000. Got an integer of 401 digits.
     """
     if (
         isinstance(value, bool | np.bool_)
         or not isinstance(value, numbers.Integral)
         or (minimum is not None and value < minimum)
+        or (maximum is not None and value > maximum)
     ):
-        expected = "an integer" if minimum is None else f"an integer >= {minimum}"
-        raise CalibrationInputError(f"{name} must be {expected}. Got {value!r}.")
+        bounds = [f">= {minimum}"] if minimum is not None else []
+        bounds += [f"<= {maximum}"] if maximum is not None else []
+        expected = " ".join(["an integer", " and ".join(bounds)]).strip()
+        raise CalibrationInputError(f"{name} must be {expected}. Got {_shown(value)}.")
     return value if type(value) is int else int(value)
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)`` for a message, but an integer from ``2**100`` (31 digits) up by
+    its length: Python refuses to print one of more than 4,300 digits."""
+    if isinstance(value, int) and abs(value).bit_length() > 100:
+        digits = int(abs(value).bit_length() * math.log10(2))  # the length, or one less
+        digits += abs(value) >= 10**digits
+        return f"an integer of {digits} digits"
+    return repr(value)
 
 
 def _finite_float(value: numbers.Real) -> bool:
@@ -150,7 +193,7 @@ def check_positive(
         expected = "a finite number " + (">= 0" if allow_zero else "> 0")
         if allow_none:
             expected = "None or " + expected
-        raise CalibrationInputError(f"{name} must be {expected}. Got {value!r}.")
+        raise CalibrationInputError(f"{name} must be {expected}. Got {_shown(value)}.")
     return value if type(value) in (int, float) else float(value)
 
 

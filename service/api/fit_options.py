@@ -1,8 +1,9 @@
 """The options of each fit method, as schemas of the OpenAPI document.
 
 Derived from the calibrators' own signatures (:data:`calibrators.CALIBRATORS`: each
-``__init__``'s keyword options, their types and defaults), never copied: a method
-or option added to the library appears here. They document ``FitRequest.options``
+``__init__``'s keyword options, their types and defaults, and the ranges of the
+integer ones from ``option_checks``), never copied: a method or option added to the
+library appears here. They document ``FitRequest.options``
 (one object per method; for ``auto``, an object keyed by method), so a generated
 client has typed options per method. The values are still checked by the library
 when a fit is submitted (:func:`service.jobs.fitting.check_fit_request`: an unknown
@@ -18,12 +19,15 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 import calibrators
+from calibrators.base import Integer
 from service.vocabulary import AUTO
 
 
-def _field(hint: Any, default: Any) -> tuple[Any, Any]:
+def _field(hint: Any, default: Any, check: Any) -> tuple[Any, Any]:
     if isinstance(default, tuple):  # a grid: a list of numbers on the wire
         return list[float], Field(list(default))
+    if isinstance(check, Integer):  # its range, as the library checks it
+        return hint, Field(default, ge=check.minimum, le=check.maximum)
     return hint, Field(default)
 
 
@@ -31,7 +35,7 @@ def _options_model(method: str, cls: type) -> type[BaseModel]:
     signature = inspect.signature(cls.__init__)
     hints = typing.get_type_hints(cls.__init__)
     fields = {
-        name: _field(hints.get(name, Any), p.default)
+        name: _field(hints.get(name, Any), p.default, cls.option_checks.get(name))
         for name, p in signature.parameters.items()
         if name != "self" and p.kind is inspect.Parameter.KEYWORD_ONLY
     }

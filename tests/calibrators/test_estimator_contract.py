@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import calibrators
 from calibrators import CALIBRATORS, METHODS, CalibrationInputError
-from calibrators.base import Calibrator
+from calibrators.base import Calibrator, Integer
 from tests.calibrators.helpers import FIT_OPTIONS, assert_estimator_contract, labelled_logits
 from tests.strategies import JSON_VALUES, calibrator_params
 
@@ -197,6 +197,51 @@ def test_an_option_shared_by_methods_is_checked_the_same_way():
             assert len(per_method) == 1, (name, value, per_method)
             messages |= per_method
         assert len(messages) > 1  # the bad values were not all accepted
+
+
+#: (method, option) of every integer option, from the registry.
+INTEGER_OPTIONS = [
+    (method, name)
+    for method, cls in CALIBRATORS.items()
+    for name, check in cls.option_checks.items()
+    if isinstance(check, Integer)
+]
+
+
+def test_every_integer_option_has_a_bounded_range():
+    assert {name for _, name in INTEGER_OPTIONS} >= {"max_iter", "max_passes", "n_folds"}
+    for method, name in INTEGER_OPTIONS:
+        check = CALIBRATORS[method].option_checks[name]
+        assert check.minimum is not None and check.maximum is not None, (method, name)
+        assert -(2**63) <= check.minimum < check.maximum < 2**63, (method, name)
+
+
+@pytest.mark.parametrize(("method", "name"), INTEGER_OPTIONS)
+def test_integer_options_outside_their_range_are_refused_with_the_range(method, name):
+    check = CALIBRATORS[method].option_checks[name]
+    expected = f"{name} must be an integer >= {check.minimum} and <= {check.maximum}. Got "
+    for bad, shown in [
+        (check.maximum + 1, repr(check.maximum + 1)),
+        (check.minimum - 1, repr(check.minimum - 1)),
+        (10**400, "an integer of 401 digits"),
+        (-(10**5000), "an integer of 5001 digits"),  # past Python's 4,300-digit repr
+    ]:
+        for call, options in (
+            (lambda options: calibrators.create(method, **options), {name: bad}),
+            (lambda options: calibrators.check_options(method, options), {name: bad}),
+        ):
+            with pytest.raises(CalibrationInputError) as info:
+                call(options)
+            assert str(info.value) == f"{expected}{shown}."
+    assert calibrators.check_options(method, {name: check.maximum})[name] == check.maximum
+
+
+def test_params_with_an_integer_option_out_of_range_are_refused():
+    z, y = labelled_logits(n=60, k=4)
+    params = calibrators.create("vector").fit(z, y).to_params()
+    params["options"]["max_iter"] = 10**400
+    with pytest.raises(CalibrationInputError, match=r"^max_iter must be an integer >= 1 and <= "):
+        calibrators.from_params(params)
 
 
 # -- the ODIR options -----------------------------------------------------------------

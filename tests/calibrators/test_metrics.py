@@ -9,14 +9,16 @@ import json
 import math
 import tracemalloc
 import warnings
+from unittest import mock
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
+from scipy.special import entr
 
-from calibrators import numerics
+from calibrators import metrics, numerics
 from calibrators.metrics import (
     accuracy_score,
     bin_edges,
@@ -31,8 +33,11 @@ from calibrators.metrics import (
     nll_loss,
     reliability_bins,
     report,
+    scores_report,
 )
+from calibrators.numerics import softmax
 from calibrators.validation import PROBABILITY_FLOOR, CalibrationInputError
+from tests.strategies import logits_and_labels, tied_extreme_logits
 
 # N = 4 rows, K = 3 classes. Confidences 0.7, 0.6, 0.5, 0.8; predictions 0, 0, 1, 2,
 # so rows 0, 2, 3 are correct.
@@ -185,7 +190,7 @@ def test_bad_input_raises_the_shared_error(function, probs, labels):
         function(probs, labels)
 
 
-@pytest.mark.parametrize("n_bins", [0, -3, 1.5, True, "15", None])
+@pytest.mark.parametrize("n_bins", [0, -3, 1.5, True, "15", None, 10_001])
 def test_bad_n_bins_raises(n_bins):
     for function in (expected_calibration_error, classwise_calibration_error, report):
         with pytest.raises(CalibrationInputError, match="n_bins must be an integer >= 1") as info:
@@ -537,7 +542,6 @@ def test_nll_and_brier_match_scikit_learn(shared):
 @pytest.mark.parametrize("kind", ["logits", "probabilities"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_scores_report_is_the_report_of_the_probabilities_without_holding_them(kind, dtype):
-    from calibrators.metrics import scores_report
     from calibrators.numerics import CHUNK_ELEMENTS
     from calibrators.validation import to_probabilities
 
@@ -546,4 +550,176 @@ def test_scores_report_is_the_report_of_the_probabilities_without_holding_them(k
     z = rng.normal(size=(n, k)) * 3
     scores = (z if kind == "logits" else to_probabilities(z, "logits")).astype(dtype)
     y = rng.integers(0, k, n)
-    assert scores_report(scores, y, kind) == report(to_probabilities(scores, kind), y)
+    got = scores_report(scores, y, kind)
+    want = report(to_probabilities(scores, kind), y)
+    # Every figure to the bit, but the entropy of logits: log S - sum p d (one log per
+    # row), not -sum p log p (one per entry), equal to rounding.
+    assert got.pop("entropy") == pytest.approx(want.pop("entropy"), rel=1e-12)
+    assert got == want
+
+
+# ---------------------------------------------------------------------------
+# the metrics of an upload (scores_report) at language-model K: a straightforward
+# reference on hypothesis inputs, the classwise binning to the bit, memory
+
+
+def _reference_report(probs, labels, n_bins):
+    """Every figure of ``report`` the straightforward way: the whole float64 matrix,
+    every entry binned, one log per entry."""
+    n, k = probs.shape
+    edges = np.linspace(0.0, 1.0, n_bins + 1)
+    true_p = probs[np.arange(n), labels]
+    nll = -np.log(np.maximum(true_p, PROBABILITY_FLOOR))
+    onehot = np.eye(k, dtype=bool)[labels]
+    ece, mce, counts = _reference_top_label(probs, labels, edges.tolist())
+    confidence = probs.max(axis=1)
+    quantile = np.quantile(confidence, np.linspace(0.0, 1.0, n_bins + 1))
+    quantile[0], quantile[-1] = 0.0, 1.0
+    ece_quantile, _, _ = _reference_top_label(probs, labels, quantile.tolist())
+    index = np.searchsorted(edges[1:-1], probs, side="right")  # every entry's bin
+    classwise = 0.0
+    for b in range(n_bins):
+        member = index == b
+        positives = (member & onehot).sum(axis=0)
+        classwise += np.abs(positives - np.where(member, probs, 0.0).sum(axis=0)).sum()
+    return {
+        "n": n,
+        "n_classes": k,
+        "accuracy": float((probs.argmax(axis=1) == labels).mean()),
+        "nll": float(nll.mean()),
+        "nll_median": float(np.median(nll)),
+        "nll_p95": float(np.percentile(nll, 95.0)),
+        "brier": float(((probs - onehot) ** 2).sum(axis=1).mean()),
+        "entropy": float(entr(probs).sum(axis=1).mean()),
+        "ece": ece,
+        "ece_quantile": ece_quantile,
+        "mce": mce,
+        "classwise_ece": classwise / (n * k),
+        "n_bins": n_bins,
+        "counts": counts,
+    }
+
+
+def _assert_matches_reference(got, want):
+    """Counts exactly; every float within 1e-12 (relative for the entropy, up to log K)."""
+    assert got["bins"]["count"] == want.pop("counts")
+    assert got.pop("entropy") == pytest.approx(want.pop("entropy"), rel=1e-12, abs=1e-12)
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=0, abs=1e-12), key
+
+
+@st.composite
+def labelled_logits(draw):
+    """Logits with labels: random (float32 or float64, K = 2 often), or tied and
+    extreme (+-1e4, a constant row); the bins; a chunk size of a few rows."""
+    kind = draw(st.sampled_from(["random", "two", "tied"]))
+    if kind == "tied":
+        z = draw(tied_extreme_logits())
+        y = draw(arrays(np.int64, z.shape[0], elements=st.integers(0, z.shape[1] - 1)))
+    else:
+        dtype = draw(st.sampled_from([np.float32, np.float64]))
+        z, y = draw(logits_and_labels(max_classes=2 if kind == "two" else 12, dtype=dtype))
+    n_bins = draw(st.sampled_from([1, 2, 3, 5, 10, 15]))
+    chunk = draw(st.integers(1, 4)) * z.shape[1]
+    return z, y, n_bins, chunk
+
+
+@given(labelled_logits())
+def test_scores_report_equals_a_straightforward_reference(case):
+    z, y, n_bins, chunk = case
+    with mock.patch.object(numerics, "CHUNK_ELEMENTS", chunk):
+        got = scores_report(z, y, n_bins=n_bins)
+    _assert_matches_reference(got, _reference_report(softmax(z.astype(np.float64)), y, n_bins))
+
+
+@given(labelled_probabilities(), st.integers(1, 4))
+def test_report_equals_a_straightforward_reference(case, rows_per_chunk):
+    probs, labels, n_bins = case
+    with mock.patch.object(numerics, "CHUNK_ELEMENTS", rows_per_chunk * probs.shape[1]):
+        got = report(probs, labels, n_bins=n_bins)
+    _assert_matches_reference(got, _reference_report(probs, labels, n_bins))
+
+
+def _binned_errors(probs, labels, n_bins, chunk_rows):
+    """The per-class ECE as it was computed before: every entry binned (searchsorted
+    + bincount), the row chunks' sums added in order, the whole (K, n_bins) table."""
+    n, k = probs.shape
+    inner = np.linspace(0.0, 1.0, n_bins + 1)[1:-1]
+    sums = np.zeros(k * n_bins)
+    for start in range(0, n, chunk_rows):
+        chunk = probs[start : start + chunk_rows]
+        index = np.searchsorted(inner, chunk, side="right") + np.arange(k) * n_bins
+        sums += np.bincount(index.ravel(), weights=chunk.ravel(), minlength=k * n_bins)
+    true_bin = np.searchsorted(inner, probs[np.arange(n), labels], side="right")
+    positives = np.bincount(labels * n_bins + true_bin, minlength=k * n_bins)
+    return np.abs(positives - sums).reshape(k, n_bins).sum(axis=1) / n
+
+
+def _classwise_errors(probs, labels, n_bins, chunk_rows):
+    sums = metrics._ClasswiseSums(probs.shape[1], n_bins)
+    for start in range(0, probs.shape[0], chunk_rows):
+        chunk = probs[start : start + chunk_rows].copy()
+        sums.add(metrics._classwise_chunk(chunk, bin_edges(n_bins)[1:-1]))
+    return sums.errors(probs[np.arange(probs.shape[0]), labels], labels)
+
+
+@given(labelled_probabilities(), st.integers(1, 5), st.booleans())
+def test_classwise_errors_equal_binning_every_entry_to_the_bit(case, chunk_rows, sparse):
+    # sparse: only the (class, bin) slots with entries are kept, as above a chunk's size
+    probs, labels, n_bins = case
+    with mock.patch.object(numerics, "CHUNK_ELEMENTS", 1 if sparse else 1 << 18):
+        got = _classwise_errors(probs, labels, n_bins, chunk_rows)
+    assert np.array_equal(got, _binned_errors(probs, labels, n_bins, chunk_rows))
+
+
+def test_classwise_errors_to_the_bit_at_language_model_k():
+    # K = 10 keeps a dense (K, n_bins) array; K = 50,000 only the slots with entries.
+    rng = np.random.default_rng(11)
+    for k in (10, 50_000):
+        probs = softmax(rng.standard_t(3, size=(40, k)) * 3)
+        labels = np.where(rng.random(40) < 0.5, probs.argmax(axis=1), rng.integers(0, k, 40))
+        got = _classwise_errors(probs, labels, 15, 7)
+        assert np.array_equal(got, _binned_errors(probs, labels, 15, 7))
+
+
+def test_the_figures_do_not_depend_on_the_number_of_threads(monkeypatch):
+    rng = np.random.default_rng(5)
+    z = rng.standard_t(3, size=(300, 2_000)).astype(np.float32) * 4
+    y = rng.integers(0, 2_000, 300)
+    monkeypatch.setattr(numerics, "CHUNK_ELEMENTS", 7 * 2_000)  # 43 chunks
+    out = {}
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv("WELLTEMPERED_THREADS", threads)
+        out[threads] = scores_report(z, y)
+    assert out["1"] == out["2"] == out["3"]
+
+
+def test_entropy_of_logits_past_float64s_range_stays_finite():
+    # u - max(u) = -inf: 0 * -inf in the dot product; those rows take entr instead
+    z = np.array([[1e308, -1e308, 0.0], [-1e308, 1e308, 1e308], [0.0, 1.0, 2.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the overflow of u - max(u)
+        p, entropy = numerics.softmax_entropy(z.copy())
+        out = scores_report(z, [0, 1, 2])
+    assert np.isfinite(entropy).all() and math.isfinite(out["entropy"])
+    np.testing.assert_allclose(entropy, entr(p).sum(axis=1), rtol=1e-12, atol=0)
+    assert entropy[0] == 0.0 and entropy[1] == pytest.approx(math.log(2), rel=1e-15)
+
+
+def test_scores_report_memory_is_chunks_and_sums_of_k_not_copies():
+    n, k = 1_024, 16_384
+    rng = np.random.default_rng(0)
+    z = rng.standard_normal((n, k), dtype=np.float32) * 3
+    y = rng.integers(0, k, n)
+    tracemalloc.start()
+    try:
+        scores_report(z, y)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # The input is 64 MiB; one float64 copy of it would be 128. What may remain: each
+    # thread's float64 chunk (2 MiB), its probabilities and a few smaller temporaries,
+    # and twice the classwise sums (K x 15 float64, 1.9 MiB).
+    chunk, sums = numerics.CHUNK_ELEMENTS * 8, k * 15 * 8
+    bound = 3 * numerics.n_threads() * chunk + 3 * sums
+    assert peak < bound < z.nbytes / 2, f"peak {peak / 2**20:.1f} MiB, bound {bound / 2**20:.1f}"

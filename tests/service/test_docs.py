@@ -9,7 +9,10 @@ import re
 import pytest
 from fastapi.testclient import TestClient
 
+import calibrators
+from calibrators.base import Integer
 from service.api.app import create_app
+from service.api.fit_options import OPTION_MODELS
 from tests.service.helpers import make_settings
 
 #: src="...", href="...", ReDoc's spec-url="..." and Swagger UI's url: '...' in the pages.
@@ -52,3 +55,16 @@ def test_swagger_ui_renders_openapi_3_1(served):
 def test_the_api_itself_still_needs_a_key(served):
     assert served.get("/v1/models").status_code == 401
     assert served.get("/docs/static/nothing.js").status_code == 404
+
+
+def test_the_fit_options_show_the_integer_ranges_the_library_checks(served):
+    schemas = served.get("/openapi.json").json()["components"]["schemas"]
+    shown = 0
+    for method, cls in calibrators.CALIBRATORS.items():
+        properties = schemas[OPTION_MODELS[method].__name__]["properties"]
+        for name, check in cls.option_checks.items():
+            if isinstance(check, Integer):
+                assert (properties[name]["minimum"], properties[name]["maximum"]) == (
+                    check.minimum, check.maximum), (method, name)
+                shown += 1
+    assert shown >= 10

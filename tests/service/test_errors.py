@@ -182,6 +182,13 @@ def test_fit_and_alias_errors(served):
         422,
         "tol must be a finite number",
     )
+    # an integer option past its range: a 422 that gives the range (accepted before)
+    huge = {"dataset_id": 1, "method": "matrix", "options": {"max_iter": 10**400}}
+    assert_problem(
+        c.post(fit_url, json=huge),
+        422,
+        "max_iter must be an integer >= 1 and <= 1000000. Got an integer of 401 digits.",
+    )
     assert_problem(c.post(fit_url, json={"dataset_id": 1, "seed": -1}), 422, "seed")
     assert_problem(c.post(fit_url, json={"dataset_id": 10**40}), 422)
     create_model(c, "other", 4)

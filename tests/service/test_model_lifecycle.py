@@ -290,6 +290,7 @@ def _valid_params():
         ({"weight": [True, False, True, True]}, "weight for vector must be numbers"),
         ({"bias": [10**400, 0, 0, 0]}, "bias for vector must be numbers"),
         ({"options": {"tol": 10**400}}, "tol"),
+        ({"options": {"max_iter": 10**400}}, "max_iter must be an integer >= 1 and <= 1000000"),
     ],
 )
 def test_import_refusals(client, change, word):
