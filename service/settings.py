@@ -36,6 +36,15 @@ class Settings(BaseSettings):
         "gs://..., local:///path; pip install 'welltempered[object-store]' and the backend). "
         "Default: <data_dir>/arrays. Temp files and read caches stay in data_dir.",
     )
+    array_cache_bytes: int = Field(
+        4 * 1024 * MiB,
+        ge=0,
+        description="With an object-store array_store: the most bytes of the read copies "
+        "under <data_dir>/cache, shared by every process using that data_dir. The least "
+        "recently used copies not being read go first; an array that does not fit is read "
+        "without being kept (0: nothing is kept). Default: twice QUOTA_STORED_BYTES's "
+        "default, the arrays of two full namespaces.",
+    )
     max_body_bytes: int = Field(
         1024 * MiB,
         gt=0,

@@ -81,7 +81,9 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
         try:
             ensure_schema(engine, settings.database_url)
             sessions = sessionmaker(engine, expire_on_commit=False)
-            arrays = ArrayStore(settings.data_dir, settings.array_store)
+            arrays = ArrayStore(
+                settings.data_dir, settings.array_store, settings.array_cache_bytes
+            )
             arrays.ensure()
             if settings.recover_jobs and settings.is_sqlite:
                 # The only process of this database file, nothing in flight yet: every

@@ -72,6 +72,8 @@ class WorkerConfig:
     max_attempts: int = 5
     #: ``WELLTEMPERED_ARRAY_STORE`` (None: ``<data_dir>/arrays``).
     array_store: str | None = None
+    #: ``WELLTEMPERED_ARRAY_CACHE_BYTES``: the budget of the read cache (None: no bound).
+    array_cache_bytes: int | None = None
 
 
 class _Stopped(Exception):
@@ -106,7 +108,7 @@ def run_claimed(
             log.warning("could not record progress of version id %s", version_id, exc_info=True)
 
     try:
-        store = ArrayStore(Path(config.data_dir), config.array_store)
+        store = ArrayStore(Path(config.data_dir), config.array_store, config.array_cache_bytes)
         scores, labels = store.load(task.scores_sha256), store.load(task.labels_sha256)
         if task.params is not None:  # a version from posted parameters: evaluated only
             result = import_job(

@@ -40,6 +40,7 @@ def worker_config(settings: Settings) -> WorkerConfig:
         memory_budget=memory_budget(settings.fit_memory_bytes, settings.fit_workers),
         max_attempts=settings.fit_max_attempts,
         array_store=settings.array_store,
+        array_cache_bytes=settings.array_cache_bytes,
     )
 
 
