@@ -105,6 +105,7 @@ def exposition() -> str:
     metrics.observe_feedback("ns", "deploy-test", 1, 1)
     metrics.observe_fit("temperature", 0.1)
     metrics.observe_rate_limited("ns")
+    metrics.observe_array_cache(hits=1, misses=1, evictions=1)
     value = {
         "namespace": "ns",
         "model": "m",
@@ -117,7 +118,7 @@ def exposition() -> str:
         key: [({name: value[name] for name in spec.labels}, 0.5)]
         for key, spec in obs.DB_GAUGES.items()
     }
-    body, _ = metrics.render(lambda: snapshot)
+    body, _ = metrics.render(lambda: snapshot, lambda: 100)
     return body.decode()
 
 

@@ -32,7 +32,11 @@ from service.api.uploads import BodyLimitMiddleware
 from service.jobs.queue import Fits
 from service.jobs.sweeper import Sweeper
 from service.observe.metrics import ServiceMetrics
-from service.observe.monitoring import MetricsMiddleware, observe_finished_fit
+from service.observe.monitoring import (
+    MetricsMiddleware,
+    observe_array_cache,
+    observe_finished_fit,
+)
 from service.security import auth
 from service.serving.inference import ServingCache, SessionCache
 from service.settings import Settings
@@ -91,7 +95,10 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
                 # uploading; the periodic sweep's grace period applies.)
                 array_refs.sweep(sessions, arrays, grace_seconds=0)
             fits = Fits(
-                settings, sessions, functools.partial(observe_finished_fit, metrics, sessions)
+                settings,
+                sessions,
+                functools.partial(observe_finished_fit, metrics, sessions),
+                functools.partial(observe_array_cache, metrics),
             )
             onnx = SessionCache(settings.onnx_threads, settings.onnx_cache_size)
             serving = ServingCache(sessions, onnx, settings.alias_cache_seconds)

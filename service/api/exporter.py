@@ -43,6 +43,7 @@ from service.api.timeouts import guarded_protocol
 from service.observe import metrics as obs
 from service.observe import monitoring
 from service.settings import Settings
+from service.storage.arrays import ArrayStore
 from service.storage.db import APPLICATION_NAME, make_engine
 from service.storage.retry import retry_read
 
@@ -111,6 +112,8 @@ class MetricsListener:
         self.settings = settings
         self.metrics = metrics
         self.multiprocess_dir = multiprocess_dir
+        # The read cache of this process's data folder (shared with its workers and fits).
+        self.cache_usage = ArrayStore(settings.data_dir).read_cache.usage
         self.engine: Engine | None = None
         self.server: uvicorn.Server | None = None
         self.thread: threading.Thread | None = None
@@ -129,8 +132,8 @@ class MetricsListener:
             )
 
         if self.metrics is not None:
-            return self.metrics.render(snapshot)
-        return obs.render_multiprocess(self.multiprocess_dir, snapshot)
+            return self.metrics.render(snapshot, self.cache_usage)
+        return obs.render_multiprocess(self.multiprocess_dir, snapshot, self.cache_usage)
 
     def start(self, timeout: float = 10.0) -> None:
         """Bind the address (``OSError`` if it is taken), then serve in a daemon thread."""

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from sqlalchemy.orm import sessionmaker
 
-from service.jobs.attempts import WorkerConfig
+from service.jobs.attempts import CacheReport, WorkerConfig
 from service.jobs.engine import JobEngine
 from service.jobs.fitting import memory_budget
 from service.jobs.local import LocalQueue
@@ -49,6 +49,7 @@ def job_engine(
     sessions: sessionmaker,
     role: str = "worker",
     on_finished: Callable[[int], None] | None = None,
+    on_cache: CacheReport | None = None,
 ) -> JobEngine:
     return JobEngine(
         worker_config(settings),
@@ -59,18 +60,21 @@ def job_engine(
         grace_seconds=settings.fit_grace_seconds,
         role=role,
         on_finished=on_finished,
+        on_cache=on_cache,
     )
 
 
 class Fits:
     """The serve process's fits: ``queue`` for the API, workers started by :meth:`start`
-    when this process runs fits, stopped (hand-backs included) by :meth:`stop`."""
+    when this process runs fits, stopped (hand-backs included) by :meth:`stop`.
+    ``on_finished`` and ``on_cache`` are the queue's (:class:`~service.jobs.local.LocalQueue`)."""
 
     def __init__(
         self,
         settings: Settings,
         sessions: sessionmaker,
         on_finished: Callable[[int], None] | None = None,
+        on_cache: CacheReport | None = None,
     ):
         self.settings = settings
         self.config = worker_config(settings)
@@ -84,9 +88,10 @@ class Fits:
                 running_per_namespace=settings.max_running_fits_per_namespace,
                 grace_seconds=settings.fit_grace_seconds,
                 on_finished=on_finished,
+                on_cache=on_cache,
             )
         else:
-            self.queue = job_engine(settings, sessions, "serve", on_finished)
+            self.queue = job_engine(settings, sessions, "serve", on_finished, on_cache)
 
     async def start(self) -> None:
         if not self.runs_fits:

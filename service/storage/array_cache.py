@@ -41,7 +41,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -56,14 +56,12 @@ class CacheStats:
     """What a :class:`ReadCache` did since it was made or last :meth:`~ReadCache.take_stats`.
 
     ``hits``: reads served by a copy in the cache; ``misses``: reads that downloaded the
-    array; ``evictions``: copies this cache removed to make room; ``cached_bytes``: the
-    bytes of the copies in the folder after this cache's latest fill (None: no fill).
+    array; ``evictions``: copies this cache removed to make room.
     """
 
     hits: int = 0
     misses: int = 0
     evictions: int = 0
-    cached_bytes: int | None = None
 
     @property
     def empty(self) -> bool:
@@ -107,7 +105,7 @@ class ReadCache:
     ...     with cache.open(sha, fetch) as f:
     ...         assert f.read() == b"123456"
     >>> cache.take_stats(), cache.usage()
-    (CacheStats(hits=1, misses=3, evictions=1, cached_bytes=12), 12)
+    (CacheStats(hits=1, misses=3, evictions=1), 12)
     >>> [cache.path(sha).exists() for sha in ("a" * 64, "b" * 64, "c" * 64)]
     [True, False, True]
     >>> import shutil; shutil.rmtree(root)
@@ -154,23 +152,15 @@ class ReadCache:
         return stats
 
     def usage(self) -> int:
-        """Bytes of the copies in the folder now."""
+        """Bytes of the copies in the folder now (``welltempered_array_cache_bytes``)."""
         return sum(copy.size for copy in self._copies())
 
     # -- internals ------------------------------------------------------------------
 
-    def _count(
-        self, hits: int = 0, misses: int = 0, evictions: int = 0, cached_bytes: int | None = None
-    ) -> None:
+    def _count(self, hits: int = 0, misses: int = 0, evictions: int = 0) -> None:
         with self._stats_lock:
             s = self._stats
-            self._stats = replace(
-                s,
-                hits=s.hits + hits,
-                misses=s.misses + misses,
-                evictions=s.evictions + evictions,
-                cached_bytes=s.cached_bytes if cached_bytes is None else cached_bytes,
-            )
+            self._stats = CacheStats(s.hits + hits, s.misses + misses, s.evictions + evictions)
 
     @staticmethod
     def _pin(path: Path) -> IO[bytes] | None:
@@ -223,30 +213,29 @@ class ReadCache:
                         self._count(misses=1)
                         return other
                     fcntl.flock(f.fileno(), fcntl.LOCK_SH)  # pinned before it has a name
-                    total, fits, evicted = self._make_room(size)
+                    fits, evicted = self._make_room(size)
                     if fits:
                         final.parent.mkdir(parents=True, exist_ok=True)
                         with contextlib.suppress(FileExistsError):  # put there without the
                             os.link(tmp, final)  # lock (another version): read ours
-                            total += size
             except BaseException:
                 f.close()
                 raise
-            self._count(misses=1, evictions=evicted, cached_bytes=total)
+            self._count(misses=1, evictions=evicted)
             return f
         finally:
             tmp.unlink(missing_ok=True)  # a kept copy lives on under its hash name
 
-    def _make_room(self, size: int) -> tuple[int, bool, int]:
+    def _make_room(self, size: int) -> tuple[bool, int]:
         """Evict, least recently used first, until ``size`` more bytes fit (the cache's
-        lock is held). Returns the bytes of the copies left, whether the new one fits
-        (False: it is not kept), and how many copies were evicted."""
+        lock is held). Returns whether the new copy fits (False: it is not kept) and how
+        many copies were evicted."""
+        if self.max_bytes is None:
+            return True, 0
+        if size > self.max_bytes:
+            return False, 0  # would never fit: evicting for it would only empty the cache
         copies = list(self._copies())
         total = sum(copy.size for copy in copies)
-        if self.max_bytes is None:
-            return total, True, 0
-        if size > self.max_bytes:
-            return total, False, 0  # would never fit: evicting for it would only empty it
         evicted = 0
         for copy in sorted(copies, key=lambda c: (c.mtime_ns, c.name)):
             if total + size <= self.max_bytes:
@@ -255,7 +244,7 @@ class ReadCache:
             if freed is not None:
                 total -= copy.size
                 evicted += freed
-        return total, total + size <= self.max_bytes, evicted
+        return total + size <= self.max_bytes, evicted
 
     @staticmethod
     def _evict(path: Path) -> int | None:

@@ -82,7 +82,7 @@ def test_least_recently_used_goes_first(tmp_path):
     assert cached(store, shas) == {0, 2, 3}
     stats = store.take_cache_stats()
     assert (stats.hits, stats.misses, stats.evictions) == (1, 4, 1)
-    assert stats.cached_bytes == sizes[0] + sizes[2] + sizes[3] == store.read_cache.usage()
+    assert store.read_cache.usage() == sizes[0] + sizes[2] + sizes[3]
     read(store, shas, 1)  # back: 2 is now the least recently used
     assert cached(store, shas) == {0, 1, 3}
     assert store.read_cache.usage() <= store.read_cache.max_bytes
