@@ -248,6 +248,12 @@ class Settings(BaseSettings):
         "(GET /metrics without a key, every namespace's series): keep it on loopback or an "
         "internal network. Empty: no listener (scrape the API's /metrics with a metrics key).",
     )
+    worker_metrics_address: str = Field(
+        "127.0.0.1:9465",
+        description="host:port of the metrics listener of `welltempered worker` (GET "
+        "/metrics without a key: the fits it ran, its array read cache, no database gauges "
+        "and no tenant data). Each worker on a host needs its own port. Empty: no listener.",
+    )
     http_parser: Literal["httptools", "h11"] = Field(
         "httptools",
         description="HTTP/1.1 parser of `welltempered serve` and the metrics listener: "

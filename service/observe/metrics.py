@@ -97,7 +97,9 @@ where it runs: the serve process calls :meth:`ServiceMetrics.observe_fit` when
 the job ends (the duration is on the job row), and
 :meth:`ServiceMetrics.observe_array_cache` with the read cache's figures the fit's
 process sent it (:mod:`service.jobs.attempts`), so the figures are right in both
-modes.
+modes. A dedicated ``welltempered worker`` does the same with a
+:class:`ServiceMetrics` of its own, which its own metrics listener serves
+(:mod:`service.api.exporter`).
 """
 
 from __future__ import annotations
