@@ -164,7 +164,9 @@ class JobEngine:
                 return None
             return "cancel" if reason == AbortReason.USER_REQUEST else "shutdown"
 
-        outcome = execute(version_id, self.config, self.sessions, self.name, stop, self.on_cache)
+        outcome = execute(
+            version_id, self.config, self.sessions, self.name, stop, on_cache=self.on_cache
+        )
         if outcome == HANDED_BACK:
             raise JobAborted(f"version id {version_id} handed back: the worker is stopping")
         if self.on_finished is not None:

@@ -144,7 +144,7 @@ class LocalQueue:
                     self.sessions,
                     self.name,
                     lambda v=version_id: self._stop_reason(v),
-                    self.on_cache,
+                    on_cache=self.on_cache,
                 )
             except Exception:
                 log.exception("fit attempt of version id %s failed outside the fit", version_id)
