@@ -14,7 +14,8 @@ folder) share it through the file system alone, with no index to get out of step
 - *Fill*: a copy is downloaded to the temp folder (never into ``cache/``, so nothing
   half-written is ever in it) and, under the cache's lock (an exclusive ``flock`` of
   ``cache/.lock``), linked into place under its hash. ``os.link`` is atomic like a
-  rename and never replaces a copy that another process put there first.
+  rename and never replaces a copy that another process put there first (a file
+  system without hard links gets a rename, under the same lock).
 - *Recency* is a copy's modification time, set to now on every hit, so every process
   sees one order.
 - *Readers pin* a copy with a shared ``flock`` for as long as they read it: for a
@@ -216,8 +217,12 @@ class ReadCache:
                     fits, evicted = self._make_room(size)
                     if fits:
                         final.parent.mkdir(parents=True, exist_ok=True)
-                        with contextlib.suppress(FileExistsError):  # put there without the
-                            os.link(tmp, final)  # lock (another version): read ours
+                        try:
+                            os.link(tmp, final)
+                        except FileExistsError:  # put there without the lock: read ours
+                            pass
+                        except OSError:  # no hard links here: a rename, under the lock
+                            os.replace(tmp, final)
             except BaseException:
                 f.close()
                 raise

@@ -306,6 +306,21 @@ def test_processes_share_one_cache_folder(tmp_path):
     print(f"\n3 processes, 120 reads: {hits} hits, {misses} misses, {evictions} evictions")
 
 
+def test_a_file_system_without_hard_links_gets_a_rename(tmp_path, monkeypatch):
+    store = remote_store(tmp_path / "local", tmp_path / "remote", 10_000)
+    shas = put_arrays(store, 2)
+
+    def no_links(src, dst):
+        raise PermissionError(1, "Operation not permitted", str(src))
+
+    monkeypatch.setattr(os, "link", no_links)
+    read(store, shas, 1)
+    read(store, shas, 1)
+    assert cached(store, shas) == {1} and list(store.tmp.iterdir()) == []
+    stats = store.take_cache_stats()
+    assert (stats.hits, stats.misses) == (1, 1)
+
+
 def test_the_cache_refuses_a_negative_budget(tmp_path):
     with pytest.raises(ValueError, match="max_bytes"):
         ReadCache(tmp_path, lambda suffix: tmp_path / "x", -1)
