@@ -210,12 +210,16 @@ def _worker_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def worker(args: argparse.Namespace) -> int:
-    """Run fits from the queue until SIGTERM/SIGINT (PostgreSQL only)."""
+    """Run fits from the queue until SIGTERM/SIGINT (PostgreSQL only); serve their
+    metrics on WELLTEMPERED_WORKER_METRICS_ADDRESS."""
     import asyncio
+    import functools
 
     from sqlalchemy.orm import sessionmaker
 
+    from service.api import exporter
     from service.jobs.queue import job_engine
+    from service.observe import metrics, monitoring
     from service.settings import Settings
     from service.storage import migrate
     from service.storage.db import make_engine
@@ -236,16 +240,54 @@ def worker(args: argparse.Namespace) -> int:
             f"welltempered worker: --concurrency must be >= 1. Got {concurrency}.", file=sys.stderr
         )
         return 2
+    try:
+        metrics_address = exporter.parse_address(
+            settings.worker_metrics_address, "WELLTEMPERED_WORKER_METRICS_ADDRESS"
+        )
+    except ValueError as exc:
+        print(f"welltempered worker: {exc}", file=sys.stderr)
+        return 2
     use_database("worker", settings.database_url, create=False)  # PostgreSQL: says which
     engine = make_engine(settings.database_url, application_name="welltempered-worker")
+    listener = process_metrics = None
     try:
         migrate.ensure_schema(engine, settings.database_url)
-        jobs = job_engine(settings, sessionmaker(engine, expire_on_commit=False))
+        # This process's metrics, as a one-worker serve has them (PROMETHEUS_MULTIPROC_DIR
+        # set, as in the image: its files, service/observe/metrics.py): the fits this
+        # worker ran, observed here when each ends, and what their reads did in the
+        # array read cache, sent here by each fit's process.
+        process_metrics = metrics.ServiceMetrics()
+        process_metrics.mark_dead_workers()
+        sessions = sessionmaker(engine, expire_on_commit=False)
+        jobs = job_engine(
+            settings,
+            sessions,
+            on_finished=functools.partial(
+                monitoring.observe_finished_fit, process_metrics, sessions
+            ),
+            on_cache=functools.partial(monitoring.observe_array_cache, process_metrics),
+        )
+        if metrics_address is not None:
+            listener = exporter.MetricsListener(
+                metrics_address, settings, metrics=process_metrics, database_gauges=False
+            )
+            try:
+                listener.start()
+            except OSError as exc:
+                host, port = metrics_address
+                print(
+                    f"welltempered worker: cannot listen for metrics on {host}:{port} "
+                    "(WELLTEMPERED_WORKER_METRICS_ADDRESS, one port per worker of a host; "
+                    f"empty for no listener): {exc}",
+                    file=sys.stderr,
+                )
+                return 2
         logging.info(
-            "worker %s: %d fit(s) at once, heartbeat every %g s",
+            "worker %s: %d fit(s) at once, heartbeat every %g s, metrics on %s",
             jobs.name,
             concurrency,
             settings.worker_heartbeat_seconds,
+            settings.worker_metrics_address or "no listener",
         )
         # SIGTERM/SIGINT: the job engine stops taking jobs, gives the running ones
         # WELLTEMPERED_FIT_GRACE_SECONDS, then hands them back; exit status 0.
@@ -254,6 +296,10 @@ def worker(args: argparse.Namespace) -> int:
         print(f"welltempered worker: {exc}", file=sys.stderr)
         return 2
     finally:
+        if listener is not None:
+            listener.stop()
+        if process_metrics is not None:
+            process_metrics.mark_process_dead()
         engine.dispose()
     return 0
 

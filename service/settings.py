@@ -36,6 +36,15 @@ class Settings(BaseSettings):
         "gs://..., local:///path; pip install 'welltempered[object-store]' and the backend). "
         "Default: <data_dir>/arrays. Temp files and read caches stay in data_dir.",
     )
+    array_cache_bytes: int = Field(
+        4 * 1024 * MiB,
+        ge=0,
+        description="With an object-store array_store: the most bytes of the read copies "
+        "under <data_dir>/cache, shared by every process using that data_dir. The least "
+        "recently used copies not being read go first; an array that does not fit is read "
+        "without being kept (0: nothing is kept). Default: twice QUOTA_STORED_BYTES's "
+        "default, the arrays of two full namespaces.",
+    )
     max_body_bytes: int = Field(
         1024 * MiB,
         gt=0,
@@ -238,6 +247,12 @@ class Settings(BaseSettings):
         description="host:port of the metrics listener started by `welltempered serve` "
         "(GET /metrics without a key, every namespace's series): keep it on loopback or an "
         "internal network. Empty: no listener (scrape the API's /metrics with a metrics key).",
+    )
+    worker_metrics_address: str = Field(
+        "127.0.0.1:9465",
+        description="host:port of the metrics listener of `welltempered worker` (GET "
+        "/metrics without a key: the fits it ran, its array read cache, no database gauges "
+        "and no tenant data). Each worker on a host needs its own port. Empty: no listener.",
     )
     http_parser: Literal["httptools", "h11"] = Field(
         "httptools",

@@ -105,6 +105,7 @@ def exposition() -> str:
     metrics.observe_feedback("ns", "deploy-test", 1, 1)
     metrics.observe_fit("temperature", 0.1)
     metrics.observe_rate_limited("ns")
+    metrics.observe_array_cache(hits=1, misses=1, evictions=1)
     value = {
         "namespace": "ns",
         "model": "m",
@@ -117,7 +118,7 @@ def exposition() -> str:
         key: [({name: value[name] for name in spec.labels}, 0.5)]
         for key, spec in obs.DB_GAUGES.items()
     }
-    body, _ = metrics.render(lambda: snapshot)
+    body, _ = metrics.render(lambda: snapshot, lambda: 100)
     return body.decode()
 
 
@@ -400,6 +401,33 @@ def test_scrape_config_points_at_the_metrics_listener(compose):
     assert "ports" not in api
     for service in compose["services"].values():
         assert not any(str(m).endswith(f":{port}") for m in service.get("ports", []))
+
+
+def test_scrape_config_points_at_each_workers_listener(compose):
+    """Each fit worker's metrics listener (the fits it ran) is a target of its own job, on
+    the compose network; its metric files on a tmpfs at the image's multiprocess
+    directory; every job is covered by the target-down alert."""
+    config = load_yaml(PROMETHEUS_YML)
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "welltempered-worker"]
+    assert job.get("metrics_path", "/metrics") == "/metrics"
+    (sd,) = job["dns_sd_configs"]
+    worker = compose["services"]["worker"]
+    host, port = worker["environment"]["WELLTEMPERED_WORKER_METRICS_ADDRESS"].rsplit(":", 1)
+    assert sd["names"] == ["worker"] and sd["port"] == int(port) and host == "0.0.0.0"
+    assert port in worker["expose"] and "ports" not in worker
+    for service in compose["services"].values():
+        assert not any(str(m).endswith(f":{port}") for m in service.get("ports", []))
+    (mp_dir,) = re.findall(r"PROMETHEUS_MULTIPROC_DIR=(\S+)", DOCKERFILE.read_text())
+    assert worker.get("environment", {}).get("PROMETHEUS_MULTIPROC_DIR", mp_dir) in worker["tmpfs"]
+    (target_down,) = [
+        rule["expr"]
+        for group in load_yaml(ALERTS_YML)["groups"]
+        for rule in group["rules"]
+        if rule["alert"] == "WelltemperedTargetDown"
+    ]
+    (jobs,) = re.findall(r'up\{job=~"([^"]+)"\}', target_down)
+    ours = {j["job_name"] for j in config["scrape_configs"] if j["job_name"] != "prometheus"}
+    assert set(jobs.split("|")) == ours == {"welltempered", "welltempered-worker"}
 
 
 def test_tenant_wide_views_are_published_on_loopback_only(compose):

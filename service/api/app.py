@@ -33,7 +33,11 @@ from service.api.uploads import BodyLimitMiddleware
 from service.jobs.queue import Fits
 from service.jobs.sweeper import Sweeper
 from service.observe.metrics import ServiceMetrics
-from service.observe.monitoring import MetricsMiddleware, observe_finished_fit
+from service.observe.monitoring import (
+    MetricsMiddleware,
+    observe_array_cache,
+    observe_finished_fit,
+)
 from service.security import auth
 from service.serving.inference import ServingCache, SessionCache
 from service.settings import Settings
@@ -82,7 +86,9 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
         try:
             ensure_schema(engine, settings.database_url)
             sessions = sessionmaker(engine, expire_on_commit=False)
-            arrays = ArrayStore(settings.data_dir, settings.array_store)
+            arrays = ArrayStore(
+                settings.data_dir, settings.array_store, settings.array_cache_bytes
+            )
             arrays.ensure()
             if settings.recover_jobs and settings.is_sqlite:
                 # The only process of this database file, nothing in flight yet: every
@@ -90,7 +96,10 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
                 # uploading; the periodic sweep's grace period applies.)
                 array_refs.sweep(sessions, arrays, grace_seconds=0)
             fits = Fits(
-                settings, sessions, functools.partial(observe_finished_fit, metrics, sessions)
+                settings,
+                sessions,
+                functools.partial(observe_finished_fit, metrics, sessions),
+                functools.partial(observe_array_cache, metrics),
             )
             onnx = SessionCache(settings.onnx_threads, settings.onnx_cache_size)
             serving = ServingCache(sessions, onnx, settings.alias_cache_seconds)

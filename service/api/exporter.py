@@ -19,6 +19,12 @@ workers' prometheus_client multiprocess files
 all workers, as the API's ``/metrics`` in any worker does. Both export the
 database gauges, read at scrape time through the listener's own small engine.
 
+``welltempered worker`` (fits only, no API) runs one too, on
+``WELLTEMPERED_WORKER_METRICS_ADDRESS`` (default ``127.0.0.1:9465``, so a worker and a
+serve on one host do not collide): the fits it ran (``fit_duration_seconds``), its
+array read cache, its process; no database gauges (the API replicas export those,
+identical everywhere), hence no namespace or model name.
+
 The listener is a uvicorn server on its own event loop thread, with the same header
 deadline as the API (:mod:`service.api.timeouts`); it answers ``GET /metrics``
 only (404 elsewhere, 405 for other methods), plain text, no key.
@@ -43,14 +49,18 @@ from service.api.timeouts import guarded_protocol
 from service.observe import metrics as obs
 from service.observe import monitoring
 from service.settings import Settings
+from service.storage.arrays import ArrayStore
 from service.storage.db import APPLICATION_NAME, make_engine
 from service.storage.retry import retry_read
 
 Render = Callable[[], tuple[bytes, str]]
 
 
-def parse_address(text: str) -> tuple[str, int] | None:
+def parse_address(
+    text: str, setting: str = "WELLTEMPERED_METRICS_ADDRESS"
+) -> tuple[str, int] | None:
     """``host:port`` (``[::1]:9464`` for IPv6) as ``(host, port)``; None for ``""``.
+    ``setting`` names the variable in the error.
 
     >>> parse_address("127.0.0.1:9464"), parse_address("[::1]:9464"), parse_address("")
     (('127.0.0.1', 9464), ('::1', 9464), None)
@@ -62,7 +72,7 @@ def parse_address(text: str) -> tuple[str, int] | None:
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(
-            "WELLTEMPERED_METRICS_ADDRESS is host:port (127.0.0.1:9464, [::1]:9464, "
+            f"{setting} is host:port (127.0.0.1:9464, [::1]:9464, "
             f"0.0.0.0:9464), or empty for no metrics listener. Got {text!r}."
         )
     return host, int(port)
@@ -93,6 +103,9 @@ class MetricsListener:
         ``multiprocess_dir`` (the parent of several workers).
     multiprocess_dir : str, optional
         ``PROMETHEUS_MULTIPROC_DIR`` of the workers, when ``metrics`` is None.
+    database_gauges : bool, default True
+        Whether the scrape reads the database gauges (``welltempered worker``'s listener
+        does not: the API replicas export them, and without them it names no tenant).
     """
 
     def __init__(
@@ -101,6 +114,7 @@ class MetricsListener:
         settings: Settings,
         metrics: obs.ServiceMetrics | None = None,
         multiprocess_dir: str | None = None,
+        database_gauges: bool = True,
     ):
         if (metrics is None) == (multiprocess_dir is None):
             raise ValueError(
@@ -111,6 +125,9 @@ class MetricsListener:
         self.settings = settings
         self.metrics = metrics
         self.multiprocess_dir = multiprocess_dir
+        self.database_gauges = database_gauges
+        # The read cache of this process's data folder (shared with its workers and fits).
+        self.cache_usage = ArrayStore(settings.data_dir).read_cache.usage
         self.engine: Engine | None = None
         self.server: uvicorn.Server | None = None
         self.thread: threading.Thread | None = None
@@ -119,7 +136,7 @@ class MetricsListener:
         """One scrape: the process's (or workers') events and the database gauges."""
         settings, sessions = self.settings, sessionmaker(self.engine)
 
-        def snapshot() -> obs.Snapshot:
+        def read_database() -> obs.Snapshot:
             return retry_read(
                 monitoring.snapshot,
                 sessions,
@@ -128,9 +145,10 @@ class MetricsListener:
                 settings.worker_stalled_seconds,
             )
 
+        snapshot = read_database if self.database_gauges else None
         if self.metrics is not None:
-            return self.metrics.render(snapshot)
-        return obs.render_multiprocess(self.multiprocess_dir, snapshot)
+            return self.metrics.render(snapshot, self.cache_usage)
+        return obs.render_multiprocess(self.multiprocess_dir, snapshot, self.cache_usage)
 
     def start(self, timeout: float = 10.0) -> None:
         """Bind the address (``OSError`` if it is taken), then serve in a daemon thread."""
@@ -143,9 +161,10 @@ class MetricsListener:
         except OSError:
             sock.close()
             raise
-        self.engine = make_engine(
-            self.settings.database_url, application_name=f"{APPLICATION_NAME}-metrics"
-        )
+        if self.database_gauges:
+            self.engine = make_engine(
+                self.settings.database_url, application_name=f"{APPLICATION_NAME}-metrics"
+            )
         config = uvicorn.Config(
             metrics_app(self.render),
             lifespan="off",

@@ -22,6 +22,11 @@ stopped at its next progress report (cooperative).
 A child process watches the worker that started it and exits if that worker is gone
 (SIGKILL, lost machine): its attempt would be retried elsewhere anyway, and the guard
 would discard its result.
+
+What the attempt's reads did in the array store's read cache (hits, misses, evictions:
+:class:`~service.storage.array_cache.CacheStats`) is handed to ``on_cache`` in the
+worker's process, through a pipe from a child process, once the arrays are loaded:
+the worker exports it (nobody scrapes a fit's process).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from sqlalchemy.orm import sessionmaker
 
 from service.jobs.fitting import fit_job, import_job
 from service.storage import fits
+from service.storage.array_cache import CacheStats
 from service.storage.arrays import ArrayStore
 from service.storage.db import make_engine
 
@@ -72,10 +78,26 @@ class WorkerConfig:
     max_attempts: int = 5
     #: ``WELLTEMPERED_ARRAY_STORE`` (None: ``<data_dir>/arrays``).
     array_store: str | None = None
+    #: ``WELLTEMPERED_ARRAY_CACHE_BYTES``: the budget of the read cache (None: no bound).
+    array_cache_bytes: int | None = None
 
 
 class _Stopped(Exception):
     """Raised from a thread-mode fit's progress report when ``stop()`` asks for it."""
+
+
+#: Called with what an attempt's reads did in the read cache (in the worker's process).
+CacheReport = Callable[[CacheStats], None]
+
+
+def _report_cache(store: ArrayStore, on_cache: CacheReport | None) -> None:
+    stats = store.take_cache_stats()
+    if on_cache is None or stats.empty:
+        return
+    try:
+        on_cache(stats)
+    except Exception:  # a figure: never fail a fit for it
+        log.warning("could not report the read cache's figures", exc_info=True)
 
 
 def run_claimed(
@@ -84,12 +106,14 @@ def run_claimed(
     config: WorkerConfig,
     sessions: sessionmaker,
     stopping: Callable[[], bool] | None = None,
+    on_cache: CacheReport | None = None,
 ) -> str:
     """Run a claimed attempt to its end and record the outcome; returns its status.
 
     The fit's own failures (bad data, an optimiser error) are the outcome ``failed``,
     recorded with the error. ``stopping()`` True at a progress report raises
-    :class:`_Stopped` out of the fit (thread mode).
+    :class:`_Stopped` out of the fit (thread mode). ``on_cache`` gets the read cache's
+    figures of the attempt's reads, once they are done.
     """
     last = [0.0]
 
@@ -106,8 +130,11 @@ def run_claimed(
             log.warning("could not record progress of version id %s", version_id, exc_info=True)
 
     try:
-        store = ArrayStore(Path(config.data_dir), config.array_store)
-        scores, labels = store.load(task.scores_sha256), store.load(task.labels_sha256)
+        store = ArrayStore(Path(config.data_dir), config.array_store, config.array_cache_bytes)
+        try:
+            scores, labels = store.load(task.scores_sha256), store.load(task.labels_sha256)
+        finally:
+            _report_cache(store, on_cache)
         if task.params is not None:  # a version from posted parameters: evaluated only
             result = import_job(
                 task.params, scores, labels, memory_budget=config.memory_budget, **task.spec
@@ -139,8 +166,11 @@ def _watch_parent(pid: int) -> None:
             pass
 
 
-def _child(version_id: int, task: fits.FitTask, config: WorkerConfig, parent: int) -> None:
-    """The entry point of an attempt's child process."""
+def _child(
+    version_id: int, task: fits.FitTask, config: WorkerConfig, parent: int, report=None
+) -> None:
+    """The entry point of an attempt's child process; ``report``: the writing end of a
+    pipe to the worker, for the read cache's figures."""
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     if config.threads is not None:
         from threadpoolctl import threadpool_limits
@@ -148,9 +178,30 @@ def _child(version_id: int, task: fits.FitTask, config: WorkerConfig, parent: in
         threadpool_limits(limits=config.threads)
     engine = make_engine(config.database_url)
     try:
-        run_claimed(version_id, task, config, sessionmaker(engine))
+        run_claimed(
+            version_id,
+            task,
+            config,
+            sessionmaker(engine),
+            on_cache=None if report is None else report.send,
+        )
     finally:
         engine.dispose()
+        if report is not None:
+            report.close()
+
+
+def _receive_reports(reader, on_cache: CacheReport) -> None:
+    """What a child sent through its pipe (it has ended: sent, or never will)."""
+    try:
+        while reader.poll():
+            on_cache(reader.recv())
+    except (EOFError, OSError):  # the child closed the pipe, or died while sending
+        pass
+    except Exception:
+        log.warning("could not read the read cache's figures of a fit", exc_info=True)
+    finally:
+        reader.close()
 
 
 _context = None
@@ -176,12 +227,15 @@ def execute(
     sessions: sessionmaker,
     worker: str,
     stop: Callable[[], str | None] = lambda: None,
+    on_cache: CacheReport | None = None,
 ) -> str:
     """One attempt of version ``version_id``; returns the version's status after it
     (``succeeded``, ``rejected``, ``failed``, ``cancelled``, or the status that made
     the claim fail) or :data:`HANDED_BACK`.
 
     ``stop()`` returns None to go on, ``"cancel"`` or ``"shutdown"`` (see the module).
+    ``on_cache`` is called in this process with the read cache's figures of the
+    attempt's reads (see the module).
     """
     task = fits.claim(sessions, version_id, worker, config.max_attempts)
     if isinstance(task, str):
@@ -190,18 +244,33 @@ def execute(
     if config.executor == "thread":
         try:
             return run_claimed(
-                version_id, task, config, sessions, stopping=lambda: stop() is not None
+                version_id,
+                task,
+                config,
+                sessions,
+                stopping=lambda: stop() is not None,
+                on_cache=on_cache,
             )
         except _Stopped:
             reason = stop() or "shutdown"
     else:
-        proc = _process_context().Process(
+        context = _process_context()
+        reader, writer = context.Pipe(duplex=False) if on_cache is not None else (None, None)
+        proc = context.Process(
             target=_child,
-            args=(version_id, task, config, os.getpid()),
+            args=(version_id, task, config, os.getpid(), writer),
             name=f"welltempered-fit-{version_id}",
             daemon=True,
         )
-        proc.start()
+        try:
+            proc.start()
+        except BaseException:
+            if reader is not None:
+                reader.close()
+            raise
+        finally:
+            if writer is not None:
+                writer.close()  # the child's copy is the only one: EOF when it ends
         while True:
             proc.join(POLL_SECONDS)
             if proc.exitcode is not None:
@@ -211,6 +280,8 @@ def execute(
                 proc.kill()
                 proc.join()
                 break
+        if reader is not None:  # sent before the end, even by a child killed since
+            _receive_reports(reader, on_cache)
         if reason is None:
             if proc.exitcode != 0:
                 how = (

@@ -39,7 +39,7 @@ from procrastinate.job_context import AbortReason
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.jobs.attempts import HANDED_BACK, WorkerConfig, execute
+from service.jobs.attempts import HANDED_BACK, CacheReport, WorkerConfig, execute
 from service.storage import fits
 from service.storage.db import CalibratorVersion
 
@@ -80,6 +80,9 @@ class JobEngine:
         On stop, how long running attempts may go on before they are handed back.
     on_finished : callable (version_id) -> None, optional
         Called in the worker's process after an attempt ran to an end (not handed back).
+    on_cache : callable (CacheStats) -> None, optional
+        Called in the worker's process with what an attempt's reads did in the array
+        store's read cache (:func:`service.jobs.attempts.execute`).
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class JobEngine:
         grace_seconds: float = 10.0,
         role: str = "worker",
         on_finished: Callable[[int], None] | None = None,
+        on_cache: CacheReport | None = None,
     ):
         self.config = config
         self.sessions = sessions
@@ -102,6 +106,7 @@ class JobEngine:
         self.grace_seconds = grace_seconds
         self.name = worker_name(role)
         self.on_finished = on_finished
+        self.on_cache = on_cache
         self.app = App(
             connector=PsycopgConnector(
                 conninfo=conninfo(config.database_url),
@@ -159,7 +164,9 @@ class JobEngine:
                 return None
             return "cancel" if reason == AbortReason.USER_REQUEST else "shutdown"
 
-        outcome = execute(version_id, self.config, self.sessions, self.name, stop)
+        outcome = execute(
+            version_id, self.config, self.sessions, self.name, stop, on_cache=self.on_cache
+        )
         if outcome == HANDED_BACK:
             raise JobAborted(f"version id {version_id} handed back: the worker is stopping")
         if self.on_finished is not None:

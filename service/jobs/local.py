@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.jobs.attempts import HANDED_BACK, WorkerConfig, execute
+from service.jobs.attempts import HANDED_BACK, CacheReport, WorkerConfig, execute
 from service.jobs.engine import worker_name
 from service.storage import fits
 from service.storage.db import CalibratorVersion
@@ -29,7 +29,8 @@ class LocalQueue:
     """Run fits in ``workers`` threads of this process (each attempt in a child process
     unless ``config.executor == "thread"``).
 
-    ``on_finished(version_id)`` is called after an attempt ran to an end. On
+    ``on_finished(version_id)`` is called after an attempt ran to an end, ``on_cache``
+    with the read cache's figures of its reads (:func:`~service.jobs.attempts.execute`). On
     :meth:`stop`, running attempts may go on for ``grace_seconds``, then they are
     stopped and their versions queued again for the next start.
     """
@@ -43,6 +44,7 @@ class LocalQueue:
         running_per_namespace: int = 2,
         grace_seconds: float = 10.0,
         on_finished: Callable[[int], None] | None = None,
+        on_cache: CacheReport | None = None,
     ):
         self.config = config
         self.sessions = sessions
@@ -50,6 +52,7 @@ class LocalQueue:
         self.running_per_namespace = running_per_namespace
         self.grace_seconds = grace_seconds
         self.on_finished = on_finished
+        self.on_cache = on_cache
         self.name = worker_name("serve")
         self._cond = threading.Condition()
         self._waiting: dict[str, deque[int]] = {}
@@ -141,6 +144,7 @@ class LocalQueue:
                     self.sessions,
                     self.name,
                     lambda v=version_id: self._stop_reason(v),
+                    on_cache=self.on_cache,
                 )
             except Exception:
                 log.exception("fit attempt of version id %s failed outside the fit", version_id)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from sqlalchemy.orm import sessionmaker
 
-from service.jobs.attempts import WorkerConfig
+from service.jobs.attempts import CacheReport, WorkerConfig
 from service.jobs.engine import JobEngine
 from service.jobs.fitting import memory_budget
 from service.jobs.local import LocalQueue
@@ -40,6 +40,7 @@ def worker_config(settings: Settings) -> WorkerConfig:
         memory_budget=memory_budget(settings.fit_memory_bytes, settings.fit_workers),
         max_attempts=settings.fit_max_attempts,
         array_store=settings.array_store,
+        array_cache_bytes=settings.array_cache_bytes,
     )
 
 
@@ -48,6 +49,7 @@ def job_engine(
     sessions: sessionmaker,
     role: str = "worker",
     on_finished: Callable[[int], None] | None = None,
+    on_cache: CacheReport | None = None,
 ) -> JobEngine:
     return JobEngine(
         worker_config(settings),
@@ -58,18 +60,21 @@ def job_engine(
         grace_seconds=settings.fit_grace_seconds,
         role=role,
         on_finished=on_finished,
+        on_cache=on_cache,
     )
 
 
 class Fits:
     """The serve process's fits: ``queue`` for the API, workers started by :meth:`start`
-    when this process runs fits, stopped (hand-backs included) by :meth:`stop`."""
+    when this process runs fits, stopped (hand-backs included) by :meth:`stop`.
+    ``on_finished`` and ``on_cache`` are the queue's (:class:`~service.jobs.local.LocalQueue`)."""
 
     def __init__(
         self,
         settings: Settings,
         sessions: sessionmaker,
         on_finished: Callable[[int], None] | None = None,
+        on_cache: CacheReport | None = None,
     ):
         self.settings = settings
         self.config = worker_config(settings)
@@ -83,9 +88,10 @@ class Fits:
                 running_per_namespace=settings.max_running_fits_per_namespace,
                 grace_seconds=settings.fit_grace_seconds,
                 on_finished=on_finished,
+                on_cache=on_cache,
             )
         else:
-            self.queue = job_engine(settings, sessions, "serve", on_finished)
+            self.queue = job_engine(settings, sessions, "serve", on_finished, on_cache)
 
     async def start(self) -> None:
         if not self.runs_fits:

@@ -29,18 +29,23 @@ Two kinds of figures
 --------------------
 *Events of this process* (requests, served rows, entropy and confidence of
 served rows, argmax flips, feedback rows, fit durations, requests refused by
-the rate limit) are :class:`~prometheus_client.Counter` /
-:class:`~prometheus_client.Histogram` objects of a :class:`ServiceMetrics`,
-incremented by its methods :meth:`~ServiceMetrics.observe_request`,
+the rate limit, the read cache of its fits' arrays) are
+:class:`~prometheus_client.Counter` / :class:`~prometheus_client.Histogram`
+objects of a :class:`ServiceMetrics`, incremented by its methods
+:meth:`~ServiceMetrics.observe_request`,
 :meth:`~ServiceMetrics.observe_predictions`,
-:meth:`~ServiceMetrics.observe_feedback`, :meth:`~ServiceMetrics.observe_fit`
-and :meth:`~ServiceMetrics.observe_rate_limited`.
+:meth:`~ServiceMetrics.observe_feedback`, :meth:`~ServiceMetrics.observe_fit`,
+:meth:`~ServiceMetrics.observe_rate_limited` and
+:meth:`~ServiceMetrics.observe_array_cache`.
 
 *Shared state* (fit jobs by status, hold-out quality of each aliased
 version, live quality over the feedback window) is read from the database *at
 scrape time* by :class:`DatabaseQualityCollector`, so every worker and every
 replica reports the same value. Aggregate those gauges across replicas with
-``max``/``avg``, never ``sum`` (the dashboard and the alert rules do).
+``max``/``avg``, never ``sum`` (the dashboard and the alert rules do). The bytes
+of the array read cache are read at scrape time too, from the cache folder
+(:class:`ArrayCacheCollector`): the same for every process of one data folder,
+so per target (``max by (instance)``).
 
 Several worker processes: prometheus_client's multiprocess mode
 ----------------------------------------------------------------
@@ -89,8 +94,12 @@ is built) so both modes expose the same series.
 
 Work done in other processes (fits run in a process pool) is *not* observed
 where it runs: the serve process calls :meth:`ServiceMetrics.observe_fit` when
-the job ends (the duration is on the job row), so the figure is right in both
-modes.
+the job ends (the duration is on the job row), and
+:meth:`ServiceMetrics.observe_array_cache` with the read cache's figures the fit's
+process sent it (:mod:`service.jobs.attempts`), so the figures are right in both
+modes. A dedicated ``welltempered worker`` does the same with a
+:class:`ServiceMetrics` of its own, which its own metrics listener serves
+(:mod:`service.api.exporter`).
 """
 
 from __future__ import annotations
@@ -132,6 +141,7 @@ __all__ = [
     "LABELS",
     "METRICS",
     "PREFIX",
+    "ArrayCacheCollector",
     "DatabaseQualityCollector",
     "EventSpec",
     "GaugeSpec",
@@ -296,11 +306,30 @@ RATE_LIMITED = EventSpec(
     "process (WELLTEMPERED_RATE_LIMIT_PER_SECOND), by the key's namespace.",
     ("namespace",),
 )
+ARRAY_CACHE_HITS = EventSpec(
+    "counter",
+    "welltempered_array_cache_hits_total",
+    "Array reads of the fits this process ran that a copy in the local read cache served "
+    "(an object-store array store only).",
+)
+ARRAY_CACHE_MISSES = EventSpec(
+    "counter",
+    "welltempered_array_cache_misses_total",
+    "Array reads of the fits this process ran that downloaded the array from the object "
+    "store.",
+)
+ARRAY_CACHE_EVICTIONS = EventSpec(
+    "counter",
+    "welltempered_array_cache_evictions_total",
+    "Copies the fits this process ran removed from the local read cache to keep it under "
+    "WELLTEMPERED_ARRAY_CACHE_BYTES (least recently used first).",
+)
 
 #: Every event metric, in the order :class:`ServiceMetrics` creates (and exports) them.
 EVENTS = (
     HTTP_REQUESTS, HTTP_DURATION, HTTP_IN_PROGRESS, PREDICTIONS, PREDICTION_ENTROPY,
     PREDICTION_CONFIDENCE, ARGMAX_FLIPS, FEEDBACK_ROWS, FIT_DURATION, RATE_LIMITED,
+    ARRAY_CACHE_HITS, ARRAY_CACHE_MISSES, ARRAY_CACHE_EVICTIONS,
 )  # fmt: skip
 
 
@@ -423,6 +452,34 @@ _DATABASE_UP = GaugeSpec(
     (),
 )
 
+_ARRAY_CACHE_BYTES = GaugeSpec(
+    "welltempered_array_cache_bytes",
+    "Bytes of the read copies in the local array cache of this target's data folder "
+    "(object-store array stores; at most WELLTEMPERED_ARRAY_CACHE_BYTES), at scrape time.",
+    (),
+)
+
+
+class ArrayCacheCollector:
+    """``welltempered_array_cache_bytes``: ``usage()`` (the cache folder's bytes, which
+    every process of the folder shares) read at scrape time, like the database gauges.
+    No sample when the folder cannot be read (the error is logged)."""
+
+    def __init__(self, usage: Callable[[], int]):
+        self._usage = usage
+
+    def describe(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(_ARRAY_CACHE_BYTES.name, _ARRAY_CACHE_BYTES.documentation)
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(_ARRAY_CACHE_BYTES.name, _ARRAY_CACHE_BYTES.documentation)
+        try:
+            family.add_metric([], float(self._usage()))
+        except OSError:
+            log.warning("metrics: could not add up the array cache's files", exc_info=True)
+        yield family
+
+
 #: What a snapshot callable returns: for some keys of :data:`DB_GAUGES`, the samples
 #: as ``(labels, value)`` with ``labels`` a mapping of exactly the gauge's label
 #: names to str/int values. A missing key exports the gauge with no samples; a
@@ -505,7 +562,10 @@ class DatabaseQualityCollector:
 #: Every metric name -> (type, label names). Counters are listed with ``_total``.
 METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     **{spec.name: (spec.kind, spec.labels) for spec in EVENTS},
-    **{spec.name: ("gauge", spec.labels) for spec in (*DB_GAUGES.values(), _DATABASE_UP)},
+    **{
+        spec.name: ("gauge", spec.labels)
+        for spec in (*DB_GAUGES.values(), _DATABASE_UP, _ARRAY_CACHE_BYTES)
+    },
 }
 
 
@@ -623,6 +683,9 @@ class ServiceMetrics:
         self.feedback_rows: Counter = created[FEEDBACK_ROWS.name]
         self.fit_duration: Histogram = created[FIT_DURATION.name]
         self.rate_limited: Counter = created[RATE_LIMITED.name]
+        self.array_cache_hits: Counter = created[ARRAY_CACHE_HITS.name]
+        self.array_cache_misses: Counter = created[ARRAY_CACHE_MISSES.name]
+        self.array_cache_evictions: Counter = created[ARRAY_CACHE_EVICTIONS.name]
         # ``metric.labels(...)`` validates and hashes the labels on every call (six
         # per predict request); the children of a label set never change
         # (nothing here removes series), so they are looked up once. The label sets are
@@ -737,20 +800,36 @@ class ServiceMetrics:
         """Count one request refused by the rate limit, under its key's namespace (not the key)."""
         self.rate_limited.labels(namespace).inc()
 
+    def observe_array_cache(self, hits: int, misses: int, evictions: int) -> None:
+        """Count what a fit's array reads did in the local read cache: reads a cached
+        copy served, reads that downloaded the array, copies removed to make room."""
+        self.array_cache_hits.inc(int(hits))
+        self.array_cache_misses.inc(int(misses))
+        self.array_cache_evictions.inc(int(evictions))
+
     # -- exposition and worker lifecycle ---------------------------------------
 
-    def render(self, snapshot: Callable[[], Snapshot] | None = None) -> tuple[bytes, str]:
+    def render(
+        self,
+        snapshot: Callable[[], Snapshot] | None = None,
+        cache_usage: Callable[[], int] | None = None,
+    ) -> tuple[bytes, str]:
         """The body and Content-Type of ``GET /metrics``.
 
         Builds a fresh registry for this scrape: the metrics of every worker (a
         ``MultiProcessCollector`` over :attr:`multiprocess_dir`) in multiprocess
         mode, this object's registry otherwise, plus a
-        :class:`DatabaseQualityCollector` over ``snapshot`` when given.
+        :class:`DatabaseQualityCollector` over ``snapshot`` and an
+        :class:`ArrayCacheCollector` over ``cache_usage`` when given.
 
         Parameters
         ----------
         snapshot : callable () -> :data:`Snapshot`, optional
             Reads the database gauges; without it they are not exported.
+        cache_usage : callable () -> int, optional
+            The bytes in the array read cache
+            (:meth:`service.storage.array_cache.ReadCache.usage`); without it
+            ``welltempered_array_cache_bytes`` is not exported.
 
         Returns
         -------
@@ -758,8 +837,8 @@ class ServiceMetrics:
             The Prometheus text exposition (format 0.0.4) and its Content-Type.
         """
         if self.multiprocess_dir is not None:
-            return render_multiprocess(self.multiprocess_dir, snapshot)
-        return _exposition(self._registry, snapshot)
+            return render_multiprocess(self.multiprocess_dir, snapshot, cache_usage)
+        return _exposition(self._registry, snapshot, cache_usage)
 
     def mark_process_dead(self, pid: int | None = None) -> None:
         """prometheus_client's ``mark_process_dead`` for ``pid`` (default: this process).
@@ -794,21 +873,31 @@ class ServiceMetrics:
 # exposition and the multiprocess directory
 
 
-def _exposition(source: Collector, snapshot: Callable[[], Snapshot] | None) -> tuple[bytes, str]:
-    """One scrape: a fresh registry with ``source`` and, given a snapshot, the database gauges."""
+def _exposition(
+    source: Collector,
+    snapshot: Callable[[], Snapshot] | None,
+    cache_usage: Callable[[], int] | None = None,
+) -> tuple[bytes, str]:
+    """One scrape: a fresh registry with ``source`` and, given their callables, the
+    database gauges and the array cache's bytes."""
     registry = CollectorRegistry()
     registry.register(source)
     if snapshot is not None:
         registry.register(DatabaseQualityCollector(snapshot))
+    if cache_usage is not None:
+        registry.register(ArrayCacheCollector(cache_usage))
     return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
 def render_multiprocess(
-    path: str | os.PathLike, snapshot: Callable[[], Snapshot] | None = None
+    path: str | os.PathLike,
+    snapshot: Callable[[], Snapshot] | None = None,
+    cache_usage: Callable[[], int] | None = None,
 ) -> tuple[bytes, str]:
     """The exposition of the worker files in ``path`` (what a worker serves in
     multiprocess mode; also usable by a sidecar exporter, and by tests)."""
-    return _exposition(multiprocess.MultiProcessCollector(None, path=os.fspath(path)), snapshot)
+    collector = multiprocess.MultiProcessCollector(None, path=os.fspath(path))
+    return _exposition(collector, snapshot, cache_usage)
 
 
 def prepare_multiprocess_dir(path: str | os.PathLike | None = None) -> str | None:

@@ -39,6 +39,7 @@ from calibrators.validation import PROBABILITY_FLOOR
 from service.errors import InvalidInput, NotReady
 from service.observe import metrics as obs
 from service.storage import fits, quality, registry
+from service.storage.array_cache import CacheStats
 from service.storage.db import CalibratorVersion, Model, as_utc, utcnow
 from service.storage.quality import SUMS
 from service.vocabulary import FITTED, STATUSES, format_duration, parse_duration
@@ -372,6 +373,13 @@ def observe_finished_fit(
         return
     if timed is not None:
         metrics.observe_fit(*timed)
+
+
+def observe_array_cache(metrics: obs.ServiceMetrics, stats: CacheStats) -> None:
+    """:meth:`~service.observe.metrics.ServiceMetrics.observe_array_cache` of what a fit's
+    reads did in the read cache: the fit runner's ``on_cache`` callback, called in the
+    process that runs the fit runner (the fit itself may have run in a child)."""
+    metrics.observe_array_cache(stats.hits, stats.misses, stats.evictions)
 
 
 # ---------------------------------------------------------------------------

@@ -19,13 +19,16 @@ Or any URL fsspec opens (``s3://bucket/prefix``, ``gs://...``, ``local:///path``
 ``pip install 'welltempered[object-store]'`` and the backend's own package): an
 object appears whole when its upload ends, so the same order holds (upload, then
 commit the row). Readers keep a content-addressed copy under ``<data_dir>/cache`` to
-``mmap`` it (a name is its content: a cached copy is never stale). Temp files and
-that cache are always local to the process's machine.
+``mmap`` it (a name is its content: a cached copy is never stale), within a byte budget
+(``WELLTEMPERED_ARRAY_CACHE_BYTES``), least recently used out first:
+:mod:`service.storage.array_cache`. Temp files and that cache are always local to the
+process's machine.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import re
@@ -38,6 +41,8 @@ from pathlib import Path
 from typing import IO
 
 import numpy as np
+
+from service.storage.array_cache import CacheStats, ReadCache
 
 #: The file name of a stored array: its sha256 in lower-case hex, then ``.npy``.
 _ARRAY_NAME = re.compile(r"^([0-9a-f]{64})\.npy$")
@@ -137,6 +142,29 @@ def _is_folder(url: str) -> bool:
     return "://" not in url or url.startswith("file://")
 
 
+def read_npy(f: IO[bytes], *, mmap: bool = True) -> np.ndarray:
+    """The array of an open ``.npy`` file; with ``mmap``, mapped from that very file.
+
+    ``np.load(path, mmap_mode="r")`` opens the path again; this maps the descriptor
+    given, whose mapping keeps a duplicate of it, so a ``flock`` held on ``f`` (the read
+    cache's pin) lasts as long as the array, and an unlinked file stays readable.
+    Object arrays are refused, as ``np.load`` without pickle does.
+    """
+    if not mmap:
+        return np.load(f, allow_pickle=False)
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+    elif version == (2, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+    else:
+        raise ValueError(f"an .npy file of format version 1.0 or 2.0 was expected. Got {version}.")
+    if dtype.hasobject:
+        raise ValueError(f"an array of Python objects cannot be memory-mapped. Got {dtype}.")
+    order = "F" if fortran else "C"
+    return np.memmap(f, dtype=dtype, mode="r", shape=shape, order=order, offset=f.tell())
+
+
 class ArrayStore:
     """The arrays of every dataset, by sha256.
 
@@ -147,12 +175,16 @@ class ArrayStore:
         (read copies of remote arrays) and, without ``url``, ``arrays/``.
     url : str, optional
         Where the arrays live: a folder path or ``file://`` URL, or a URL fsspec opens.
+    cache_bytes : int, optional
+        With a URL, the budget of ``cache/`` (:class:`~service.storage.array_cache.ReadCache`;
+        ``WELLTEMPERED_ARRAY_CACHE_BYTES``); None: no bound.
     """
 
-    def __init__(self, root: Path, url: str | None = None):
+    def __init__(self, root: Path, url: str | None = None, cache_bytes: int | None = None):
         self.root = Path(root)
         self.tmp = self.root / "tmp"
         self.cache = self.root / "cache"
+        self.read_cache = ReadCache(self.cache, self.temp_path, cache_bytes)
         self.url = url
         self._fs = None
         if url is None:
@@ -180,9 +212,6 @@ class ArrayStore:
     def path(self, sha256: str) -> Path:
         """Where the array of ``sha256`` lives (in the object store, with a URL)."""
         return self.arrays / sha256[:2] / f"{sha256}.npy"
-
-    def _cached(self, sha256: str) -> Path:
-        return self.cache / sha256[:2] / f"{sha256}.npy"
 
     def temp_path(self, suffix: str = "") -> Path:
         """A new empty file in the store's temp folder; the caller removes it.
@@ -233,27 +262,28 @@ class ArrayStore:
             tmp.unlink(missing_ok=True)
 
     def load(self, sha256: str, *, mmap: bool = True) -> np.ndarray:
-        path = self.path(sha256) if self._fs is None else self._fetch(sha256)
+        """The array of ``sha256``, memory-mapped read-only unless ``mmap`` is False.
+
+        Behind a URL it is read from the local cache (downloaded on a miss), pinned there
+        while the array lives (:mod:`service.storage.array_cache`).
+        """
+        if self._fs is not None:
+            with self.read_cache.open(sha256, functools.partial(self._download, sha256)) as f:
+                return read_npy(f, mmap=mmap)
+        path = self.path(sha256)
         if not path.exists():
             raise FileNotFoundError(f"array {sha256} is missing from {self.arrays}")
         return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
 
-    def _fetch(self, sha256: str) -> Path:
-        """The local copy of a remote array (downloaded once, to a temp name first)."""
-        cached = self._cached(sha256)
-        if cached.exists():
-            return cached
+    def take_cache_stats(self) -> CacheStats:
+        """Hits, misses and evictions of the read cache since the last call."""
+        return self.read_cache.take_stats()
+
+    def _download(self, sha256: str, dest: Path) -> None:
         remote = str(self.path(sha256))
         if not self._fs.exists(remote):
             raise FileNotFoundError(f"array {sha256} is missing from {self.url}")
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.temp_path(".npy")
-        try:
-            self._fs.get_file(remote, str(tmp))
-            os.replace(tmp, cached)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return cached
+        self._fs.get_file(remote, str(dest))
 
     def exists(self, sha256: str) -> bool:
         if self._fs is not None:
@@ -264,7 +294,8 @@ class ArrayStore:
         """Unlink the file of ``sha256`` (the caller decided no row needs it); returns the
         bytes freed (0 if it was not there)."""
         if self._fs is not None:
-            self._cached(sha256).unlink(missing_ok=True)
+            # A reader of the copy keeps reading it (an unlinked file stays readable).
+            self.read_cache.path(sha256).unlink(missing_ok=True)
             remote = str(self.path(sha256))
             try:
                 size = int(self._fs.info(remote)["size"])

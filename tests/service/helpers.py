@@ -180,6 +180,17 @@ def promote(client, model: str, dataset_id: int, seed: int = 0, **extra) -> dict
     return version
 
 
+def answering_workers(mp_dir: Path) -> set[int]:
+    """The worker processes that have answered an HTTP request: their prometheus_client
+    multiprocess counter file holds a request count. (Every worker has a counter file
+    from its start: the unlabelled counters write their zero then.)"""
+    return {
+        int(p.stem.rsplit("_", 1)[1])
+        for p in mp_dir.glob("counter_*.db")
+        if b"welltempered_http_requests_total" in p.read_bytes()
+    }
+
+
 def families(text: str) -> dict[str, dict[tuple, float]]:
     out: dict[str, dict[tuple, float]] = {}
     for fam in text_string_to_metric_families(text):

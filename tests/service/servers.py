@@ -135,13 +135,22 @@ class Server(ProcessGroup):
 
 class Worker(ProcessGroup):
     """``welltempered worker`` in its own process group: ready once its log says it
-    started (it registered with the job engine)."""
+    started (it registered with the job engine). ``env``: ``WELLTEMPERED_*`` settings by
+    lower-case name; ``environ``: other variables as they are."""
 
-    def __init__(self, database_url: str, data_dir: Path, *args: str, **env: str):
+    def __init__(
+        self,
+        database_url: str,
+        data_dir: Path,
+        *args: str,
+        environ: dict[str, str] | None = None,
+        **env: str,
+    ):
         self.database_url = database_url
         self.data_dir = data_dir
         self.args = args
         self.env = env
+        self.environ = environ or {}
         self.proc: subprocess.Popen | None = None
         self.log = data_dir.parent / f"worker-{id(self)}.log"
 
@@ -155,6 +164,10 @@ class Worker(ProcessGroup):
             "WELLTEMPERED_DATABASE_URL": self.database_url,
             "WELLTEMPERED_DATA_DIR": str(self.data_dir),
             "WELLTEMPERED_FIT_THREADS": "1",
+            # No metrics listener unless a test asks (a fixed port would clash between
+            # workers, and with other test runs on the machine).
+            "WELLTEMPERED_WORKER_METRICS_ADDRESS": "",
+            **self.environ,
             **{f"WELLTEMPERED_{k.upper()}": str(v) for k, v in self.env.items()},
         }
         out = open(self.log, "ab")

@@ -12,7 +12,14 @@ from fastapi.testclient import TestClient
 
 from service.api.app import create_app
 from service.storage.arrays import ArrayStore
-from tests.service.helpers import create_model, fit, logits_data, make_settings, upload
+from tests.service.helpers import (
+    create_model,
+    families,
+    fit,
+    logits_data,
+    make_settings,
+    upload,
+)
 from tests.service.servers import Server, Worker
 
 fsspec = pytest.importorskip("fsspec")
@@ -107,3 +114,35 @@ def test_a_worker_that_shares_only_the_store_and_the_database(pg_schema, tmp_pat
         assert version(c, "m", v)["params"]["method"] == "temperature"
     assert not (tmp_path / "api" / "arrays").exists()
     assert any((tmp_path / "worker" / "cache").rglob("*.npy"))  # the worker's read copies
+
+
+@pytest.mark.parametrize(
+    "executor", ["thread", pytest.param("process", marks=[pytest.mark.process, pytest.mark.slow])]
+)
+def test_fits_read_through_the_bounded_cache_and_metrics_count_it(tmp_path, executor):
+    """WELLTEMPERED_ARRAY_CACHE_BYTES reaches the fits (in this process, or in a fit
+    process that sends its figures back); /metrics counts hits, misses and evictions."""
+    url = f"local://{tmp_path / 'object-store'}"
+    settings = make_settings(
+        f"sqlite:///{tmp_path / 'registry.sqlite3'}",
+        tmp_path,
+        array_store=url,
+        array_cache_bytes=30_000,
+        fit_executor=executor,
+    )
+    with TestClient(create_app(settings)) as c:
+        create_model(c, "m", 4)
+        first, second = (upload(c, "m", *logits_data(n=500, seed=s))["id"] for s in (1, 2))
+        sizes = sorted(f.size for f in ArrayStore(tmp_path, url).files())
+        assert sizes == [4128, 4128, 16128, 16128]  # labels, scores: one dataset fits
+        for ds in (first, first, second):
+            assert fit(c, "m", ds)["status"] == "succeeded"
+        # 1st fit: 2 misses; 2nd: 2 hits; 3rd: its scores evict the least recently used
+        # copy (the first scores), its labels fit beside
+        cache = ArrayStore(settings.data_dir, url).read_cache
+        assert cache.usage() == 4128 + 16128 + 4128 <= 30_000
+        got = families(c.get("/metrics").text)
+        assert got["welltempered_array_cache_hits_total"][()] == 2
+        assert got["welltempered_array_cache_misses_total"][()] == 4
+        assert got["welltempered_array_cache_evictions_total"][()] == 1
+        assert got["welltempered_array_cache_bytes"][()] == cache.usage()

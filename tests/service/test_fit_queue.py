@@ -152,7 +152,7 @@ def test_the_embedded_queue_is_round_robin_across_namespaces(monkeypatch):
     ran: list[int] = []
     gate = threading.Event()
 
-    def execute(version_id, config, sessions, worker, stop):
+    def execute(version_id, config, sessions, worker, stop, on_cache=None):
         gate.wait(10)
         ran.append(version_id)
         return "succeeded"
@@ -178,7 +178,7 @@ def test_the_embedded_queue_hands_back_on_stop(monkeypatch):
     """Stopping waits up to the grace period, then the running attempt is told to stop."""
     reasons: list[str | None] = []
 
-    def execute(version_id, config, sessions, worker, stop):
+    def execute(version_id, config, sessions, worker, stop, on_cache=None):
         while (reason := stop()) is None:
             time.sleep(0.01)
         reasons.append(reason)

@@ -26,7 +26,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.vocabulary import DEFAULT_NAMESPACE
 from tests.helpers import skip_or_fail
-from tests.service.helpers import BACKENDS, logits_data, migrated_database
+from tests.service.helpers import (
+    BACKENDS,
+    answering_workers,
+    logits_data,
+    migrated_database,
+)
 from tests.test_deploy import ALERTS_YML, DASHBOARD, alert_exprs, dashboard_exprs, for_prometheus
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
@@ -130,8 +135,8 @@ def server(request, tmp_path_factory):
 
 
 def worker_pids(mp_dir: Path) -> set[int]:
-    """The processes that have counted something (one counter file each)."""
-    return {int(p.stem.rsplit("_", 1)[1]) for p in mp_dir.glob("counter_*.db")}
+    """The processes that have answered requests."""
+    return answering_workers(mp_dir)
 
 
 def send_traffic(c: httpx.Client, base: str, workers_seen: Callable[[], int]) -> dict:

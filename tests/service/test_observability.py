@@ -69,6 +69,7 @@ def touch_everything(
     metrics.observe_feedback(namespace, model, 1, 2)
     metrics.observe_fit("temperature", 0.5)
     metrics.observe_rate_limited(namespace)
+    metrics.observe_array_cache(hits=3, misses=2, evictions=1)
     with metrics.track_in_progress():
         pass
 
@@ -89,7 +90,7 @@ def test_names_units_and_labels_follow_the_rules():
 
 def test_exposition_has_every_metric_with_help_and_type(metrics):
     touch_everything(metrics)
-    body, content_type = metrics.render(lambda: FAKE_SNAPSHOT)
+    body, content_type = metrics.render(lambda: FAKE_SNAPSHOT, lambda: 12345)
     assert content_type.startswith("text/plain")
     text = body.decode()
     for name, (kind, _) in obs.METRICS.items():
@@ -110,8 +111,23 @@ def test_exposition_has_every_metric_with_help_and_type(metrics):
         == 4
     )
     assert sample(fams, "welltempered_database_up", "welltempered_database_up") == 1
+    assert sample(fams, "welltempered_array_cache_bytes", "welltempered_array_cache_bytes") == 12345
+    for event, value in (("hits", 3), ("misses", 2), ("evictions", 1)):
+        name = f"welltempered_array_cache_{event}"
+        assert sample(fams, name, f"{name}_total") == value
     # a None value (an empty window) is no sample at all
     assert [s.labels["version"] for s in fams["welltempered_live_ece_ratio"].samples] == ["2"]
+
+
+def test_an_unreadable_cache_folder_leaves_the_cache_gauge_empty(metrics, caplog):
+    def usage() -> int:
+        raise PermissionError("cache/ab")
+
+    body, _ = metrics.render(None, usage)
+    family = families(body)["welltempered_array_cache_bytes"]
+    assert family.samples == []
+    assert b"welltempered_http_requests_total" in body
+    assert "array cache" in caplog.text
 
 
 def test_without_snapshot_there_are_no_database_gauges(metrics):

@@ -100,7 +100,7 @@ def metrics(state: StateDep) -> Response:
             settings.worker_stalled_seconds,
         )
 
-    body, content_type = state.metrics.render(snapshot)
+    body, content_type = state.metrics.render(snapshot, state.arrays.read_cache.usage)
     return Response(body, headers={"Content-Type": content_type})
 
 
