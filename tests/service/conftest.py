@@ -1,10 +1,12 @@
 """Service fixtures: the same tests on SQLite and PostgreSQL, each test isolated.
 
-Isolation: SQLite gets a new database file per test; PostgreSQL a new schema
-per test in the `test` database (URL from WELLTEMPERED_TEST_POSTGRES_URL),
-migrated with Alembic and dropped afterwards. The savepoint-per-test recipe
-does not fit: fits run in worker threads/processes with their own connections,
-which must see the committed job rows.
+Isolation: SQLite gets a new database file per test, a copy of one Alembic
+migrated once per test process; PostgreSQL an empty, migrated schema per test in
+the `test` database (URL from WELLTEMPERED_TEST_POSTGRES_URL): a schema is emptied
+after its test and handed to the next, or dropped if the test changed its structure
+(tests/service/helpers.py, SchemaPool). The savepoint-per-test recipe does not fit:
+fits run in worker threads/processes with their own connections, which must see the
+committed job rows.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from sqlalchemy import create_engine, text
 from service.api.app import create_app
 from service.settings import Settings
 from tests.helpers import skip_or_fail
+from tests.service import helpers
 from tests.service.helpers import (
     BACKENDS,
     PG_URL,
@@ -39,6 +42,19 @@ def pg_admin():
         skip_or_fail(f"PostgreSQL is not reachable at {PG_URL}: {type(exc).__name__}: {exc}")
     yield engine
     engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def pg_schemas(pg_admin) -> Iterator[helpers.SchemaPool]:
+    pool = helpers.SchemaPool(pg_admin)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory) -> Iterator[Path]:
+    with helpers.sqlite_template(tmp_path_factory.mktemp("template")) as path:
+        yield path
 
 
 @pytest.fixture
