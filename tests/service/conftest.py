@@ -80,3 +80,15 @@ def settings(database_url: str, tmp_path: Path) -> Settings:
 def client(settings: Settings) -> Iterator[TestClient]:
     with TestClient(create_app(settings), raise_server_exceptions=False) as c:
         yield c
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def module_client(request, tmp_path_factory) -> Iterator[TestClient]:
+    """One app of each backend for a whole test module, like ``client``: for tests that
+    read what a module fixture made, or send requests that must be refused (and check
+    that nothing changed). A test that changes what others read uses ``client``."""
+    tmp = tmp_path_factory.mktemp("module")
+    with migrated_database(request, request.param, tmp) as url:
+        app = create_app(make_settings(url, tmp))
+        with TestClient(app, raise_server_exceptions=False) as c:
+            yield c
