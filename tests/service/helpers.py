@@ -6,15 +6,17 @@ Test files import from here, never from each other or from a conftest.
 
 from __future__ import annotations
 
+import graphlib
 import io
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +24,7 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import text
+from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
 from service.settings import Settings
@@ -56,15 +58,155 @@ def new_schema(pg_admin) -> Iterator[str]:
 
 
 @contextmanager
+def sqlite_template(directory: Path) -> Iterator[Path]:
+    """A SQLite file migrated to head, the template of :func:`migrated_database`'s files."""
+    path = directory / "template.sqlite3"
+    migrate.upgrade(f"sqlite:///{path}")
+    yield path
+
+
+@contextmanager
 def migrated_database(request, backend: str, directory: Path) -> Iterator[str]:
     """The URL of a migrated, empty database of ``backend`` (a BACKENDS value), for
-    fixtures of any scope: a file in ``directory``, or a new PostgreSQL schema."""
+    fixtures of any scope: a file in ``directory``, or a PostgreSQL schema.
+
+    Neither is migrated here: the file is a copy of one Alembic migrated once per test
+    process (the ``sqlite_template`` fixture), the schema an emptied one of the
+    ``pg_schemas`` pool (:class:`SchemaPool`); both take a fraction of the migrations'
+    time. tests/service/test_migrations.py migrates empty databases and checks that
+    models and migrations agree; tests/service/test_isolation.py that these are empty
+    and at head."""
     if backend == "sqlite":
-        yield f"sqlite:///{directory / 'registry.sqlite3'}"
+        path = directory / "registry.sqlite3"
+        template = request.getfixturevalue("sqlite_template")
+        with closing(sqlite3.connect(template)) as source, closing(sqlite3.connect(path)) as copy:
+            source.backup(copy)
+        yield f"sqlite:///{path}"
         return
-    with new_schema(request.getfixturevalue("pg_admin")) as url:
-        migrate.upgrade(url)
+    with request.getfixturevalue("pg_schemas").schema() as url:
         yield url
+
+
+#: One line per object of a schema: tables, columns, constraints, indexes, triggers,
+#: functions, types, sequences, and the Alembic revision. Equal lines, equal schemas.
+_SCHEMA_OBJECTS = """
+SELECT coalesce(string_agg(line, E'\\n' ORDER BY line), '') FROM (
+  SELECT 'relation ' || relname || ' ' || relkind::text AS line
+    FROM pg_class WHERE relnamespace = :ns
+  UNION ALL
+  SELECT 'column ' || c.relname || '.' || a.attname || ' '
+         || format_type(a.atttypid, a.atttypmod) || ' ' || a.attnotnull || ' '
+         || a.attidentity::text || ' ' || coalesce(pg_get_expr(d.adbin, d.adrelid), '')
+    FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+    LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+    WHERE c.relnamespace = :ns AND a.attnum > 0 AND NOT a.attisdropped
+  UNION ALL
+  SELECT 'constraint ' || conname || ' ' || pg_get_constraintdef(oid)
+    FROM pg_constraint WHERE connamespace = :ns
+  UNION ALL
+  SELECT 'index ' || pg_get_indexdef(i.indexrelid)
+    FROM pg_index i JOIN pg_class c ON c.oid = i.indrelid WHERE c.relnamespace = :ns
+  UNION ALL
+  SELECT 'trigger ' || pg_get_triggerdef(t.oid)
+    FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
+    WHERE c.relnamespace = :ns AND NOT t.tgisinternal
+  UNION ALL
+  SELECT 'function ' || p.oid::regprocedure::text || ' ' || md5(pg_get_functiondef(p.oid))
+    FROM pg_proc p WHERE p.pronamespace = :ns
+  UNION ALL
+  SELECT 'type ' || t.typname || ' ' || coalesce(e.enumlabel, '')
+    FROM pg_type t LEFT JOIN pg_enum e ON e.enumtypid = t.oid WHERE t.typnamespace = :ns
+  UNION ALL
+  SELECT 'revision ' || version_num FROM alembic_version
+) objects
+"""
+
+_NAMESPACE = "SELECT oid FROM pg_namespace WHERE nspname = :s"
+
+#: Tables of a schema, and the tables each one's foreign keys reference.
+_FOREIGN_KEYS = """
+SELECT c.relname, coalesce(array_agg(r.relname) FILTER (WHERE r.relname IS NOT NULL), '{}')
+  FROM pg_class c
+  LEFT JOIN pg_constraint k ON k.conrelid = c.oid AND k.contype = 'f'
+  LEFT JOIN pg_class r ON r.oid = k.confrelid
+  WHERE c.relnamespace = :ns AND c.relkind IN ('r', 'p')
+  GROUP BY c.relname
+"""
+
+
+class SchemaPool:
+    """Migrated PostgreSQL schemas of one test process, each used by one test at a time
+    and reused: :meth:`schema` hands out an empty one, migrated to head.
+
+    Migrating a schema takes most of a second (the migrations, and the job engine's
+    schema); emptying one, milliseconds. A schema handed back is emptied (every row
+    of every table but ``alembic_version`` deleted, every sequence restarted, in one
+    transaction) only if its structure is still what Alembic made of it (every table,
+    column, constraint, index, trigger, function, type and the revision): a schema a
+    test changed is dropped, and the next test gets a newly migrated one.
+    """
+
+    def __init__(self, pg_admin):
+        self.admin = pg_admin
+        self.engine = create_engine(PG_URL)
+        self.free: list[tuple[str, str]] = []  # (schema, its objects when migrated)
+
+    def _objects(self, conn, schema: str) -> str:
+        conn.execute(text(f'SET LOCAL search_path TO "{schema}"'))
+        ns = conn.execute(text(_NAMESPACE), {"s": schema}).scalar()
+        return conn.execute(text(_SCHEMA_OBJECTS), {"ns": ns}).scalar()
+
+    def _empty(self, conn, schema: str) -> None:
+        """Delete every row (children before parents) and restart every sequence."""
+        ns = conn.execute(text(_NAMESPACE), {"s": schema}).scalar()
+        graph = {
+            table: {parent for parent in parents if parent != table}
+            for table, parents in conn.execute(text(_FOREIGN_KEYS), {"ns": ns})
+        }
+        children_first = reversed(list(graphlib.TopologicalSorter(graph).static_order()))
+        for table in children_first:
+            if table != "alembic_version":
+                conn.execute(text(f'DELETE FROM "{schema}"."{table}"'))
+        conn.execute(
+            text(
+                "SELECT setval(format('%I.%I', schemaname, sequencename), start_value, false) "
+                "FROM pg_sequences WHERE schemaname = :s"
+            ),
+            {"s": schema},
+        )
+
+    @contextmanager
+    def schema(self) -> Iterator[str]:
+        if self.free:
+            schema, objects = self.free.pop()
+        else:
+            schema = f"wt_{uuid.uuid4().hex[:12]}"
+            with self.admin.connect() as conn:
+                conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+            migrate.upgrade(pg_schema_url(schema))
+            with self.engine.begin() as conn:
+                objects = self._objects(conn, schema)
+        reusable = False
+        try:
+            yield pg_schema_url(schema)
+            with self.engine.begin() as conn:
+                if self._objects(conn, schema) == objects:
+                    self._empty(conn, schema)
+                    reusable = True
+        finally:
+            if reusable:
+                self.free.append((schema, objects))
+            else:
+                self.drop(schema)
+
+    def drop(self, schema: str) -> None:
+        with self.admin.connect() as conn:
+            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+
+    def close(self) -> None:
+        while self.free:
+            self.drop(self.free.pop()[0])
+        self.engine.dispose()
 
 
 def make_settings(database_url: str, tmp_path: Path, **overrides) -> Settings:

@@ -45,6 +45,21 @@ def shuffled_labels(n=400, k=3, seed=1):
     return logits, (logits.argmax(axis=1) + 1) % k
 
 
+@pytest.fixture(scope="module")
+def named(module_client) -> dict:
+    """Model ``named`` (K = 4, class_names :data:`NAMES`) of ``module_client``, as created:
+    the refused PATCH requests must leave it so."""
+    return create_model(module_client, "named", 4, class_names=NAMES)
+
+
+@pytest.fixture(scope="module")
+def m_dataset(module_client) -> int:
+    """Model ``m`` (K = 4) of ``module_client`` with one dataset (its id) and no version:
+    the refused imports must leave it so."""
+    create_model(module_client, "m", 4)
+    return upload(module_client, "m", *logits_data(100, 4))["id"]
+
+
 # ---------------------------------------------------------------------------
 # PATCH /v1/models/{model}
 
@@ -80,12 +95,11 @@ def test_patch_changes_only_the_fields_given(client):
         ({"class_names": "cat"}, "class_names"),
     ],
 )
-def test_patch_refusals(client, body, word):
-    create_model(client, "m", 4, class_names=NAMES)
-    r = client.patch("/v1/models/m", json=body)
+def test_patch_refusals(module_client, named, body, word):
+    r = module_client.patch("/v1/models/named", json=body)
     assert_problem(r, 422)
     assert word in r.text
-    assert client.get("/v1/models/m").json()["class_names"] == NAMES  # unchanged
+    assert module_client.get("/v1/models/named").json() == named  # unchanged
 
 
 def test_patch_needs_json_and_an_existing_model(client):
@@ -293,13 +307,11 @@ def _valid_params():
         ({"options": {"max_iter": 10**400}}, "max_iter must be an integer >= 1 and <= 1000000"),
     ],
 )
-def test_import_refusals(client, change, word):
-    create_model(client, "m", 4)
-    ds = upload(client, "m", *logits_data(100, 4))
+def test_import_refusals(module_client, m_dataset, change, word):
     params = {**_valid_params(), **change}
-    r = client.post(IMPORT, json={"dataset_id": ds["id"], "params": params})
+    r = module_client.post(IMPORT, json={"dataset_id": m_dataset, "params": params})
     assert_problem(r, 422, word)
-    assert client.get("/v1/models/m/calibrators").json()["calibrators"] == []
+    assert module_client.get("/v1/models/m/calibrators").json()["calibrators"] == []
 
 
 def test_import_refuses_a_foreign_dataset_and_a_bad_split(client):

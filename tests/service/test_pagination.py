@@ -95,6 +95,13 @@ def test_keys_page(database_url, tmp_path):
         assert ids == sorted(ids) and {k["namespace"] for p in pages for k in p} == {"team"}
 
 
+@pytest.fixture(scope="module")
+def one_model(module_client) -> TestClient:
+    """An app of each backend with model ``m``, for the refused requests below."""
+    create_model(module_client, "m", 2)
+    return module_client
+
+
 def _raw(data) -> str:
     return base64.urlsafe_b64encode(json.dumps(data).encode()).rstrip(b"=").decode()
 
@@ -114,22 +121,21 @@ def _raw(data) -> str:
         "x" * 300,
     ],
 )
-def test_a_cursor_that_is_not_the_lists_is_a_422(client, cursor):
-    create_model(client, "m", 2)
-    assert_problem(client.get("/v1/models", params={"cursor": cursor}), 422)
+def test_a_cursor_that_is_not_the_lists_is_a_422(one_model, cursor):
+    assert_problem(one_model.get("/v1/models", params={"cursor": cursor}), 422)
 
 
 @pytest.mark.parametrize(
     "cursor", [_raw({"list": "aliases", "after": "a\x00b"}), _raw({"list": "aliases", "after": 3})]
 )
-def test_an_alias_cursor_holds_an_alias_name(client, cursor):
-    create_model(client, "m", 2)
-    assert_problem(client.get("/v1/models/m/aliases", params={"cursor": cursor}), 422, "cursor")
+def test_an_alias_cursor_holds_an_alias_name(one_model, cursor):
+    r = one_model.get("/v1/models/m/aliases", params={"cursor": cursor})
+    assert_problem(r, 422, "cursor")
 
 
 @pytest.mark.parametrize("limit", ["0", str(MAX_LIMIT + 1), "-1", "x", ""])
-def test_limit_out_of_range_is_a_422(client, limit):
-    assert_problem(client.get(f"/v1/models?limit={limit}"), 422)
+def test_limit_out_of_range_is_a_422(one_model, limit):
+    assert_problem(one_model.get(f"/v1/models?limit={limit}"), 422)
 
 
 def test_the_default_limit(database_url, tmp_path):
