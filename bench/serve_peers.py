@@ -1,7 +1,7 @@
 """Serving speed against what users would otherwise run, in one run (issue 13 item 7).
 
     .venv/bin/python bench/serve_peers.py [--seconds 5] [--concurrency 4]
-        [--kserve-python /work/kserve-venv/bin/python]
+        [--kserve-python /work/kserve-venv/bin/python] [--cases json binary]
 
 The same calibrator (a temperature fit on 4,000 x 1,000 synthetic logits, its ONNX
 downloaded from our service) served by:
@@ -216,6 +216,13 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3, help="each server in turn, per case")
     parser.add_argument("--kserve-python", default="/work/kserve-venv/bin/python")
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        choices=("json", "binary"),
+        default=("json", "binary"),
+        help="which cases to run (KServe's binary case takes minutes a round)",
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "bench"))
     from serve import load as closed_loop  # the keep-alive raw-socket client of bench/serve.py
@@ -323,6 +330,8 @@ def main() -> int:
                 f"{'case':<22} {'server':<8} {'round':>5} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9}"
             )
             for case, targets in servers.items():
+                if case.split()[0] not in args.cases:
+                    continue
                 for port, req in targets.values():
                     load(port, req)  # warm-up (sessions, caches), not counted
                 rates: dict[str, list[float]] = {name: [] for name in targets}
