@@ -241,7 +241,7 @@ def worker(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        metrics_address = exporter.parse_address(
+        metrics_address = exporter.parse_port_range(
             settings.worker_metrics_address, "WELLTEMPERED_WORKER_METRICS_ADDRESS"
         )
     except ValueError as exc:
@@ -267,27 +267,34 @@ def worker(args: argparse.Namespace) -> int:
             ),
             on_cache=functools.partial(monitoring.observe_array_cache, process_metrics),
         )
+        listening = "no listener"
         if metrics_address is not None:
+            host, first, last = metrics_address
             listener = exporter.MetricsListener(
-                metrics_address, settings, metrics=process_metrics, database_gauges=False
+                (host, first),
+                settings,
+                metrics=process_metrics,
+                database_gauges=False,
+                last_port=last,
             )
             try:
                 listener.start()
             except OSError as exc:
-                host, port = metrics_address
+                ports = str(first) if first == last else f"{first}-{last}"
                 print(
-                    f"welltempered worker: cannot listen for metrics on {host}:{port} "
-                    "(WELLTEMPERED_WORKER_METRICS_ADDRESS, one port per worker of a host; "
-                    f"empty for no listener): {exc}",
+                    f"welltempered worker: cannot listen for metrics on {host}:{ports} "
+                    "(WELLTEMPERED_WORKER_METRICS_ADDRESS: a port, or a range whose first "
+                    f"free port each worker of a host takes; empty for no listener): {exc}",
                     file=sys.stderr,
                 )
                 return 2
+            listening = "{}:{}".format(*listener.address)
         logging.info(
             "worker %s: %d fit(s) at once, heartbeat every %g s, metrics on %s",
             jobs.name,
             concurrency,
             settings.worker_heartbeat_seconds,
-            settings.worker_metrics_address or "no listener",
+            listening,
         )
         # SIGTERM/SIGINT: the job engine stops taking jobs, gives the running ones
         # WELLTEMPERED_FIT_GRACE_SECONDS, then hands them back; exit status 0.

@@ -249,10 +249,12 @@ class Settings(BaseSettings):
         "internal network. Empty: no listener (scrape the API's /metrics with a metrics key).",
     )
     worker_metrics_address: str = Field(
-        "127.0.0.1:9465",
-        description="host:port of the metrics listener of `welltempered worker` (GET "
-        "/metrics without a key: the fits it ran, its array read cache, no database gauges "
-        "and no tenant data). Each worker on a host needs its own port. Empty: no listener.",
+        "127.0.0.1:9465-9474",
+        description="host:port, or host:first-last, of the metrics listener of "
+        "`welltempered worker` (GET /metrics without a key: the fits it ran, its array "
+        "read cache, no database gauges and no tenant data). With a range each worker "
+        "takes its first free port (the log says which), so workers on one host share the "
+        "default; a single port is that port or a refusal to start. Empty: no listener.",
     )
     http_parser: Literal["httptools", "h11"] = Field(
         "httptools",

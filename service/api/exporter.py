@@ -20,10 +20,12 @@ all workers, as the API's ``/metrics`` in any worker does. Both export the
 database gauges, read at scrape time through the listener's own small engine.
 
 ``welltempered worker`` (fits only, no API) runs one too, on
-``WELLTEMPERED_WORKER_METRICS_ADDRESS`` (default ``127.0.0.1:9465``, so a worker and a
-serve on one host do not collide): the fits it ran (``fit_duration_seconds``), its
-array read cache, its process; no database gauges (the API replicas export those,
-identical everywhere), hence no namespace or model name.
+``WELLTEMPERED_WORKER_METRICS_ADDRESS`` (default ``127.0.0.1:9465-9474``: the first
+free port of the range, so a worker and a serve on one host do not collide, nor up to
+ten workers; a single port is that port or a refusal to start): the fits it ran
+(``fit_duration_seconds``), its array read cache, its process; no database gauges
+(the API replicas export those, identical everywhere), hence no namespace or model
+name.
 
 The listener is a uvicorn server on its own event loop thread, with the same header
 deadline as the API (:mod:`service.api.timeouts`); it answers ``GET /metrics``
@@ -32,6 +34,7 @@ only (404 elsewhere, 405 for other methods), plain text, no key.
 
 from __future__ import annotations
 
+import errno
 import socket
 import threading
 import time
@@ -78,6 +81,36 @@ def parse_address(
     return host, int(port)
 
 
+def parse_port_range(
+    text: str, setting: str = "WELLTEMPERED_WORKER_METRICS_ADDRESS"
+) -> tuple[str, int, int] | None:
+    """``host:port`` or ``host:first-last`` as ``(host, first, last)``; None for ``""``.
+    A range lets several processes of a host share one setting: each listens on the
+    first port of it that is free (:meth:`MetricsListener.start`).
+
+    >>> parse_port_range("127.0.0.1:9465-9474"), parse_port_range("[::1]:9465")
+    (('127.0.0.1', 9465, 9474), ('::1', 9465, 9465))
+    """
+    text = text.strip()
+    if not text:
+        return None
+    host, sep, ports = text.rpartition(":")
+    first, dash, last = ports.partition("-")
+    try:
+        parsed = parse_address(f"{host}{sep}{first}", setting)
+        if dash:
+            end = parse_address(f"{host}{sep}{last}", setting)
+    except ValueError:
+        parsed = end = None
+    if parsed is None or (dash and (end is None or end[1] < parsed[1])):
+        raise ValueError(
+            f"{setting} is host:port or host:first-last (127.0.0.1:9465, "
+            f"127.0.0.1:9465-9474: the first free port of the range), or empty for no "
+            f"metrics listener. Got {text!r}."
+        )
+    return parsed[0], parsed[1], end[1] if dash else parsed[1]
+
+
 def metrics_app(render: Render) -> Starlette:
     """The listener's application: ``GET /metrics`` is ``render()`` (run in a thread)."""
 
@@ -88,13 +121,31 @@ def metrics_app(render: Render) -> Starlette:
     return Starlette(routes=[Route("/metrics", scrape, methods=["GET"])])
 
 
+def _bind_first_free(host: str, first: int, last: int) -> socket.socket:
+    """A socket bound to the first port of ``first..last`` that is free on ``host``;
+    the last port's ``OSError`` when none is (only "address in use" moves on)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for port in range(first, last + 1):
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(2048)  # now, not when the server starts: a second binder fails here
+            return sock
+        except OSError as exc:
+            sock.close()
+            if exc.errno != errno.EADDRINUSE or port == last:
+                raise
+    raise AssertionError("unreachable: the last port raises")
+
+
 class MetricsListener:
     """``GET /metrics`` on ``address`` in a thread of this process (module docstring).
 
     Parameters
     ----------
     address : (str, int)
-        Where to listen (:func:`parse_address`).
+        Where to listen (:func:`parse_address`): the host, and the first port to try.
     settings : Settings
         The database and the monitoring window of the database gauges, the header
         deadline.
@@ -106,6 +157,9 @@ class MetricsListener:
     database_gauges : bool, default True
         Whether the scrape reads the database gauges (``welltempered worker``'s listener
         does not: the API replicas export them, and without them it names no tenant).
+    last_port : int, optional
+        With a range (:func:`parse_port_range`), the last port to try when the ones
+        before it are taken; ``address`` is then where the listener got.
     """
 
     def __init__(
@@ -115,6 +169,7 @@ class MetricsListener:
         metrics: obs.ServiceMetrics | None = None,
         multiprocess_dir: str | None = None,
         database_gauges: bool = True,
+        last_port: int | None = None,
     ):
         if (metrics is None) == (multiprocess_dir is None):
             raise ValueError(
@@ -126,6 +181,7 @@ class MetricsListener:
         self.metrics = metrics
         self.multiprocess_dir = multiprocess_dir
         self.database_gauges = database_gauges
+        self.last_port = address[1] if last_port is None else last_port
         # The read cache of this process's data folder (shared with its workers and fits).
         self.cache_usage = ArrayStore(settings.data_dir).read_cache.usage
         self.engine: Engine | None = None
@@ -151,16 +207,12 @@ class MetricsListener:
         return obs.render_multiprocess(self.multiprocess_dir, snapshot, self.cache_usage)
 
     def start(self, timeout: float = 10.0) -> None:
-        """Bind the address (``OSError`` if it is taken), then serve in a daemon thread."""
-        host, port = self.address
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-        except OSError:
-            sock.close()
-            raise
+        """Bind the address, or the first free port up to ``last_port`` (``OSError`` if
+        every one is taken), then serve in a daemon thread."""
+        host, first = self.address
+        sock = _bind_first_free(host, first, self.last_port)
+        port = sock.getsockname()[1]
+        self.address = (host, port)
         if self.database_gauges:
             self.engine = make_engine(
                 self.settings.database_url, application_name=f"{APPLICATION_NAME}-metrics"
