@@ -51,6 +51,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.api.problems import error_response
+from service.api.transport import JoinedWritesProtocol
 from service.errors import RequestTimeout
 
 log = logging.getLogger("welltempered.timeouts")
@@ -134,7 +135,7 @@ class _HeaderDeadline:
         self.transport.close()
 
 
-class GuardedH11Protocol(_HeaderDeadline, H11Protocol):
+class GuardedH11Protocol(_HeaderDeadline, JoinedWritesProtocol, H11Protocol):
     """uvicorn's pure-Python h11 protocol with the header deadline (module docstring).
 
     uvicorn builds one per connection; give it as ``http=guarded_protocol(seconds, "h11")``.
@@ -151,7 +152,7 @@ class GuardedH11Protocol(_HeaderDeadline, H11Protocol):
         return self.conn.their_state is h11.IDLE and bool(self.conn.trailing_data[0])
 
 
-class GuardedHttpToolsProtocol(_HeaderDeadline, HttpToolsProtocol):
+class GuardedHttpToolsProtocol(_HeaderDeadline, JoinedWritesProtocol, HttpToolsProtocol):
     """uvicorn's protocol on httptools (llhttp, in C) with the header deadline: what
     ``welltempered serve`` runs when httptools is installed (a runtime dependency).
 
