@@ -208,6 +208,47 @@ def guarded_protocol(header_timeout: float, parser: str = "httptools") -> Callab
     return functools.partial(PROTOCOLS[parser], header_timeout=float(header_timeout))
 
 
+class _Watchdog:
+    """The deadlines of the body waits in progress, checked by one timer every ``tick``
+    seconds: a wait that passes its deadline has its task cancelled and marked expired.
+
+    One timer per wait (``asyncio.timeout``) cost a 1 x 1,000 prediction about a tenth of
+    the server's time: a timer armed and cancelled on every request, for a body that has
+    almost always arrived with its headers (bench/README.md, "The JSON gap, third
+    round"). Here a wait costs two dict operations, and the one timer runs only while
+    waits are registered. A deadline is met to within ``tick``.
+    """
+
+    def __init__(self, tick: float, clock: Callable[[], float]):
+        self.tick = tick
+        self.clock = clock
+        self.waits: dict[asyncio.Task, list] = {}  # task -> [deadline, expired]
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def watch(self, task: asyncio.Task, deadline: float) -> list:
+        """Register ``task``'s wait until ``deadline`` (:attr:`clock` seconds); its entry,
+        whose second item turns True when the deadline cancels the task."""
+        loop = task.get_loop()
+        if loop is not self._loop:  # a new event loop (tests start several): start afresh
+            self._loop, self._timer = loop, None
+            self.waits = {t: e for t, e in self.waits.items() if t.get_loop() is loop}
+        entry = [deadline, False]
+        self.waits[task] = entry
+        if self._timer is None:
+            self._timer = loop.call_later(self.tick, self._check)
+        return entry
+
+    def _check(self) -> None:
+        now = self.clock()
+        for task, entry in list(self.waits.items()):
+            if not entry[1] and now >= entry[0]:
+                entry[1] = True
+                task.cancel()
+        loop = self._loop
+        self._timer = loop.call_later(self.tick, self._check) if self.waits and loop else None
+
+
 class BodyTimeoutMiddleware:
     """408 for a request body the client sends too slowly (module docstring).
 
@@ -234,6 +275,8 @@ class BodyTimeoutMiddleware:
         self.idle = idle
         self.min_rate = min_rate
         self.clock = clock
+        # Deadlines met to within a twentieth of the idle time, at most a second.
+        self.watchdog = _Watchdog(min(1.0, idle / 20), clock)
 
     def allowance(self, waited: float, received: int) -> float:
         """Seconds the next wait may last, given the total wait so far and bytes received.
@@ -271,15 +314,18 @@ class BodyTimeoutMiddleware:
             allowed = max(0.0, self.allowance(waited, received))
             start = self.clock()
             message: Message | None = None
-            # asyncio's own timeout: anyio's cancel scope cost 11 us per receive, more
-            # than the rest of this guard (bench/README.md, "Serving against peers").
-            deadline = asyncio.timeout(allowed)
+            task = asyncio.current_task()
+            assert task is not None  # an ASGI app runs in a task
+            watchdog = self.watchdog
+            entry = watchdog.watch(task, start + allowed)
             try:
-                async with deadline:
-                    message = await receive()
-            except TimeoutError:
-                if not deadline.expired():
+                message = await receive()
+            except asyncio.CancelledError:
+                # The watchdog's cancellation is a timeout; anyone else's goes on.
+                if not entry[1] or task.uncancel() > 0:
                     raise
+            finally:
+                watchdog.waits.pop(task, None)
             waited += self.clock() - start
             if message is None:
                 timed_out = True
