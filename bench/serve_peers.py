@@ -18,7 +18,10 @@ downloaded from our service) served by:
 
 Cases: JSON 1 x 1,000 and binary 4,096 x 1,000 (probabilities out, binary). Every
 server gets the same closed-loop load (keep-alive HTTP/1.1 on raw sockets, the
-client of bench/serve.py). KServe runs from its own venv (``--kserve-python``; it
+client of bench/serve.py). Beside requests per second, each round reads the server's
+CPU seconds (its process tree, /proc) per request: on two cores the load generator
+takes about one, and how much it gets moves the throughput of every server, not its
+CPU per request. KServe runs from its own venv (``--kserve-python``; it
 pins its own FastAPI): ``python3 -m venv /work/kserve-venv &&
 /work/kserve-venv/bin/pip install 'kserve==0.21.*' onnxruntime``.
 """
@@ -139,6 +142,30 @@ def binary_body(x: np.ndarray) -> tuple[bytes, dict[str, str]]:
         }
     ).encode()
     return head + x.tobytes(), {"Inference-Header-Content-Length": str(len(head))}
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and every live descendant (Linux /proc):
+    a server's own work, whatever the load generator beside it costs."""
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:  # gone meanwhile
+            continue
+        parents[int(entry)] = int(fields[1])
+        ticks[int(entry)] = int(fields[11]) + int(fields[12])  # utime, stime
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [p for p, pp in parents.items() if pp == parent and p not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    return sum(ticks.get(p, 0) for p in tree) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 90) -> None:
@@ -327,32 +354,46 @@ def main() -> int:
                 f"cpus {os.cpu_count()}, load {os.getloadavg()[0]:.1f}"
             )
             print(
-                f"{'case':<22} {'server':<8} {'round':>5} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9}"
+                f"{'case':<22} {'server':<8} {'round':>5} {'req/s':>9} {'p50 ms':>9} "
+                f"{'p99 ms':>9} {'cpu us/req':>10}"
             )
+            pids = {"ceiling": procs[2].pid, "kserve": procs[3].pid, "ours": ours.pid}
+            pids["ours-h11"] = slow.pid
             for case, targets in servers.items():
                 if case.split()[0] not in args.cases:
                     continue
                 for port, req in targets.values():
                     load(port, req)  # warm-up (sessions, caches), not counted
                 rates: dict[str, list[float]] = {name: [] for name in targets}
+                cpu: dict[str, list[float]] = {name: [] for name in targets}
                 for rnd in range(args.rounds):  # servers in turn: a noisy spell hits all
                     for name, (port, req) in targets.items():
+                        before = tree_cpu_seconds(pids[name])
                         lat = load(port, req)
+                        cpu[name].append((tree_cpu_seconds(pids[name]) - before) / len(lat))
                         rates[name].append(len(lat) / args.seconds)
                         print(
                             f"{case:<22} {name:<8} {rnd:>5} {rates[name][-1]:>9.1f} "
                             f"{1e3 * np.percentile(lat, 50):>9.2f} "
-                            f"{1e3 * np.percentile(lat, 99):>9.2f}"
+                            f"{1e3 * np.percentile(lat, 99):>9.2f} {1e6 * cpu[name][-1]:>10.1f}"
                         )
-                ratios = {
-                    peer: np.array(rates["ours"]) / np.array(rates[peer])
-                    for peer in ("ceiling", "kserve", "ours-h11")
-                }
+                peers = ("ceiling", "kserve", "ours-h11")
+                ratios = {p: np.array(rates["ours"]) / np.array(rates[p]) for p in peers}
                 print(
                     f"{case:<22} ours / peer per round, median [min, max]: "
                     + ", ".join(
                         f"/{peer} {np.median(r):.2f}x [{r.min():.2f}, {r.max():.2f}]"
                         for peer, r in ratios.items()
+                    )
+                )
+                # The same in server CPU per request (peer's / ours: above 1, ours uses
+                # less), the figure the load generator's share of the CPUs does not move.
+                cpu_ratios = {p: np.array(cpu[p]) / np.array(cpu["ours"]) for p in peers}
+                print(
+                    f"{case:<22} CPU per request, peer / ours per round, median [min, max]: "
+                    + ", ".join(
+                        f"/{peer} {np.median(r):.2f}x [{r.min():.2f}, {r.max():.2f}]"
+                        for peer, r in cpu_ratios.items()
                     )
                 )
             print(f"load at the end {os.getloadavg()[0]:.1f}")
