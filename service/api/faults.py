@@ -86,25 +86,28 @@ class DatabaseFaultMiddleware:
     ) -> str | None:
         """Run the app once: None when it answered, else what its writes came to."""
         started = False
-        replay = list(seen or ())
 
         async def tracked_send(message: Message) -> None:
             nonlocal started
             started = started or message["type"] == "http.response.start"
             await send(message)
 
-        async def replaying_receive() -> Message:
-            if replay:
-                return replay.pop(0)
-            message = await receive()
-            if message["type"] == "http.request" and seen is not None:
-                seen.append(message)
-            return message
+        if seen is None:  # nothing to replay or keep (a POST): its own receive, unwrapped
+            app_receive = receive
+        else:
+            replay = list(seen)
+
+            async def app_receive() -> Message:
+                if replay:
+                    return replay.pop(0)
+                message = await receive()
+                if message["type"] == "http.request":
+                    seen.append(message)
+                return message
 
         with retry.recording() as writes:
             try:
-                # Nothing to replay or keep (a POST): the request's own receive, unwrapped.
-                await self.app(scope, receive if seen is None else replaying_receive, tracked_send)
+                await self.app(scope, app_receive, tracked_send)
                 return None
             except Exception as exc:
                 if started or not retry.is_transient(exc):
