@@ -104,6 +104,7 @@ modes. A dedicated ``welltempered worker`` does the same with a
 
 from __future__ import annotations
 
+import bisect
 import functools
 import glob
 import logging
@@ -614,8 +615,18 @@ def _observe_many(child, values: np.ndarray) -> None:
     ``searchsorted(bounds, v, side="left")``. tests/service/test_observability.py
     checks the result equals per-row ``observe``.
     """
+    if isinstance(values, np.ndarray) and values.size <= _SMALL_BATCH:
+        # A few rows (a prediction of one, every time): ``observe``'s own search, by
+        # bisection, without its per-call checks; the floats as they are (tolist makes
+        # float32 Python floats exactly).
+        bounds, buckets, total = child._upper_bounds, child._buckets, child._sum
+        for x in values.ravel().tolist():
+            if math.isfinite(x):
+                buckets[bisect.bisect_left(bounds, x)].inc(1)
+                total.inc(x)
+        return
     v = np.asarray(values, dtype=np.float64).ravel()
-    if v.size <= _SMALL_BATCH:  # a few rows: per-row observe costs less than the numpy calls
+    if v.size <= _SMALL_BATCH:  # a short list: per-row observe costs less than numpy calls
         for x in v.tolist():
             if math.isfinite(x):
                 child.observe(x)
@@ -772,7 +783,8 @@ class ServiceMetrics:
             namespace, model, str(version)
         )
         rows.inc(entropy.size)
-        flips.inc(int(flipped))  # creates the series at 0 too
+        if flipped:  # the series exists at 0 from ``labels`` (_prediction_labels)
+            flips.inc(int(flipped))
         _observe_many(entropies, entropy)
         _observe_many(confidences, confidence)
 

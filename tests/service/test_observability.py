@@ -4,6 +4,7 @@ exposition in single-process and multiprocess mode, and the scrape-time database
 from __future__ import annotations
 
 import doctest
+import math
 import os
 import re
 import subprocess
@@ -196,17 +197,25 @@ def test_the_same_model_name_in_two_namespaces_is_two_series(metrics):
         assert sample(fams, feedback, feedback + "_total", namespace=ns, model=model) == 2 * n
 
 
-def test_batch_histogram_equals_one_observe_per_row():
-    rng = np.random.default_rng(0)
+@pytest.mark.parametrize("size", [5000, 3, 1])  # the numpy path, and the short one
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_batch_histogram_equals_one_observe_per_row(size, dtype):
+    rng = np.random.default_rng(size)
     values = np.concatenate(
-        [rng.exponential(1.5, 5000), list(obs.ENTROPY_BUCKETS_NATS), [0.0, 1e9, -1.0]]
+        [
+            rng.exponential(1.5, size),
+            rng.choice(obs.ENTROPY_BUCKETS_NATS, size),  # on the bounds
+            rng.choice([0.0, 1e9, -1.0, np.nan, np.inf], size),
+        ]
     )
+    values = values.astype(dtype)[rng.permutation(3 * size)[: max(size, 3)]]
     one, batch = CollectorRegistry(), CollectorRegistry()
     kwargs = {"labelnames": ("model",), "buckets": obs.ENTROPY_BUCKETS_NATS}
     h1 = Histogram("h", "h", registry=one, **kwargs).labels("m")
     h2 = Histogram("h", "h", registry=batch, **kwargs).labels("m")
-    for v in values:
-        h1.observe(float(v))
+    for v in values.tolist():
+        if math.isfinite(v):
+            h1.observe(v)
     obs._observe_many(h2, values)
     s1 = {(s.name, s.labels["le"] if "le" in s.labels else ""): s.value
           for s in next(iter(one.collect())).samples}  # fmt: skip
