@@ -10,6 +10,7 @@ already done, so restarts are idempotent.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import warnings
@@ -22,7 +23,8 @@ from sqlalchemy.orm import sessionmaker
 from calibrators.holdout import DEFAULT_HOLDOUT
 from service.api.ingest import validated
 from service.errors import NotFound
-from service.jobs.attempts import WorkerConfig, execute
+from service.jobs.attempts import execute
+from service.jobs.queue import worker_config
 from service.settings import Settings
 from service.storage import registry
 from service.storage.arrays import ArrayStore
@@ -100,8 +102,9 @@ def install(settings: Settings, engine: Engine) -> int:
         row = registry.create_version(
             s, model, dataset, method="temperature", holdout=DEFAULT_HOLDOUT, seed=0, options={}
         )
-        config = WorkerConfig(settings.database_url, str(settings.data_dir), 1.0, "thread")
+        # the fit workers' configuration (the array store above included), run
         # synchronously, in this thread: temperature takes milliseconds
+        config = dataclasses.replace(worker_config(settings), executor="thread")
         status = execute(row.id, config, sessions, worker="demo")
         if status != "succeeded":
             raise RuntimeError(f"demo: the temperature fit ended {status}")

@@ -86,11 +86,14 @@ def test_serve_refuses_an_unmigrated_postgres(pg_schema, tmp_path, monkeypatch, 
     assert "welltempered migrate" in capsys.readouterr().err
 
 
-def test_demo_is_ready_and_idempotent(tmp_path, monkeypatch):
+@pytest.mark.parametrize("store", ["folder", "object store"])
+def test_demo_is_ready_and_idempotent(tmp_path, monkeypatch, store):
     monkeypatch.chdir(tmp_path)
-    settings = demo.demo_settings(Settings()).model_copy(
-        update={"fit_executor": "thread", "auth": "off"}  # as `serve --demo` on loopback
-    )
+    update = {"fit_executor": "thread", "auth": "off"}  # as `serve --demo` on loopback
+    if store == "object store":  # the demo's fit reads its arrays from there too
+        pytest.importorskip("fsspec")
+        update["array_store"] = f"local://{tmp_path / 'object-store'}"
+    settings = demo.demo_settings(Settings()).model_copy(update=update)
     engine = make_engine(settings.database_url)
     try:
         migrate.ensure_schema(engine, settings.database_url)
