@@ -38,12 +38,24 @@ class ProcessGroup:
         self.proc.wait(timeout=30)
 
     def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
+        self._kill_group()
+
+    def _kill_group(self) -> None:
+        """SIGKILL to the group, whether or not its leader is still alive (a uvicorn
+        worker or a fit process may outlive it)."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+
+    def _failed(self, message: str) -> AssertionError:
+        """The error of a start that failed, once the group is gone: ``with`` calls no
+        ``__exit__`` when ``__enter__`` raises, so nothing else would kill it."""
+        self._kill_group()
+        return AssertionError(message)
 
 
 class Server(ProcessGroup):
@@ -103,9 +115,9 @@ class Server(ProcessGroup):
             except httpx.TransportError:
                 pass
             if self.proc.poll() is not None:
-                raise AssertionError(f"serve exited {self.proc.returncode}:\n{self.output()}")
+                raise self._failed(f"serve exited {self.proc.returncode}:\n{self.output()}")
             if time.monotonic() > deadline:
-                raise AssertionError(f"serve did not become ready:\n{self.output()}")
+                raise self._failed(f"serve did not become ready:\n{self.output()}")
             time.sleep(0.2)
 
     def output(self) -> str:
@@ -183,9 +195,9 @@ class Worker(ProcessGroup):
         deadline = time.monotonic() + timeout
         while "Starting worker" not in self.output():
             if self.proc.poll() is not None:
-                raise AssertionError(f"worker exited {self.proc.returncode}:\n{self.output()}")
+                raise self._failed(f"worker exited {self.proc.returncode}:\n{self.output()}")
             if time.monotonic() > deadline:
-                raise AssertionError(f"worker did not start:\n{self.output()}")
+                raise self._failed(f"worker did not start:\n{self.output()}")
             time.sleep(0.1)
         return self
 
