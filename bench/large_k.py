@@ -91,7 +91,11 @@ def _mem_available() -> int:
 
 
 class PeakAnon:
-    """Peak ``RssAnon`` of a block above its level before it, sampled every 5 ms."""
+    """Peak ``RssAnon`` of a block above its level before it, sampled every ``interval``
+    seconds (bench/upload_metrics.py uses it too)."""
+
+    def __init__(self, interval: float = 0.005):
+        self.interval = interval
 
     def __enter__(self):
         self.before = self.peak = _rss_anon()
@@ -101,7 +105,7 @@ class PeakAnon:
         return self
 
     def _sample(self):
-        while not self._stop.wait(0.005):
+        while not self._stop.wait(self.interval):
             self.peak = max(self.peak, _rss_anon())
 
     def __exit__(self, *exc):

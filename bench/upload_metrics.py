@@ -48,7 +48,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import tracemalloc
 import types
@@ -59,6 +58,8 @@ from scipy.special import entr
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from large_k import PeakAnon  # noqa: E402  (bench/, the script's own folder)
 
 from calibrators import metrics, numerics  # noqa: E402
 from calibrators.numerics import row_chunks, softmax  # noqa: E402
@@ -104,38 +105,8 @@ def load_before(commit: str) -> types.ModuleType:
     return module
 
 
-def _rss_anon() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-class PeakAnon:
-    """Peak ``RssAnon`` of a block above its level before it, sampled every 2 ms."""
-
-    def __enter__(self):
-        self.before = self.peak = _rss_anon()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, _rss_anon())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss_anon())
-        self.extra = self.peak - self.before
-        return False
-
-
 def timed_call(module, z, y) -> tuple[dict, float, float, int]:
-    with PeakAnon() as anon:
+    with PeakAnon(interval=0.002) as anon:
         c0, t0 = time.process_time(), time.perf_counter()
         out = module.scores_report(z, y)
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
