@@ -65,40 +65,63 @@ _REQUEST_TIMEOUT = (
 )
 
 
-class _Deadlines:
-    """The header deadlines of one server's connections, checked by one timer every
-    ``tick`` seconds, rather than a timer armed and cancelled per request (9,400
-    instructions of a 1 x 1,000 prediction, against 3,900 now; bench/README.md, "The
-    JSON gap, third round"). A deadline is met to within ``tick``; the timer runs while
-    any is set."""
+class Deadlines:
+    """Deadlines checked by one timer every ``tick`` seconds, on ``loop``: a deadline
+    that has passed is taken off and its ``on_expiry`` called.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, tick: float):
+    Both guards of this module set a deadline on nearly every request and clear it
+    almost at once (the headers arrive, the body is already there). A timer armed and
+    cancelled for each cost more than the check itself (bench/README.md, "The JSON gap,
+    third round"): here setting one is a dict entry, and the one timer runs only while
+    some deadline is set. A deadline is met to within ``tick``.
+
+    >>> import asyncio
+    >>> async def main():
+    ...     loop = asyncio.get_running_loop()
+    ...     deadlines, fired = Deadlines(loop, tick=0.01), []
+    ...     deadlines.arm("late", loop.time(), lambda: fired.append("late"))
+    ...     deadlines.arm("kept", loop.time() + 60, lambda: fired.append("kept"))
+    ...     await asyncio.sleep(0.05)
+    ...     return fired, deadlines.disarm("late"), deadlines.disarm("kept")
+    >>> asyncio.run(main())
+    (['late'], False, True)
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        tick: float,
+        clock: Callable[[], float] | None = None,
+    ):
         self.loop = loop
         self.tick = tick
-        self.due: dict[_HeaderDeadline, float] = {}
+        self.clock = loop.time if clock is None else clock
+        self.due: dict[Any, tuple[float, Callable[[], object]]] = {}
         self._timer: asyncio.TimerHandle | None = None
 
-    @classmethod
-    def of(cls, server_state: Any, loop: asyncio.AbstractEventLoop, timeout: float) -> _Deadlines:
-        """The deadlines of the server whose protocols share ``server_state`` (uvicorn's
-        per-server object), on ``loop``: a twentieth of ``timeout`` precise, at most 1 s."""
-        deadlines = getattr(server_state, "welltempered_header_deadlines", None)
-        if deadlines is None or deadlines.loop is not loop:
-            deadlines = cls(loop, min(1.0, timeout / 20))
-            server_state.welltempered_header_deadlines = deadlines
-        return deadlines
-
-    def arm(self, protocol: _HeaderDeadline, at: float) -> None:
-        self.due[protocol] = at
+    def arm(self, key: Any, at: float, on_expiry: Callable[[], object]) -> None:
+        """Set ``key``'s deadline to ``at`` (:attr:`clock` seconds), replacing any."""
+        self.due[key] = (at, on_expiry)
         if self._timer is None:
             self._timer = self.loop.call_later(self.tick, self._check)
 
+    def disarm(self, key: Any) -> bool:
+        """Clear ``key``'s deadline: True if it was set, False if there was none (it
+        was never set, was cleared, or has expired)."""
+        return self.due.pop(key, None) is not None
+
     def _check(self) -> None:
-        now = self.loop.time()
-        for protocol in [p for p, at in self.due.items() if at <= now]:
-            del self.due[protocol]
-            protocol._expire()
+        now = self.clock()
+        for key in [k for k, (at, _) in self.due.items() if at <= now]:
+            _, on_expiry = self.due.pop(key)
+            on_expiry()
         self._timer = self.loop.call_later(self.tick, self._check) if self.due else None
+
+
+def _tick(timeout: float) -> float:
+    """How often the deadlines of a ``timeout`` are checked: a twentieth of it, at most
+    every second."""
+    return min(1.0, timeout / 20)
 
 
 class _HeaderDeadline:
@@ -109,12 +132,18 @@ class _HeaderDeadline:
     request has arrived.
     """
 
-    _armed = False
-
     def __init__(self, *args, header_timeout: float, **kwargs):
         super().__init__(*args, **kwargs)
         self.header_timeout = header_timeout
-        self._deadlines = _Deadlines.of(self.server_state, self.loop, header_timeout)  # type: ignore[attr-defined]
+        # One set of deadlines per server: uvicorn hands every protocol of a server the
+        # same ``server_state``, and a server runs on one loop.
+        state, loop = self.server_state, self.loop  # type: ignore[attr-defined]
+        deadlines = getattr(state, "welltempered_header_deadlines", None)
+        if deadlines is None or deadlines.loop is not loop:
+            deadlines = state.welltempered_header_deadlines = Deadlines(
+                loop, _tick(header_timeout)
+            )
+        self._deadlines: Deadlines = deadlines
 
     # -- uvicorn's hooks ---------------------------------------------------------
 
@@ -124,7 +153,7 @@ class _HeaderDeadline:
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)  # type: ignore[misc]
-        if self._armed and not self._client_owes_bytes():
+        if self in self._deadlines.due and not self._client_owes_bytes():
             self._disarm()
 
     def on_response_complete(self) -> None:
@@ -150,16 +179,13 @@ class _HeaderDeadline:
     # -- the deadline ------------------------------------------------------------
 
     def _arm(self) -> None:
-        self._armed = True
-        self._deadlines.arm(self, self.loop.time() + self.header_timeout)  # type: ignore[attr-defined]
+        deadlines = self._deadlines
+        deadlines.arm(self, deadlines.clock() + self.header_timeout, self._expire)
 
     def _disarm(self) -> None:
-        if self._armed:
-            self._armed = False
-            self._deadlines.due.pop(self, None)
+        self._deadlines.disarm(self)
 
     def _expire(self) -> None:
-        self._armed = False
         if self.transport.is_closing() or not self._client_owes_bytes():
             return
         if self._partial_request():
@@ -245,47 +271,6 @@ def guarded_protocol(header_timeout: float, parser: str = "httptools") -> Callab
     return functools.partial(PROTOCOLS[parser], header_timeout=float(header_timeout))
 
 
-class _Watchdog:
-    """The deadlines of the body waits in progress, checked by one timer every ``tick``
-    seconds: a wait that passes its deadline has its task cancelled and marked expired.
-
-    One timer per wait (``asyncio.timeout``) cost a 1 x 1,000 prediction about a tenth of
-    the server's time: a timer armed and cancelled on every request, for a body that has
-    almost always arrived with its headers (bench/README.md, "The JSON gap, third
-    round"). Here a wait costs two dict operations, and the one timer runs only while
-    waits are registered. A deadline is met to within ``tick``.
-    """
-
-    def __init__(self, tick: float, clock: Callable[[], float]):
-        self.tick = tick
-        self.clock = clock
-        self.waits: dict[asyncio.Task, list] = {}  # task -> [deadline, expired]
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._timer: asyncio.TimerHandle | None = None
-
-    def watch(self, task: asyncio.Task, deadline: float) -> list:
-        """Register ``task``'s wait until ``deadline`` (:attr:`clock` seconds); its entry,
-        whose second item turns True when the deadline cancels the task."""
-        loop = task.get_loop()
-        if loop is not self._loop:  # a new event loop (tests start several): start afresh
-            self._loop, self._timer = loop, None
-            self.waits = {t: e for t, e in self.waits.items() if t.get_loop() is loop}
-        entry = [deadline, False]
-        self.waits[task] = entry
-        if self._timer is None:
-            self._timer = loop.call_later(self.tick, self._check)
-        return entry
-
-    def _check(self) -> None:
-        now = self.clock()
-        for task, entry in list(self.waits.items()):
-            if not entry[1] and now >= entry[0]:
-                entry[1] = True
-                task.cancel()
-        loop = self._loop
-        self._timer = loop.call_later(self.tick, self._check) if self.waits and loop else None
-
-
 class BodyTimeoutMiddleware:
     """408 for a request body the client sends too slowly (module docstring).
 
@@ -312,8 +297,15 @@ class BodyTimeoutMiddleware:
         self.idle = idle
         self.min_rate = min_rate
         self.clock = clock
-        # Deadlines met to within a twentieth of the idle time, at most a second.
-        self.watchdog = _Watchdog(min(1.0, idle / 20), clock)
+        #: The deadlines of the body waits in progress (:class:`Deadlines`), on the
+        #: event loop of the latest request (tests run several loops in turn).
+        self.deadlines: Deadlines | None = None
+
+    def _deadlines(self, loop: asyncio.AbstractEventLoop) -> Deadlines:
+        deadlines = self.deadlines
+        if deadlines is None or deadlines.loop is not loop:
+            deadlines = self.deadlines = Deadlines(loop, _tick(self.idle), self.clock)
+        return deadlines
 
     def allowance(self, waited: float, received: int) -> float:
         """Seconds the next wait may last, given the total wait so far and bytes received.
@@ -353,16 +345,17 @@ class BodyTimeoutMiddleware:
             message: Message | None = None
             task = asyncio.current_task()
             assert task is not None  # an ASGI app runs in a task
-            watchdog = self.watchdog
-            entry = watchdog.watch(task, start + allowed)
+            deadlines = self._deadlines(task.get_loop())
+            deadlines.arm(task, start + allowed, task.cancel)
             try:
                 message = await receive()
             except asyncio.CancelledError:
-                # The watchdog's cancellation is a timeout; anyone else's goes on.
-                if not entry[1] or task.uncancel() > 0:
+                # A deadline that expired cancelled the task: a timeout. Anyone else's
+                # cancellation (the deadline still set) goes on.
+                if deadlines.disarm(task) or task.uncancel() > 0:
                     raise
             finally:
-                watchdog.waits.pop(task, None)
+                deadlines.disarm(task)
             waited += self.clock() - start
             if message is None:
                 timed_out = True

@@ -1,4 +1,4 @@
-"""The body deadline's watchdog in process (service/api/timeouts.py): a wait past its
+"""The body deadline in process (service/api/timeouts.py, Deadlines): a wait past its
 deadline is a 408, someone else's cancellation is not, a body that is there costs no
 timer, and one middleware serves several event loops in turn. The same rules against a
 real server, slow clients included, are in test_timeouts.py."""
@@ -59,7 +59,7 @@ def pieces(*delays: float):
 def test_a_body_that_arrives_in_time_is_read_whatever_the_app_takes():
     app = BodyTimeoutMiddleware(reading_app, idle=IDLE, min_rate=0)
     assert asyncio.run(call(app, pieces(0, 0.05, 0.05))) == (200, b"30")
-    assert app.watchdog.waits == {}
+    assert app.deadlines.due == {}
 
 
 def test_a_wait_past_its_deadline_is_a_408_problem_within_a_tick():
@@ -74,8 +74,8 @@ def test_a_wait_past_its_deadline_is_a_408_problem_within_a_tick():
     (status, body), took = asyncio.run(timed())
     assert status == 408
     assert "arrived too slowly" in json.loads(body)["detail"]
-    assert IDLE <= took < IDLE + 2 * app.watchdog.tick + 0.5
-    assert app.watchdog.waits == {}
+    assert IDLE <= took < IDLE + 2 * app.deadlines.tick + 0.5
+    assert app.deadlines.due == {}
 
 
 def test_someone_else_s_cancellation_is_not_a_timeout():
@@ -87,14 +87,14 @@ def test_someone_else_s_cancellation_is_not_a_timeout():
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        return app.watchdog.waits
+        return app.deadlines.due
 
     assert asyncio.run(cancelled()) == {}
 
 
 def test_one_middleware_serves_event_loops_in_turn():
     app = BodyTimeoutMiddleware(reading_app, idle=IDLE, min_rate=0)
-    for _ in range(3):  # the watchdog's timer belongs to the loop that armed it
+    for _ in range(3):  # the deadlines' timer belongs to the loop that armed it
         assert asyncio.run(call(app, pieces(0, 10.0)))[0] == 408
         assert asyncio.run(call(app, pieces(0.01)))[0] == 200
 
@@ -117,4 +117,4 @@ def test_a_body_that_is_there_arms_no_timer():
             del loop.call_at
         return armed
 
-    assert len(asyncio.run(served())) == 1  # the watchdog's, once, not one per request
+    assert len(asyncio.run(served())) == 1  # the deadlines' one timer, not one per request
