@@ -600,8 +600,9 @@ def route_template(scope: Mapping[str, Any]) -> str:
     return path if isinstance(path, str) and path else UNMATCHED_ROUTE
 
 
-#: Up to this many values, :func:`_observe_many` calls ``observe`` per value; above it,
-#: one vectorised bucket count is cheaper (the break-even point; bench/README.md).
+#: Up to this many values, :func:`_observe_many` puts each in its bucket in a Python
+#: loop; above it, one vectorised bucket count is cheaper (the break-even point;
+#: bench/README.md).
 _SMALL_BATCH = 16
 
 
@@ -615,21 +616,15 @@ def _observe_many(child, values: np.ndarray) -> None:
     ``searchsorted(bounds, v, side="left")``. tests/service/test_observability.py
     checks the result equals per-row ``observe``.
     """
-    if isinstance(values, np.ndarray) and values.size <= _SMALL_BATCH:
+    v = np.asarray(values, dtype=np.float64).ravel()
+    if v.size <= _SMALL_BATCH:
         # A few rows (a prediction of one, every time): ``observe``'s own search, by
-        # bisection, without its per-call checks; the floats as they are (tolist makes
-        # float32 Python floats exactly).
+        # bisection, without its per-call checks and its Python loop over the bounds.
         bounds, buckets, total = child._upper_bounds, child._buckets, child._sum
-        for x in values.ravel().tolist():
+        for x in v.tolist():
             if math.isfinite(x):
                 buckets[bisect.bisect_left(bounds, x)].inc(1)
                 total.inc(x)
-        return
-    v = np.asarray(values, dtype=np.float64).ravel()
-    if v.size <= _SMALL_BATCH:  # a short list: per-row observe costs less than numpy calls
-        for x in v.tolist():
-            if math.isfinite(x):
-                child.observe(x)
         return
     v = v[np.isfinite(v)]
     if v.size == 0:
