@@ -7,10 +7,19 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import Response
+from starlette.routing import Route
+
+from service.api.timeouts import guarded_protocol
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,6 +28,40 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def protocol_server(
+    answer: bytes, header_timeout: float = 10.0
+) -> Iterator[tuple[int, threading.Thread]]:
+    """uvicorn with ``welltempered serve``'s HTTP protocol (httptools, its header
+    deadline, its joined writes) in a thread of this process, on asyncio's loop (which
+    tests can patch), answering ``GET /`` with ``answer`` as text: its port and thread."""
+
+    async def endpoint(request):
+        return Response(answer, media_type="text/plain")
+
+    config = uvicorn.Config(
+        Starlette(routes=[Route("/", endpoint)]),
+        http=guarded_protocol(header_timeout, "httptools"),
+        loop="asyncio",
+        lifespan="off",
+        log_level="warning",
+    )
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            if not thread.is_alive():
+                raise AssertionError("the in-thread server did not start")
+            thread.join(0.01)
+        yield sock.getsockname()[1], thread
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 def command() -> list[str]:

@@ -1,4 +1,4 @@
-"""The header deadline arms no timer per request (service/api/timeouts.py, _Deadlines):
+"""The header deadline arms no timer per request (service/api/timeouts.py, Deadlines):
 one server's connections share one timer, and a silent connection is still closed."""
 
 from __future__ import annotations
@@ -9,54 +9,31 @@ import threading
 import time
 
 import pytest
-import uvicorn
-from starlette.applications import Starlette
-from starlette.responses import Response
-from starlette.routing import Route
 
-from service.api.timeouts import guarded_protocol
+from tests.service.servers import protocol_server
 
 TIMEOUT = 0.5
 
 
 @pytest.fixture
 def server(monkeypatch):
-    """uvicorn on asyncio's loop with ``serve``'s httptools protocol; every timer the
-    server's thread arms is counted."""
-    armed = []
+    """``serve``'s protocol on asyncio's loop in a thread; the callbacks of the timers
+    that thread arms, counted from when it serves."""
+    armed: list[tuple[threading.Thread, object]] = []
     call_at = asyncio.BaseEventLoop.call_at
 
     def counted(loop, when, callback, *args, **kwargs):
-        if threading.current_thread() is thread:
-            armed.append(callback)
+        armed.append((threading.current_thread(), callback))
         return call_at(loop, when, callback, *args, **kwargs)
 
     monkeypatch.setattr(asyncio.BaseEventLoop, "call_at", counted)
-
-    async def answer(request):
-        return Response(b"ok", media_type="text/plain")
-
-    config = uvicorn.Config(
-        Starlette(routes=[Route("/", answer)]),
-        http=guarded_protocol(TIMEOUT, "httptools"),
-        loop="asyncio",
-        lifespan="off",
-        log_level="warning",
-    )
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not srv.started:
-        thread.join(0.01)
-    yield sock.getsockname()[1], armed
-    srv.should_exit = True
-    thread.join(10)
+    with protocol_server(b"ok", header_timeout=TIMEOUT) as (port, thread):
+        armed.clear()  # start-up's timers are not the requests'
+        yield port, armed, thread
 
 
 def test_requests_on_a_connection_arm_no_header_timer_each(server):
-    port, armed = server
+    port, armed, thread = server
     n = 40
     with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
         for _ in range(n):
@@ -66,11 +43,12 @@ def test_requests_on_a_connection_arm_no_header_timer_each(server):
                 got += c.recv(4096)
     # uvicorn arms its keep-alive timer after every answer (n); the header deadlines
     # add one timer while any is set, however many requests: not another n.
-    assert len(armed) <= n + 5, len(armed)
+    served = [callback for t, callback in armed if t is thread]
+    assert len(served) <= n + 5, len(served)
 
 
 def test_a_silent_connection_is_still_closed_at_its_deadline(server):
-    port, _ = server
+    port, _, _ = server
     with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
         c.sendall(b"GET / HTTP/1.1\r\nHo")  # part of a request, then nothing
         start = time.monotonic()

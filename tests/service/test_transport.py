@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 
 import pytest
-import uvicorn
-from starlette.applications import Starlette
-from starlette.responses import Response
-from starlette.routing import Route
 
-from service.api.timeouts import guarded_protocol
 from service.api.transport import FLUSH_BYTES, JoinedWrites
+from tests.service.servers import protocol_server
 
 
 class Recording:
@@ -131,42 +126,20 @@ def test_everything_else_is_the_transport_s():
 
 
 @pytest.fixture
-def server():
-    """uvicorn with ``welltempered serve``'s protocol, serving one route whose answer
-    is written as headers and a body; every transport write recorded."""
+def server(monkeypatch):
+    """``serve``'s protocol on a real connection, its answer written as headers and a
+    body; every flush of its transport recorded."""
     sent: list[str] = []
-
-    async def answer(request):
-        return Response(b"x" * 3000, media_type="text/plain")
-
-    config = uvicorn.Config(
-        Starlette(routes=[Route("/", answer)]),
-        http=guarded_protocol(10.0, "httptools"),
-        loop="asyncio",
-        lifespan="off",
-        log_level="warning",
-    )
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(config)
-    original = JoinedWrites.flush
+    flush = JoinedWrites.flush
 
     def recorded_flush(self):
         if self._parts:
             sent.append("writelines" if len(self._parts) > 1 else "write")
-        original(self)
+        flush(self)
 
-    JoinedWrites.flush = recorded_flush
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        while not srv.started:
-            thread.join(0.01)
-        yield sock.getsockname()[1], sent
-    finally:
-        srv.should_exit = True
-        thread.join(10)
-        JoinedWrites.flush = original
+    monkeypatch.setattr(JoinedWrites, "flush", recorded_flush)
+    with protocol_server(b"x" * 3000) as (port, _):
+        yield port, sent
 
 
 def test_an_answer_leaves_in_one_write_on_a_real_connection(server):
