@@ -286,35 +286,33 @@ def main() -> int:
                 loop_args = ["--http", "httptools", "--loop", "uvloop"]
             except ImportError:
                 print("(httptools/uvloop not installed: the ceiling runs on h11/asyncio)")
-            procs.append(
-                start(
-                    [
-                        sys.executable,
-                        "-m",
-                        "uvicorn",
-                        "ceiling:app",
-                        "--port",
-                        str(ceiling_port),
-                        "--log-level",
-                        "warning",
-                        *loop_args,
-                    ],
-                    ceiling_port,
-                    env,
-                    tmp,
-                    "ceiling",
-                )
+            ceiling = start(
+                [
+                    sys.executable,
+                    "-m",
+                    "uvicorn",
+                    "ceiling:app",
+                    "--port",
+                    str(ceiling_port),
+                    "--log-level",
+                    "warning",
+                    *loop_args,
+                ],
+                ceiling_port,
+                env,
+                tmp,
+                "ceiling",
             )
+            procs.append(ceiling)
             kserve_port = free_port()
-            procs.append(
-                start(
-                    [args.kserve_python, "kserve_model.py", str(kserve_port)],
-                    kserve_port,
-                    env,
-                    tmp,
-                    "kserve",
-                )
+            kserve = start(
+                [args.kserve_python, "kserve_model.py", str(kserve_port)],
+                kserve_port,
+                env,
+                tmp,
+                "kserve",
             )
+            procs.append(kserve)
             servers = {
                 "json 1 x 1,000": {
                     "ceiling": (ceiling_port, request("/v1/json", json_ours, "application/json")),
@@ -357,7 +355,7 @@ def main() -> int:
                 f"{'case':<22} {'server':<8} {'round':>5} {'req/s':>9} {'p50 ms':>9} "
                 f"{'p99 ms':>9} {'cpu us/req':>10}"
             )
-            pids = {"ceiling": procs[2].pid, "kserve": procs[3].pid, "ours": ours.pid}
+            pids = {"ceiling": ceiling.pid, "kserve": kserve.pid, "ours": ours.pid}
             pids["ours-h11"] = slow.pid
             for case, targets in servers.items():
                 if case.split()[0] not in args.cases:
