@@ -61,11 +61,11 @@ HOOK = textwrap.dedent(
 
     off = set(filter(None, os.environ.get("WT_SWITCH_OFF", "").split(",")))
     if off:
-        from service.api import faults, timeouts, uploads
+        from service.api import budget, faults, timeouts
         from service.observe import metrics, monitoring
         layers = {
             "body-timeout": timeouts.BodyTimeoutMiddleware,
-            "body-limit": uploads.BodyLimitMiddleware,
+            "body-limit": budget.BudgetMiddleware,
             "db-faults": faults.DatabaseFaultMiddleware,
             "metrics": monitoring.MetricsMiddleware,
         }

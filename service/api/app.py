@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import anyio
 from fastapi import FastAPI
 from sqlalchemy.orm import sessionmaker
-from starlette.types import Scope
 
-from service.api import docs, openapi, problems
+from service.api import budget, docs, openapi, problems
 from service.api.deps import AppState
 from service.api.faults import DatabaseFaultMiddleware
 from service.api.hotpath import ServingApp
@@ -29,7 +27,6 @@ from service.api.routers import (
     v2,
 )
 from service.api.timeouts import BodyTimeoutMiddleware
-from service.api.uploads import BodyLimitMiddleware
 from service.jobs.queue import Fits
 from service.jobs.sweeper import Sweeper
 from service.observe.metrics import ServiceMetrics
@@ -45,28 +42,6 @@ from service.storage import array_refs
 from service.storage.arrays import ArrayStore
 from service.storage.db import make_engine
 from service.storage.migrate import ensure_schema
-
-_BIG_BODY = re.compile(
-    r"^(/v1/models/[^/]+/(datasets|predict|feedback)|/v2/models/[^/]+(/versions/[^/]+)?/infer)/?$"
-)
-
-
-#: A calibrator's params (``to_params`` JSON): K x K weights for matrix and Dirichlet
-#: scaling, 1.4 MB at K = 250, so bounded as JSON bodies are, not as metadata.
-_PARAMS_BODY = re.compile(r"^/v1/models/[^/]+/calibrators/import/?$")
-
-
-def _limit_for(settings: Settings):
-    def limit_for(scope: Scope) -> int:
-        if scope.get("method") == "POST":
-            path = scope.get("path", "")
-            if _BIG_BODY.match(path):
-                return settings.max_body_bytes
-            if _PARAMS_BODY.match(path):
-                return settings.max_json_bytes
-        return settings.max_metadata_bytes
-
-    return limit_for
 
 
 def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None = None) -> FastAPI:
@@ -146,7 +121,9 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
     # Innermost first: a database fault is replayed (reads) or answered 503 inside the
     # body guards, and every answer of theirs (503, 413, 408) is counted.
     app.add_middleware(DatabaseFaultMiddleware)
-    app.add_middleware(BodyLimitMiddleware, limit_for=_limit_for(settings))
+    # Every route's body, encoding and answer limits (service.api.budget); a route that
+    # declares none is refused below, when the routers are in.
+    app.add_middleware(budget.BudgetMiddleware, default=budget.UNROUTED.resolve(settings))
     app.add_middleware(
         BodyTimeoutMiddleware,
         idle=settings.body_timeout_seconds,
@@ -155,6 +132,7 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: 413s, 401s counted too
     for module in (models, datasets, calibrators, aliases, keys, monitoring, health):
         app.include_router(module.router)
+    budget.attach(app.routes, settings)
     return app
 
 

@@ -16,6 +16,8 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
+from service.api.budget import OPEN, declare
+
 STATIC_PATH = "/docs/static"
 DOCS_PATH = "/docs"
 REDOC_PATH = "/redoc"
@@ -40,6 +42,7 @@ def install(app: FastAPI) -> None:
     def static(request: Request, name: str) -> str:
         return f"{request.scope.get('root_path', '')}{STATIC_PATH}/{name}"
 
+    @declare(OPEN)
     @app.get(DOCS_PATH, include_in_schema=False)
     async def swagger_ui(request: Request) -> HTMLResponse:
         return get_swagger_ui_html(
@@ -51,6 +54,7 @@ def install(app: FastAPI) -> None:
             swagger_ui_parameters=SWAGGER_PARAMETERS,
         )
 
+    @declare(OPEN)
     @app.get(REDOC_PATH, include_in_schema=False)
     async def redoc(request: Request) -> HTMLResponse:
         return get_redoc_html(

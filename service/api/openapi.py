@@ -18,8 +18,8 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 
 from service.api import fit_options
+from service.api.budget import Budget, declare, flatten
 from service.api.problems import OIP_PREFIX, PROBLEM_JSON
-from service.security.auth import OPEN_PATHS, required_scope
 from service.vocabulary import KINDS
 
 PROBLEM_SCHEMA: dict[str, Any] = {
@@ -107,25 +107,39 @@ def document(app: FastAPI) -> dict[str, Any]:
         "scheme": "bearer",
         "description": "An API key: `welltempered keys create` (scopes predict < write < admin).",
     }
+    budgets = {
+        (route.path, method.lower()): route.limits
+        for route in flatten(app.routes)
+        if isinstance(route, APIRoute) and hasattr(route, "limits")
+        for method in route.methods
+    }
     for path, item in schema.get("paths", {}).items():
         for method, op in item.items():
             if not isinstance(op, dict) or "responses" not in op:
                 continue
+            limits = budgets[path, method]
+            op["x-budget"] = limits.document()
             responses = op["responses"]
-            errors = _OPEN_ERRORS if path in OPEN_PATHS else ERRORS
+            errors = _OPEN_ERRORS if limits.scope is None else ERRORS
             for code, why in errors.items():
                 if code in responses and code not in ("422", "503"):
                     responses[code].setdefault("content", _problem(why, path)["content"])
                 else:
                     responses[code] = _problem(why, path)
-            scope = required_scope(method.upper(), path)
-            if scope is not None:
+            if limits.scope is not None:
                 op["security"] = [{"bearer": []}]
+                scope = limits.scope
                 op["description"] = (op.get("description", "") + f"\n\nScope: `{scope}`.").strip()
     return schema
 
 
 def install(app: FastAPI) -> None:
+    """The document, built once on first use; FastAPI's route that serves it gets its
+    budget here (open, its answer bounded like a large JSON read)."""
+    for route in app.routes:
+        if getattr(route, "path", None) == app.openapi_url:
+            declare(Budget(scope=None, answer="max_json_bytes"))(route.endpoint)
+
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             app.openapi_schema = document(app)

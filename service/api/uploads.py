@@ -23,10 +23,8 @@ import numpy as np
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api import ingest
-from service.api.problems import error_response
 from service.errors import ContentTooLarge, InvalidInput, MalformedBody, UnsupportedMediaType
 
 _FLUSH_BYTES = 1 << 20
@@ -65,70 +63,6 @@ def declared_length(request: Request) -> int | None:
     """The Content-Length, or None (chunked, or not a number)."""
     declared = request.headers.get("content-length")
     return int(declared) if declared and declared.isdigit() else None
-
-
-class BodyLimitMiddleware:
-    """Answer 413 for a declared Content-Length over the limit, or stop reading once over it.
-
-    ``limit_for(scope)`` picks the limit per request, so uploads and the small
-    metadata endpoints get different ones. The count is kept on the raw ASGI
-    messages: a chunked body without Content-Length is cut off as soon as it
-    passes the limit, never read in full.
-    """
-
-    def __init__(self, app: ASGIApp, limit_for: Callable[[Scope], int]):
-        self.app = app
-        self.limit_for = limit_for
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        limit = self.limit_for(scope)
-        declared = None
-        for key, value in scope.get("headers", ()):
-            if key == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    declared = None
-        if declared is not None and declared > limit:
-            response = error_response(
-                Request(scope), _too_large(limit), headers={"Connection": "close"}
-            )
-            await response(scope, receive, send)
-            return
-        total = 0
-        started = refused = False
-
-        async def guarded_send(message: Message) -> None:
-            nonlocal started
-            if refused:  # the 413 is out: whatever the app answers after it is dropped
-                return
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        async def limited() -> Message:
-            # Answer 413 here and tell the app the client left: raising instead would
-            # reach FastAPI's body parsing, which turns any error into a 400.
-            nonlocal total, refused
-            if refused:
-                return {"type": "http.disconnect"}
-            message = await receive()
-            if message["type"] == "http.request":
-                total += len(message.get("body", b""))
-                if total > limit:
-                    if started:
-                        raise _too_large(limit)
-                    response = error_response(
-                        Request(scope), _too_large(limit), headers={"Connection": "close"}
-                    )
-                    refused = True
-                    await response(scope, receive, send)
-                    return {"type": "http.disconnect"}
-            return message
-
-        await self.app(scope, limited, guarded_send)
 
 
 @asynccontextmanager
@@ -227,7 +161,7 @@ async def read_npy(
 
 
 async def spool_body(request: Request, path: Path) -> int:
-    """Stream the raw body to ``path`` (limits: :class:`BodyLimitMiddleware`); return its size."""
+    """Stream the body to ``path`` (limits: :mod:`service.api.budget`); return its size."""
     total = 0
     pending = bytearray()
     with open(path, "wb") as f:

@@ -22,8 +22,8 @@ a metrics key may read nothing else. Metrics keys belong to the namespace
 
 Every route gets one dependency, :func:`authorize` (installed on the app's
 router by :func:`install`, so a route added later is covered too: deny by
-default). It derives the scope a route needs from its method and template
-(:func:`required_scope`), answers 401 (missing, unknown, revoked or expired
+default). The scope a route needs is the one its budget declares, next to its
+handler (:mod:`service.api.budget`); it answers 401 (missing, unknown, revoked or expired
 key; with ``WWW-Authenticate: Bearer``) or 403 (scope too low) as
 problem+json, and returns the caller's :class:`Principal`, which the model
 lookups use: another namespace's model is not found, with the same 404 as a
@@ -76,13 +76,6 @@ KEY_PREFIX = "wt_"
 SHOWN_CHARS = 11
 #: The tenant hierarchy; the metrics scope has no rank (:meth:`Principal.allows`).
 RANK = {scope: i for i, scope in enumerate(TENANT_SCOPES)}
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
-#: The one route of the metrics scope (every namespace's series).
-METRICS_PATH = "/metrics"
-READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-#: POST routes that a ``predict`` key may call (everything else that writes needs ``write``):
-#: /v1 predict and feedback, and the Open Inference Protocol's infer.
-PREDICT_POSTS = ("/predict", "/feedback", "/infer")
 
 
 @dataclass(frozen=True)
@@ -112,29 +105,6 @@ def new_key() -> str:
 
 def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def required_scope(method: str, route: str) -> str | None:
-    """The scope a route needs (None: open).
-
-    >>> required_scope("GET", "/v1/models/{model}"), required_scope("POST", "/v1/models")
-    ('predict', 'write')
-    >>> required_scope("POST", "/v1/models/{model}/predict"), required_scope("GET", "/v1/keys")
-    ('predict', 'admin')
-    >>> required_scope("GET", "/metrics"), required_scope("GET", "/readyz")
-    ('metrics', None)
-    """
-    if route in OPEN_PATHS:
-        return None
-    if route == METRICS_PATH:
-        return METRICS_SCOPE
-    if route == "/v1/keys" or route.startswith("/v1/keys/"):
-        return "admin"
-    if method.upper() in READ_METHODS:
-        return "predict"
-    if method.upper() == "POST" and route.endswith(PREDICT_POSTS):
-        return "predict"
-    return "write"
 
 
 @dataclass(frozen=True)
@@ -192,8 +162,9 @@ def _bearer(request: Request) -> str:
 
 async def authorize(request: Request) -> Principal:
     """The one auth dependency of every route: 401/429/403 or the caller's :class:`Principal`."""
-    route = getattr(request.scope.get("route"), "path", None) or request.url.path
-    need = required_scope(request.method, route)
+    # The scope the route's budget declares (service.api.budget); a route always has one
+    # by the time it asks who is calling.
+    need = request.scope["route"].limits.scope
     auth: Authenticator = request.app.state.welltempered_auth
     if not auth.enabled:
         return AUTH_OFF

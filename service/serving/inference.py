@@ -108,6 +108,9 @@ class Served:
     session: ort.InferenceSession
     #: The model's class names as an object array (index it with labels), or None.
     class_names: np.ndarray | None = None
+    #: The longest of ``class_names`` in UTF-8 bytes (0 without names): what bounds the
+    #: names in an answer before it is computed.
+    max_name_bytes: int = 0
 
 
 class ServingCache:
@@ -155,6 +158,10 @@ class ServingCache:
                 session=onnx,
                 class_names=(
                     None if model.class_names is None else np.array(model.class_names, object)
+                ),
+                max_name_bytes=max(
+                    (len(n.encode("utf-8", "surrogatepass")) for n in model.class_names or ()),
+                    default=0,
                 ),
             )
 

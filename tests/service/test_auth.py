@@ -12,7 +12,7 @@ from sqlalchemy.orm import sessionmaker
 from service import cli
 from service.api.app import create_app
 from service.security import keys
-from service.security.auth import key_digest, required_scope
+from service.security.auth import key_digest
 from service.storage import keys as key_rows
 from service.storage.db import make_engine
 from service.vocabulary import DEFAULT_ALIAS, METRICS_SCOPE, SCOPES, TENANT_SCOPES
@@ -65,16 +65,27 @@ def bearer(key: str) -> dict[str, str]:
 
 
 def test_scope_rules_cover_every_route(tmp_path):
+    """The scope each route's budget declares is the rule of the scopes: probes and the
+    API's description open, /metrics its own scope, keys admin, reads and scoring
+    (predict, feedback, infer) predict, every other change write."""
     app = create_app(make_settings("sqlite://", tmp_path))
     for route in app.routes:
         for method in getattr(route, "methods", None) or ():
-            need = required_scope(method, route.path)
-            if route.path in ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"):
+            need = route.limits.scope
+            path = route.path
+            if path in ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"):
                 assert need is None
-            elif route.path == "/metrics":
+            elif path in ("/openapi.json", "/docs", "/redoc"):
+                assert need is None
+            elif path == "/metrics":
                 assert need == METRICS_SCOPE
-            elif route.path.startswith("/v1/"):
-                assert need in SCOPES, (method, route.path)
+            elif path.startswith("/v1/keys"):
+                assert need == "admin", (method, path)
+            elif method in ("GET", "HEAD") or path.endswith(("/predict", "/feedback", "/infer")):
+                assert need == "predict", (method, path)
+            else:
+                assert need == "write", (method, path)
+            assert need is None or need in SCOPES
 
 
 def test_missing_invalid_and_malformed_keys_are_401(app_client):

@@ -580,7 +580,7 @@ def test_infer_body_limits(tmp_path, database_url):
         assert r.status_code == 201, r.text
         promote(c, "m", r.json()["id"])
         small = rows(30)  # 480 bytes in binary, about 2,500 as JSON
-        body, headers = binary_request(small)
+        body, headers = binary_request(small, parameters={"binary_data_output": True})
         assert c.post("/v2/models/m/infer", content=body, headers=headers).status_code == 200
         r = c.post("/v2/models/m/infer", json=_json(data=small.ravel().tolist(), shape=[30, K]))
         assert_error(r, 413, "2000 bytes")
@@ -596,9 +596,9 @@ def test_infer_body_limits(tmp_path, database_url):
 
 
 def test_a_json_answer_of_whole_rows_is_bounded_like_v1(tmp_path, database_url, monkeypatch):
-    """/v1's rule (predict.check_json_answer: 16 bytes a probability, at most
-    MAX_JSON_BYTES) on the JSON probabilities output, checked before the calibration;
-    the fix names top_k and the binary tensor data extension."""
+    """/v1's rule (service.api.answers: every value of the answer's JSON data counted, 16
+    bytes a float32, 21 an int64, at most MAX_JSON_BYTES), checked before the
+    calibration; the fix names top_k and the binary tensor data extension."""
     settings = make_settings(database_url, tmp_path, max_json_bytes=2000)
     with TestClient(create_app(settings), raise_server_exceptions=False) as c:
         create_model(c, "m", K)
@@ -611,23 +611,24 @@ def test_a_json_answer_of_whole_rows_is_bounded_like_v1(tmp_path, database_url, 
         monkeypatch.setattr(
             v2, "calibrate", lambda *a, **kw: calibrated.append(1) or real(*a, **kw)
         )
-        z = rows(32)  # 32 x 4 probabilities could take 2,048 bytes of JSON: over 2,000
+        # a row: 4 probabilities, a confidence and an entropy (16 bytes each), a label (21)
+        z = rows(18)  # 18 x 117 = 2,106 bytes of JSON: over 2,000
         body, headers = binary_request(z)
         error = assert_error(c.post("/v2/models/m/infer", content=body, headers=headers), 422,
                              "MAX_JSON_BYTES", "top_k", "binary_data_output")
-        assert "2,048 bytes" in error and "x-npy" not in error
+        assert "2,106 bytes" in error and "x-npy" not in error
         r = c.post("/v1/models/m/predict", content=npy(z), headers={"content-type": NPY})
-        assert_problem(r, 422, "MAX_JSON_BYTES", "top_k", "x-npy")  # the same rule on /v1
+        assert_problem(r, 422, "MAX_JSON_BYTES", "2,106 bytes", "x-npy")  # the same rule on /v1
         assert not calibrated  # refused before the work
-        want = v1(c, z[:31])  # 31 rows (1,984 bytes) are answered as JSON
-        body, headers = binary_request(z[:31])
+        want = v1(c, z[:17])  # 17 rows (1,989 bytes) are answered as JSON
+        body, headers = binary_request(z[:17])
         assert_same(outputs(c.post("/v2/models/m/infer", content=body, headers=headers)), want)
-        # the same 32 rows: binary probabilities, top_k, or outputs without whole rows
+        # the same 18 rows: binary probabilities, top_k, or outputs without whole rows
         for request in (
             {"parameters": {"binary_data_output": True}},
             {"outputs": [{"name": "probabilities", "parameters": {"binary_data": True}},
                          {"name": "label"}]},
-            {"parameters": {"top_k": 1}},  # 32 x (1 index + 1 probability): 1,024 bytes
+            {"parameters": {"top_k": 1}},  # 18 x (53 + 1 index + 1 probability): 1,620 bytes
             {"outputs": [{"name": "label"}, {"name": "confidence"}, {"name": "entropy"}]},
         ):
             body, headers = binary_request(z, **request)
@@ -637,7 +638,7 @@ def test_a_json_answer_of_whole_rows_is_bounded_like_v1(tmp_path, database_url, 
         # top_k = K is whole rows again, as indices and probabilities: no way around it
         body, headers = binary_request(z, parameters={"top_k": K})
         assert_error(c.post("/v2/models/m/infer", content=body, headers=headers), 422,
-                     "MAX_JSON_BYTES", "4,096 bytes")
+                     "MAX_JSON_BYTES", "3,618 bytes")
         r = c.post(f"/v1/models/m/predict?top_k={K}", content=npy(z),
                    headers={"content-type": NPY})
         assert_problem(r, 422, "MAX_JSON_BYTES", "smaller ?top_k")

@@ -7,6 +7,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Request, Response
 
+from service.api import budget
+from service.api.budget import declare
 from service.api.deps import AliasDep, ModelDep, SessionDep, StateDep
 from service.api.pagination import Page, pages
 from service.api.schemas import AliasList, AliasOut, AliasPut, DeletedOut
@@ -24,6 +26,7 @@ def alias_out(alias: Alias, model: Model, version: CalibratorVersion) -> AliasOu
     )
 
 
+@declare(budget.WRITE)
 @router.put("/{alias}", response_model=AliasOut, dependencies=[Depends(require_json)])
 def put_alias(
     alias: Annotated[str, Path(pattern=ALIAS_PATTERN)],
@@ -40,6 +43,7 @@ def put_alias(
     return alias_out(saved, model, row)
 
 
+@declare(budget.READ)
 @router.get("", response_model=AliasList)
 def list_aliases(
     model: ModelDep,
@@ -54,12 +58,14 @@ def list_aliases(
     return AliasList(aliases=[alias_out(a, model, v) for a, v in rows], next_cursor=cursor)
 
 
+@declare(budget.READ)
 @router.get("/{alias}", response_model=AliasOut)
 def get_alias(alias: AliasDep, model: ModelDep) -> AliasOut:
     row, version = alias
     return alias_out(row, model, version)
 
 
+@declare(budget.REMOVE)
 @router.delete("/{alias}", response_model=DeletedOut)
 def delete_alias(
     alias: AliasDep, model: ModelDep, session: SessionDep, state: StateDep

@@ -10,6 +10,8 @@ from fastapi import APIRouter, Depends, Request, Response
 from sqlalchemy.orm import Session
 
 from calibrators.holdout import split_indices
+from service.api import budget
+from service.api.budget import declare
 from service.api.deps import AppState, ModelDep, SessionDep, StateDep, VersionDep
 from service.api.openapi import BINARY, OCTET_STREAM
 from service.api.pagination import Page, pages
@@ -69,6 +71,7 @@ def version_out(row: CalibratorVersion, model: Model) -> VersionOut:
     )
 
 
+@declare(budget.WRITE)
 @router.post("", status_code=202, response_model=FitAccepted, dependencies=[Depends(require_json)])
 def start_fit(
     body: FitRequest, model: ModelDep, session: SessionDep, state: StateDep, response: Response
@@ -122,6 +125,7 @@ def _enqueue(
     return FitAccepted(model=model.name, version=row.version, status="queued", status_url=url)
 
 
+@declare(budget.Budget("write", body="max_json_bytes", decoded="max_json_bytes"))
 @router.post(
     "/import", status_code=202, response_model=FitAccepted, dependencies=[Depends(require_json)]
 )
@@ -151,6 +155,7 @@ def import_params(
     )
 
 
+@declare(budget.READ_LARGE)
 @router.get("", response_model=VersionList)
 def list_versions(
     model: ModelDep,
@@ -168,11 +173,13 @@ def list_versions(
     )
 
 
+@declare(budget.READ_LARGE)
 @router.get("/{version}", response_model=VersionOut)
 def get_version(model: ModelDep, version: VersionDep) -> VersionOut:
     return version_out(version, model)
 
 
+@declare(budget.REMOVE)
 @router.delete("/{version}", response_model=DeletedOut)
 def delete_version(
     model: ModelDep, version: VersionDep, session: SessionDep, state: StateDep
@@ -184,6 +191,7 @@ def delete_version(
     return DeletedOut.model_validate(deleted, from_attributes=True)
 
 
+@declare(budget.REMOVE)
 @router.post("/{version}/cancel", response_model=VersionOut)
 def cancel_fit(
     model: ModelDep, version: VersionDep, session: SessionDep, state: StateDep
@@ -205,6 +213,7 @@ def cancel_fit(
     return version_out(version, model)
 
 
+@declare(budget.Budget("predict", answer="max_body_bytes"))
 @router.get(
     "/{version}/onnx",
     response_class=Response,

@@ -8,7 +8,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 
-from service.api import ingest
+from service.api import budget, ingest
+from service.api.budget import declare
 from service.api.deps import (
     DatasetDep,
     DtypeQuery,
@@ -90,6 +91,7 @@ def dataset_out(dataset: Dataset, model: Model, *, with_metrics: bool = True) ->
     )
 
 
+@declare(budget.UPLOAD)
 @router.post(
     "",
     status_code=201,
@@ -125,6 +127,7 @@ def upload_dataset(
     return dataset_out(dataset, model)
 
 
+@declare(budget.READ_LARGE)
 @router.get("", response_model=DatasetList)
 def list_datasets(
     model: ModelDep,
@@ -141,11 +144,13 @@ def list_datasets(
     )
 
 
+@declare(budget.READ_LARGE)
 @router.get("/{dataset_id}", response_model=DatasetOut)
 def get_dataset(model: ModelDep, dataset: DatasetDep) -> DatasetOut:
     return dataset_out(dataset, model)
 
 
+@declare(budget.REMOVE)
 @router.delete("/{dataset_id}", response_model=DeletedOut)
 def delete_dataset(
     model: ModelDep,

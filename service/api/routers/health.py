@@ -7,6 +7,8 @@ import logging
 from fastapi import APIRouter, Request
 from sqlalchemy.exc import SQLAlchemyError
 
+from service.api import budget
+from service.api.budget import declare
 from service.api.deps import AppState, StateDep
 from service.api.problems import problem_response
 from service.storage import migrate
@@ -18,6 +20,7 @@ log = logging.getLogger("welltempered.health")
 UNAVAILABLE = "service-unavailable"
 
 
+@declare(budget.OPEN)
 @router.get("/healthz")
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
@@ -42,6 +45,7 @@ def readiness(state: AppState) -> tuple[bool, str]:
     return True, current
 
 
+@declare(budget.OPEN)
 @router.get("/readyz", responses={503: {"description": "Not ready (problem+json)."}})
 def readyz(request: Request, state: StateDep):
     ready, detail = readiness(state)

@@ -7,6 +7,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Request, Response
 
+from service.api import budget
+from service.api.budget import declare
 from service.api.deps import SessionDep
 from service.api.pagination import Page, pages
 from service.api.schemas import KeyCreate, KeyCreated, KeyList, KeyOut
@@ -33,6 +35,7 @@ def key_out(row: ApiKey) -> dict:
     }
 
 
+@declare(budget.Budget("admin", body="max_metadata_bytes"))
 @router.post("", status_code=201, response_model=KeyCreated, dependencies=[Depends(require_json)])
 def create_key(body: KeyCreate, principal: PrincipalDep, session: SessionDep) -> KeyCreated:
     """A new key in the caller's namespace; the response is the only place it appears."""
@@ -41,6 +44,7 @@ def create_key(body: KeyCreate, principal: PrincipalDep, session: SessionDep) ->
     return KeyCreated(**key_out(row), key=key)
 
 
+@declare(budget.Budget("admin", answer="max_json_bytes"))
 @router.get("", response_model=KeyList)
 def list_keys(
     principal: PrincipalDep,
@@ -55,6 +59,7 @@ def list_keys(
     return KeyList(keys=[KeyOut(**key_out(r)) for r in rows], next_cursor=cursor)
 
 
+@declare(budget.Budget("admin"))
 @router.delete("/{key_id}", status_code=204, response_class=Response)
 def revoke_key(
     key_id: Annotated[int, Path(ge=1, le=MAX_ID)],

@@ -6,6 +6,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
 
+from service.api import budget
+from service.api.budget import declare
 from service.api.deps import ModelDep, QuotasDep, SessionDep, StateDep
 from service.api.pagination import Page, pages
 from service.api.schemas import DeletedOut, ModelCreate, ModelList, ModelOut, ModelPatch
@@ -22,6 +24,7 @@ def model_out(model: Model) -> ModelOut:
     return ModelOut.model_validate(model, from_attributes=True)
 
 
+@declare(budget.WRITE)
 @router.post("", status_code=201, response_model=ModelOut, dependencies=[Depends(require_json)])
 def create_model(
     body: ModelCreate,
@@ -46,6 +49,7 @@ def create_model(
     return model_out(model)
 
 
+@declare(budget.READ_LARGE)
 @router.get("", response_model=ModelList)
 def list_models(
     session: SessionDep,
@@ -60,6 +64,7 @@ def list_models(
     return ModelList(models=[model_out(m) for m in rows], next_cursor=cursor)
 
 
+@declare(budget.WRITE)
 @router.patch("/{model}", response_model=ModelOut, dependencies=[Depends(require_json)])
 def patch_model(
     body: ModelPatch, model: ModelDep, session: SessionDep, state: StateDep
@@ -72,11 +77,13 @@ def patch_model(
     return model_out(row)
 
 
+@declare(budget.READ)
 @router.get("/{model}", response_model=ModelOut)
 def get_model(model: ModelDep) -> ModelOut:
     return model_out(model)
 
 
+@declare(budget.REMOVE)
 @router.delete("/{model}", response_model=DeletedOut)
 def delete_model(model: ModelDep, session: SessionDep, state: StateDep) -> DeletedOut:
     """Delete the model with its datasets, calibrator versions and feedback, in one

@@ -13,7 +13,8 @@ from typing import Annotated, Any
 import numpy as np
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 
-from service.api import ingest
+from service.api import budget, ingest
+from service.api.budget import declare
 from service.api.deps import DtypeQuery, KindQuery, ModelDep, SessionDep, StateDep, VersionDep
 from service.api.openapi import BINARY, LABELS, OCTET_STREAM, SCORE_PROPERTIES
 from service.api.uploads import NPZ_TYPES, Upload, labelled_body
@@ -82,6 +83,7 @@ WindowDep = Annotated[int, Depends(window_seconds)]
 # /metrics
 
 
+@declare(budget.Budget("metrics", answer="max_json_bytes"))
 @router.get(
     "/metrics",
     response_class=Response,
@@ -234,6 +236,7 @@ def replayed(prior: IdempotencyKey | None, model: Model, response: Response) -> 
     return prior.response
 
 
+@declare(budget.FEEDBACK)
 @router.post(f"{_MODEL}/feedback", openapi_extra=_FEEDBACK_DOC)
 def post_feedback(
     model: ModelDep,
@@ -324,6 +327,7 @@ def get_monitored(
 MonitoredDep = Annotated[CalibratorVersion, Depends(get_monitored)]
 
 
+@declare(budget.READ)
 @router.get(f"{_MODEL}/monitoring")
 def get_monitoring(
     model: ModelDep,
@@ -346,6 +350,7 @@ def get_monitoring(
     }
 
 
+@declare(budget.READ)
 @router.get(
     f"{_MODEL}/monitoring/reliability.svg", response_class=Response, responses=_SVG_RESPONSES
 )
@@ -372,6 +377,7 @@ def live_reliability_svg(
     return svg_response(svg, request, f"{model.name}-v{row.version}-live")
 
 
+@declare(budget.READ)
 @router.get(
     f"{_MODEL}/calibrators/{{version}}/reliability.svg",
     response_class=Response,

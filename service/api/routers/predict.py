@@ -24,13 +24,14 @@ from starlette.routing import Match, Route
 from starlette.types import Scope
 
 from calibrators.numerics import row_chunks
-from service.api import ingest
+from service.api import answers, budget, ingest
+from service.api.budget import declare
 from service.api.deps import AppState, get_app_state
 from service.api.hotpath import ServingApp
 from service.api.openapi import BINARY, OCTET_STREAM, SCORE_PROPERTIES
 from service.api.schemas import Kind, PredictOut, ScoreDtype
 from service.api.uploads import media_type, read_body, read_npy
-from service.errors import InvalidInput, UnsupportedMediaType
+from service.errors import UnsupportedMediaType
 from service.observe.metrics import ServiceMetrics
 from service.security import limits
 from service.security.auth import authorize
@@ -49,15 +50,17 @@ async def read_scores_body(
 ) -> tuple[str, Any]:
     """The body and its format: JSON bytes (at most what ``bounds`` can need), or a .npy
     decoded while it arrives (its header checked against ``bounds`` first); 415 for
-    anything else."""
+    anything else. Either limit is the request's decoded limit (:func:`budget.narrow`),
+    so a compressed body inflates no further than its rows and K can need."""
     kind = media_type(request)
     settings = state.settings
     if kind == "application/json" or kind.endswith("+json"):
-        return "json", await read_body(
-            request, ingest.json_body_limit(bounds, settings.max_json_bytes)
-        )
+        limit = ingest.json_body_limit(bounds, settings.max_json_bytes)
+        budget.narrow(request, limit)
+        return "json", await read_body(request, limit)
     if kind in (NPY, "application/octet-stream"):
         limit = ingest.npy_body_limit(bounds, settings.max_body_bytes)
+        budget.narrow(request, limit)
         return "npy", await read_npy(request, ingest.npy_check(bounds), limit, bounds.dtype)
     raise UnsupportedMediaType(
         f"Send scores as application/json or as a .npy body ({NPY}). "
@@ -205,36 +208,27 @@ def _flipped(scores: np.ndarray, labels: np.ndarray) -> int:
 #: slices), not copied into one buffer first; smaller ones take one write (the fast path).
 STREAM_ANSWER_BYTES = 16 << 20
 
-#: Bytes a probability may take in a JSON answer (orjson's longest float32, a comma).
-JSON_ANSWER_BYTES_PER_VALUE = 16
-
-
 #: How to get whole rows without JSON, on /v1 predict.
 NPY_ANSWER_FIX = "Ask for ?top_k=<k>, or for the whole rows as a .npy: Accept: application/x-npy."
 TOP_K_ANSWER_FIX = "Ask for a smaller ?top_k, fewer rows, or a .npy: Accept: application/x-npy."
 
 
-def check_json_answer(
-    shape: tuple[int, int], max_json_bytes: int, fix: str = NPY_ANSWER_FIX
-) -> None:
-    """422 for a JSON answer of whole rows that could exceed ``max_json_bytes`` (the JSON
-    request limit): at K = 262,144 a few rows are megabytes, and a 1 GiB .npy body would
-    be several GB of JSON. ``top_k`` or a binary answer hold the same information:
-    ``fix`` says how to ask for them (/v1: .npy; /v2: binary tensor data)."""
-    n, k = shape
-    need = n * k * JSON_ANSWER_BYTES_PER_VALUE
-    if need > max_json_bytes:
-        raise InvalidInput(
-            f"A JSON answer of {n:,} rows of {k:,} numbers could take {need:,} bytes, "
-            f"more than MAX_JSON_BYTES ({max_json_bytes:,}). {fix}",
-            fix=fix,
-        )
-
-
-def json_answer_width(num_classes: int, top_k: int | None) -> int:
-    """Numbers per row of a JSON answer: the whole row, or with ``top_k`` its k classes
-    and their probabilities (a top_k as large as K is no way around the limit)."""
-    return num_classes if top_k is None else 2 * min(top_k, num_classes)
+def answer_bytes(n: int, k: int, top_k: int | None, want_npy: bool, name_bytes: int) -> int:
+    """The most bytes of a predict answer for ``n`` rows of ``k`` classes, before it is
+    computed; ``name_bytes``: the model's longest class name in UTF-8 (0: no names).
+    Everything but :data:`answers.CONSTANT_BYTES` is data, JSON unless ``want_npy``."""
+    top = 0 if top_k is None else min(top_k, k)
+    if want_npy:
+        if top_k is None:  # float32 probabilities
+            return n * k * answers.BINARY_BYTES["FP32"]
+        # records (index int64, probability float32, name <U: 4 bytes a character)
+        record = answers.BINARY_BYTES["INT64"] + answers.BINARY_BYTES["FP32"] + 4 * name_bytes
+        return n * top * record
+    fp32, int64 = answers.JSON_BYTES["FP32"], answers.JSON_BYTES["INT64"]
+    name = answers.json_string_bytes(name_bytes) if name_bytes else 0
+    per_row = int64 + 2 * fp32 + name  # label, confidence, entropy, label name
+    per_row += k * fp32 if top_k is None else top * (int64 + fp32 + name)
+    return n * per_row
 
 
 #: The .npy answer of a ``top_k`` request: per row and rank, the class and its probability.
@@ -270,17 +264,17 @@ def respond(
     want_npy: bool,
     bounds: ingest.Bounds,
     metrics: ServiceMetrics,
-    max_json_bytes: int,
+    limits: answers.AnswerLimits,
 ) -> Response:
-    """Parse, validate, run ONNX Runtime and serialise: pure CPU work."""
+    """Parse, validate, bound the answer, run ONNX Runtime and serialise: CPU work."""
     if fmt == "json":
         scores, kind = ingest.scores_from_json(raw, bounds, query.kind)
     else:
         scores, kind = ingest.scores_from_npy(raw, bounds, query.kind)
-    if not want_npy:
-        width = json_answer_width(scores.shape[1], query.top_k)
-        fix = NPY_ANSWER_FIX if query.top_k is None else TOP_K_ANSWER_FIX
-        check_json_answer((scores.shape[0], width), max_json_bytes, fix)
+    n, k = scores.shape
+    data = answer_bytes(n, k, query.top_k, want_npy, served.max_name_bytes)
+    fix = NPY_ANSWER_FIX if query.top_k is None else TOP_K_ANSWER_FIX
+    limits.check(data + answers.CONSTANT_BYTES, 0 if want_npy else data, fix)
     out = calibrate(served, scores, kind, bounds.max_rows, metrics, query.top_k)
     headers = {VERSION_HEADER: str(served.version)}
     if want_npy:
@@ -315,6 +309,7 @@ def respond(
     )
 
 
+@declare(budget.SCORES)
 async def predict(request: Request) -> Response:
     # The hot path. Everything FastAPI would resolve through parameters and
     # dependencies is resolved here by plain calls: the caller (``authorize``, the
@@ -331,12 +326,11 @@ async def predict(request: Request) -> Response:
     fmt, raw = await read_scores_body(request, state, bounds)
     want_npy = NPY in request.headers.get("accept", "")
     size = len(raw) if fmt == "json" else raw.nbytes
-    args = (served, fmt, raw, query, want_npy, bounds, state.metrics)
+    limits = answers.AnswerLimits.of(request, state.settings.max_json_bytes, size)
+    args = (served, fmt, raw, query, want_npy, bounds, state.metrics, limits)
     if size <= state.settings.inline_predict_bytes:
-        return respond(*args, state.settings.max_json_bytes)
-    return await anyio.to_thread.run_sync(
-        respond, *args, state.settings.max_json_bytes, limiter=state.predict_limiter
-    )
+        return respond(*args)
+    return await anyio.to_thread.run_sync(respond, *args, limiter=state.predict_limiter)
 
 
 class _HotRoute(Route):

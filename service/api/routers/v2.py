@@ -42,7 +42,6 @@ same numbers, the same metrics. Errors are the service's domain errors, which
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -53,7 +52,8 @@ from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from service.api import ingest
+from service.api import answers, budget, ingest
+from service.api.budget import declare
 from service.api.deps import StateDep, get_app_state
 from service.api.problems import OIP_PREFIX, problem_response
 from service.api.routers import health
@@ -62,7 +62,6 @@ from service.api.routers.predict import (
     VERSION_HEADER,
     add_hot_route,
     calibrate,
-    check_json_answer,
 )
 from service.api.uploads import read_body
 from service.errors import (
@@ -71,7 +70,6 @@ from service.errors import (
     InvalidInput,
     MalformedBody,
     NotFound,
-    UnsupportedMediaType,
 )
 from service.observe.metrics import ServiceMetrics
 from service.security.auth import PrincipalDep, authorize
@@ -115,7 +113,6 @@ TOP_K_DEFAULT_OUTPUTS = (*(n for n in DEFAULT_OUTPUTS if n != "probabilities"), 
 _REQUEST_FIELDS = {"id", "parameters", "inputs", "outputs"}
 _INPUT_FIELDS = {"name", "shape", "datatype", "parameters", "data"}
 _OUTPUT_FIELDS = {"name", "parameters"}
-_ENCODINGS = {"gzip": 31, "deflate": 15, "x-gzip": 31}  # zlib wbits of each
 
 
 # -- the request ---------------------------------------------------------------
@@ -179,35 +176,17 @@ def header_length(request: Request) -> int | None:
     return int(value)
 
 
-def decode_body(raw: bytes, encoding: str, limit: int) -> bytes:
-    """The body without its ``Content-Encoding`` (identity, gzip or deflate), at most
-    ``limit`` bytes once decoded (413 beyond, never inflated in full)."""
-    if encoding in ("", "identity"):
-        return raw
-    wbits = _ENCODINGS.get(encoding)
-    if wbits is None:
-        raise UnsupportedMediaType(
-            f"Content-Encoding must be identity, gzip or deflate. Got {encoding!r}."
-        )
-    inflater = zlib.decompressobj(wbits)
-    try:
-        out = inflater.decompress(raw, limit + 1)
-    except zlib.error as exc:
-        raise MalformedBody(f"The {encoding} body is corrupt: {exc}.") from None
-    if len(out) > limit:
-        raise ContentTooLarge(
-            f"The decoded request body is larger than the limit of {limit} bytes."
-        )
-    if not inflater.eof:
-        raise MalformedBody(f"The {encoding} body is truncated.")
-    return out
-
-
 def _input(
-    tensor: Any, raw: bytes, head: int | None, kind: str, num_classes: int, model: str
+    tensor: Any,
+    raw: bytes,
+    head: int | None,
+    kind: str,
+    bounds: ingest.Bounds,
 ) -> np.ndarray:
-    """The scores of the ``logits`` input, validated like a /v1 body."""
+    """The scores of the ``logits`` input, validated like a /v1 body: its shape against
+    the model's K and the row limit of ``bounds`` first."""
     where = f"input {INPUT!r}"
+    num_classes, model, check_rows = bounds.num_classes, bounds.model, bounds.check_rows
     tensor = _object(tensor, "Each input")
     _fields(tensor, _INPUT_FIELDS, "an input")
     if tensor.get("name") != INPUT:
@@ -216,6 +195,12 @@ def _input(
     if not (isinstance(shape, list) and len(shape) == 2):
         raise InvalidInput(f"The shape of {where} must be [n, {num_classes}]. Got {shape!r}.")
     rows, cols = (_integer(n, f"The shape of {where}", 0) for n in shape)
+    if cols != num_classes:  # before anything is sized by the shape ([2**62, 0] included)
+        raise InvalidInput(
+            f"The shape of {where} must be [n, {num_classes}]: {num_classes} columns, one "
+            f"per class of model {model!r}. Got {shape!r}."
+        )
+    check_rows(rows)
     datatype = tensor.get("datatype")
     if datatype not in INPUT_DATATYPES:
         raise InvalidInput(
@@ -312,10 +297,12 @@ def _outputs(
 
 
 def parse_request(
-    raw: bytes, head: int | None, num_classes: int, model: str, named: bool = False
+    raw: bytes, head: int | None, bounds: ingest.Bounds, named: bool = False
 ) -> InferRequest:
-    """An infer body: JSON, or (``head`` bytes of) JSON followed by binary tensor data;
-    ``named``: the model has class_names (so the name outputs exist)."""
+    """An infer body: JSON, or (``head`` bytes of) JSON followed by binary tensor data,
+    for a model of ``bounds.num_classes`` classes; ``named``: the model has class_names
+    (so the name outputs exist)."""
+    num_classes = bounds.num_classes
     if head is not None and head > len(raw):
         raise MalformedBody(f"{HEADER_LENGTH} is {head}, but the body holds {len(raw)} bytes.")
     header = raw if head is None else memoryview(raw)[:head]
@@ -339,7 +326,7 @@ def parse_request(
             + (f" of {len(inputs)}." if isinstance(inputs, list) else ".")
         )
     outputs = _outputs(obj.get("outputs"), top_k, binary, named)
-    scores = _input(inputs[0], raw, head, kind, num_classes, model)
+    scores = _input(inputs[0], raw, head, kind, bounds)
     return InferRequest(request_id, scores, kind, top_k, outputs)
 
 
@@ -418,30 +405,46 @@ BINARY_ANSWER_FIX = (
 )
 
 
+def answer_bytes(request: InferRequest, name_bytes: int) -> tuple[int, int]:
+    """The most bytes the answer to ``request`` can take, before it is computed: in all,
+    and as JSON ``data`` (whose limit is MAX_JSON_BYTES); ``name_bytes``: the model's
+    longest class name in UTF-8."""
+    n, k = request.scores.shape
+    per_row = {
+        "probabilities": k,
+        "top_k_indices": min(request.top_k or 0, k),
+        "top_k_probabilities": min(request.top_k or 0, k),
+        "top_k_names": min(request.top_k or 0, k),
+    }
+    as_json = 0
+    total = answers.CONSTANT_BYTES + answers.json_string_bytes(len((request.id or "").encode()))
+    for name, binary in request.outputs:
+        datatype = OUTPUT_DATATYPES[name]
+        if datatype == "BYTES":  # per name: a uint32 length, or quoted and escaped JSON
+            each = 4 + name_bytes if binary else answers.json_string_bytes(name_bytes)
+        else:
+            each = answers.BINARY_BYTES[datatype] if binary else answers.JSON_BYTES[datatype]
+        size = n * per_row.get(name, 1) * each
+        total += size
+        if not binary:
+            as_json += size
+    return total, as_json
+
+
 def respond(
     served: Served,
     raw: bytes,
-    encoding: str,
     head: int | None,
-    limit: int,
-    max_rows: int,
+    bounds: ingest.Bounds,
     metrics: ServiceMetrics,
-    max_json_bytes: int,
+    limits: answers.AnswerLimits,
 ) -> Response:
-    """Decode, parse, validate, run ONNX Runtime and serialise: pure CPU work."""
-    raw = decode_body(raw, encoding, limit)
+    """Parse, validate, bound the answer, run ONNX Runtime and serialise: CPU work."""
     named = served.class_names is not None
-    request = parse_request(raw, head, served.num_classes, served.model, named)
-    n, k = request.scores.shape
-    top_k = 0 if request.top_k is None else min(request.top_k, k)
-    as_json = {name for name, binary in request.outputs if not binary}
-    # Rows of numbers as JSON (whole rows, or top-k ones): bounded like /v1
-    width = (k if "probabilities" in as_json else 0) + top_k * len(
-        as_json & {"top_k_indices", "top_k_probabilities"}
-    )
-    if width:
-        check_json_answer((n, width), max_json_bytes, BINARY_ANSWER_FIX)
-    out = calibrate(served, request.scores, request.kind, max_rows, metrics, request.top_k)
+    request = parse_request(raw, head, bounds, named)
+    total, as_json = answer_bytes(request, served.max_name_bytes)
+    limits.check(total, as_json, BINARY_ANSWER_FIX)
+    out = calibrate(served, request.scores, request.kind, bounds.max_rows, metrics, request.top_k)
     return encode_response(served, request, out)
 
 
@@ -454,10 +457,12 @@ def version_number(text: str | None) -> int | None:
     raise NotFound(f"No version {text!r}: versions are calibrator version numbers (1, 2, ...).")
 
 
+@declare(budget.SCORES)
 async def infer(request: Request) -> Response:
     # The hot path, resolved by plain calls like /v1 predict's: the caller, the served
-    # version (cached), the body; small bodies on the event loop, larger ones (and
-    # compressed ones, whatever they inflate to) in the thread pool.
+    # version (cached), the body, whose decoded size is bounded by the model's K and the
+    # row limit before it is read (service.api.budget); small bodies on the event loop,
+    # larger ones in the thread pool.
     caller = await authorize(request)
     state = get_app_state(request)
     params = request.path_params
@@ -465,14 +470,18 @@ async def infer(request: Request) -> Response:
     served = await state.serving.get(params["name"], None, version, caller.namespace)
     head = header_length(request)
     settings = state.settings
-    limit = settings.max_json_bytes if head is None else settings.max_body_bytes
+    bounds = ingest.bounds(settings, "predict", served.num_classes, served.model)
+    limit = ingest.json_body_limit(bounds, settings.max_json_bytes)
+    if head is not None:  # a JSON header, then at most max_rows x K float64s
+        if head > limit:
+            raise ContentTooLarge(f"{HEADER_LENGTH} is over the limit of {limit} bytes.")
+        data = bounds.max_rows * bounds.num_classes * 8
+        limit = min(settings.max_body_bytes, head + data)
+    budget.narrow(request, limit)
     raw = await read_body(request, limit)
-    encoding = request.headers.get("content-encoding", "").strip().lower()
-    args = (
-        served, raw, encoding, head, limit, settings.max_predict_rows, state.metrics,
-        settings.max_json_bytes,
-    )
-    if len(raw) <= settings.inline_predict_bytes and not encoding:
+    answer = answers.AnswerLimits.of(request, settings.max_json_bytes, len(raw))
+    args = (served, raw, head, bounds, state.metrics, answer)
+    if len(raw) <= settings.inline_predict_bytes:
         return respond(*args)
     return await anyio.to_thread.run_sync(respond, *args, limiter=state.predict_limiter)
 
@@ -519,11 +528,13 @@ TopKQuery = Annotated[
 ]
 
 
+@declare(budget.OPEN)
 async def live() -> Live:
     """The process answers."""
     return Live(live=True)
 
 
+@declare(budget.OPEN)
 def ready(request: Request, state: StateDep) -> Ready | Response:
     """The database is reachable and at the latest revision (as /readyz), else 503."""
     ok, detail = health.readiness(state)
@@ -532,6 +543,7 @@ def ready(request: Request, state: StateDep) -> Ready | Response:
     return Ready(ready=True)
 
 
+@declare(budget.READ)
 async def server_metadata(request: Request, caller: PrincipalDep) -> ServerMetadata:
     return ServerMetadata(
         name=SERVER_NAME, version=request.app.version, extensions=list(EXTENSIONS)
@@ -576,12 +588,14 @@ def _model_metadata(
     )
 
 
+@declare(budget.READ)
 def model_metadata(
     name: str, state: StateDep, caller: PrincipalDep, top_k: TopKQuery = None
 ) -> ModelMetadata:
     return _model_metadata(state, caller, name, None, top_k)
 
 
+@declare(budget.READ)
 def version_metadata(
     name: str, version: str, state: StateDep, caller: PrincipalDep, top_k: TopKQuery = None
 ) -> ModelMetadata:
@@ -593,10 +607,12 @@ async def _model_ready(state, caller, name: str, version: str | None) -> ModelRe
     return ModelReady(name=served.model, ready=True)
 
 
+@declare(budget.READ)
 async def model_ready(name: str, state: StateDep, caller: PrincipalDep) -> ModelReady:
     return await _model_ready(state, caller, name, None)
 
 
+@declare(budget.READ)
 async def version_ready(
     name: str, version: str, state: StateDep, caller: PrincipalDep
 ) -> ModelReady:
@@ -742,7 +758,7 @@ def install(app: FastAPI) -> None:
     """Add the /v2 routes to the app's own router; call it before
     :func:`service.security.auth.install`, like :func:`service.api.routers.predict.install`:
     infer authorises inline, the metadata routes through their own ``PrincipalDep``,
-    and the two health routes are open (:data:`service.security.auth.OPEN_PATHS`)."""
+    and the two health routes are open (their budgets' scope is None)."""
     v2 = OIP_PREFIX
     routes = [
         (f"{v2}/health/live", live, "v2_live", {}),
