@@ -61,13 +61,14 @@ HOOK = textwrap.dedent(
 
     off = set(filter(None, os.environ.get("WT_SWITCH_OFF", "").split(",")))
     if off:
-        from service.api import budget, faults, timeouts
-        from service.observe import metrics, monitoring
+        from service.server import budget, faults, timeouts
+        from service.observe import metrics
+        from service.server import requests
         layers = {
             "body-timeout": timeouts.BodyTimeoutMiddleware,
             "body-limit": budget.BudgetMiddleware,
             "db-faults": faults.DatabaseFaultMiddleware,
-            "metrics": monitoring.MetricsMiddleware,
+            "metrics": requests.MetricsMiddleware,
         }
         for name in off & set(layers):
             layers[name].__call__ = passthrough

@@ -84,9 +84,9 @@ def serve(args: argparse.Namespace) -> int:
     from sqlalchemy.orm import sessionmaker
 
     from service import demo
-    from service.api import exporter, timeouts
     from service.api.app import create_app
     from service.observe import metrics
+    from service.server import exporter, timeouts
     from service.settings import Settings
     from service.storage import array_refs, fits, migrate
     from service.storage.arrays import ArrayStore
@@ -217,9 +217,9 @@ def worker(args: argparse.Namespace) -> int:
 
     from sqlalchemy.orm import sessionmaker
 
-    from service.api import exporter
     from service.jobs.queue import job_engine
     from service.observe import metrics, monitoring
+    from service.server import exporter
     from service.settings import Settings
     from service.storage import migrate
     from service.storage.db import make_engine

@@ -1,7 +1,7 @@
 """The service's domain errors: what went wrong, in the service's own words.
 
 Storage, jobs, security and the body parsers raise these; they know nothing of
-HTTP. :mod:`service.api.problems` is the one place that maps each class (and
+HTTP. :mod:`service.server.problems` is the one place that maps each class (and
 ``calibrators.CalibrationInputError``) to an RFC 9457 problem: its status, type
 and title, and the headers some of them need.
 

@@ -48,7 +48,7 @@ AUTO = "auto"
 METHODS: tuple[str, ...] = (*calibrators.METHODS, AUTO)
 
 #: ``?dtype=`` of a binary body: scores numpy has no dtype for, sent as raw bit patterns
-#: (service.api.ingest reads them).
+#: (service.api.codecs reads them).
 SCORE_DTYPES = ("bfloat16",)
 
 #: What a model does with a calibrator that changes held-out predicted classes:

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from service.api import budget
 from service.errors import ContentTooLarge, InvalidInput
+from service.server import budget
 
 #: Bytes one value may take in a JSON answer: the longest float32 orjson writes
 #: ("-1.1754944e-38", 14) or int64 (20 characters), and a comma.

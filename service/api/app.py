@@ -11,10 +11,8 @@ import anyio
 from fastapi import FastAPI
 from sqlalchemy.orm import sessionmaker
 
-from service.api import budget, docs, openapi, problems
+from service.api import auth, docs, openapi
 from service.api.deps import AppState
-from service.api.faults import DatabaseFaultMiddleware
-from service.api.hotpath import ServingApp
 from service.api.routers import (
     aliases,
     calibrators,
@@ -26,16 +24,18 @@ from service.api.routers import (
     predict,
     v2,
 )
-from service.api.timeouts import BodyTimeoutMiddleware
 from service.jobs.queue import Fits
 from service.jobs.sweeper import Sweeper
 from service.observe.metrics import ServiceMetrics
 from service.observe.monitoring import (
-    MetricsMiddleware,
     observe_array_cache,
     observe_finished_fit,
 )
-from service.security import auth
+from service.server import budget, problems
+from service.server.faults import DatabaseFaultMiddleware
+from service.server.hotpath import ServingApp
+from service.server.requests import MetricsMiddleware
+from service.server.timeouts import BodyTimeoutMiddleware
 from service.serving.inference import ServingCache, SessionCache
 from service.settings import Settings
 from service.storage import array_refs
@@ -121,7 +121,7 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
     # Innermost first: a database fault is replayed (reads) or answered 503 inside the
     # body guards, and every answer of theirs (503, 413, 408) is counted.
     app.add_middleware(DatabaseFaultMiddleware)
-    # Every route's body, encoding and answer limits (service.api.budget); a route that
+    # Every route's body, encoding and answer limits (service.server.budget); a route that
     # declares none is refused below, when the routers are in.
     app.add_middleware(budget.BudgetMiddleware, default=budget.UNROUTED.resolve(settings))
     app.add_middleware(

@@ -19,10 +19,10 @@ from fastapi import Depends, Path, Query, Request
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.api.auth import PrincipalDep
 from service.api.schemas import Kind, ScoreDtype
 from service.jobs.queue import Fits
 from service.observe.metrics import ServiceMetrics
-from service.security.auth import PrincipalDep
 from service.serving.inference import ServingCache
 from service.settings import Settings
 from service.storage import registry
@@ -43,7 +43,7 @@ KindQuery = Annotated[
     ),
 ]
 
-#: ``?dtype=`` of the routes that take scores in a binary body (service.api.ingest).
+#: ``?dtype=`` of the routes that take scores in a binary body (service.api.codecs).
 DtypeQuery = Annotated[
     ScoreDtype | None,
     Query(

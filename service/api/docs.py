@@ -16,7 +16,7 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
-from service.api.budget import OPEN, declare
+from service.server.budget import OPEN, declare
 
 STATIC_PATH = "/docs/static"
 DOCS_PATH = "/docs"

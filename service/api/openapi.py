@@ -2,7 +2,7 @@
 
 FastAPI documents each route's success and a 422 ``HTTPValidationError``; the
 service answers every error as RFC 9457 ``application/problem+json``
-(:mod:`service.api.problems`) and needs a key on every ``/v1`` route
+(:mod:`service.server.problems`) and needs a key on every ``/v1`` route
 (:mod:`service.security.auth`). :func:`install` post-processes the generated document
 once: a ``Problem`` schema, the error statuses each operation can return, and
 the ``bearer`` security scheme on every non-open operation. The fuzz test
@@ -18,8 +18,8 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 
 from service.api import fit_options
-from service.api.budget import Budget, declare, flatten
-from service.api.problems import OIP_PREFIX, PROBLEM_JSON
+from service.server.budget import Budget, declare, flatten
+from service.server.problems import OIP_PREFIX, PROBLEM_JSON
 from service.vocabulary import KINDS
 
 PROBLEM_SCHEMA: dict[str, Any] = {

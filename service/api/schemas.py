@@ -38,7 +38,7 @@ from service.vocabulary import (
 Method = Literal[METHODS]  # type: ignore[valid-type]
 Status = Literal[STATUSES]  # type: ignore[valid-type]
 Kind = Literal[KINDS]  # type: ignore[valid-type]
-#: ``?dtype=`` of a binary body (read by service.api.ingest).
+#: ``?dtype=`` of a binary body (read by service.api.codecs).
 ScoreDtype = Literal[SCORE_DTYPES]  # type: ignore[valid-type]
 ArgmaxPolicy = Literal[ARGMAX_POLICIES]  # type: ignore[valid-type]
 Scope = Literal[SCOPES]  # type: ignore[valid-type]

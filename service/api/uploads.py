@@ -1,7 +1,7 @@
 """Request bodies, streamed: size limits enforced while reading, big bodies to disk.
 
 Nothing here holds more than one copy of a body: JSON bodies (bounded by what
-their rows can need, :func:`service.api.ingest.json_body_limit`) are read into one
+their rows can need, :func:`service.api.json_body.json_body_limit`) are read into one
 buffer, preallocated when the length is declared; a .npy predict body is decoded
 while it arrives (:func:`read_npy`: its header checked before the data are
 allocated, the data written once into the array); binary uploads are streamed to
@@ -24,7 +24,7 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
 
-from service.api import ingest
+from service.api.codecs import npy
 from service.errors import ContentTooLarge, InvalidInput, MalformedBody, UnsupportedMediaType
 
 _FLUSH_BYTES = 1 << 20
@@ -143,25 +143,25 @@ async def read_body(request: Request, limit: int) -> bytearray | mmap.mmap:
 
 async def read_npy(
     request: Request,
-    check: Callable[[ingest.NpyHeader], None],
+    check: Callable[[npy.NpyHeader], None],
     limit: int,
     score_dtype: str | None = None,
 ) -> np.ndarray:
-    """A .npy body decoded while it arrives (:class:`service.api.ingest.NpyStream`):
+    """A .npy body decoded while it arrives (:class:`service.api.npy.NpyStream`):
     ``check`` refuses the header's shape before the data are allocated, and a byte past
     the declared data is a 400 at once; a declared length over ``limit`` is a 413 before
     reading. ``score_dtype``: ``?dtype=`` (bfloat16 bit patterns)."""
     declared = declared_length(request)
     if declared is not None and declared > limit:
         raise _too_large(limit)
-    stream = ingest.NpyStream("The .npy body", check, score_dtype=score_dtype)
+    stream = npy.NpyStream("The .npy body", check, score_dtype=score_dtype)
     async for chunk in request.stream():
         stream.feed(chunk)
     return stream.finish()
 
 
 async def spool_body(request: Request, path: Path) -> int:
-    """Stream the body to ``path`` (limits: :mod:`service.api.budget`); return its size."""
+    """Stream the body to ``path`` (limits: :mod:`service.server.budget`); return its size."""
     total = 0
     pending = bytearray()
     with open(path, "wb") as f:

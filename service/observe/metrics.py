@@ -99,7 +99,7 @@ the job ends (the duration is on the job row), and
 process sent it (:mod:`service.jobs.attempts`), so the figures are right in both
 modes. A dedicated ``welltempered worker`` does the same with a
 :class:`ServiceMetrics` of its own, which its own metrics listener serves
-(:mod:`service.api.exporter`).
+(:mod:`service.server.exporter`).
 """
 
 from __future__ import annotations

@@ -20,10 +20,10 @@ namespace (names, versions, accuracy, traffic), so no tenant key may read it and
 a metrics key may read nothing else. Metrics keys belong to the namespace
 :data:`~service.vocabulary.METRICS_NAMESPACE`, which no tenant can have.
 
-Every route gets one dependency, :func:`authorize` (installed on the app's
-router by :func:`install`, so a route added later is covered too: deny by
-default). The scope a route needs is the one its budget declares, next to its
-handler (:mod:`service.api.budget`); it answers 401 (missing, unknown, revoked or expired
+Every route gets one dependency, :func:`service.api.auth.authorize` (installed on
+the app's router, so a route added later is covered too: deny by default), which
+asks :meth:`Authenticator.authenticate` for the scope the route's budget declares
+(:mod:`service.server.budget`); it answers 401 (missing, unknown, revoked or expired
 key; with ``WWW-Authenticate: Bearer``) or 403 (scope too low) as
 problem+json, and returns the caller's :class:`Principal`, which the model
 lookups use: another namespace's model is not found, with the same 404 as a
@@ -33,7 +33,7 @@ these say nothing about any tenant), ``/docs`` and ``/openapi.json`` (the API's
 shape is public). ``/metrics`` on the API's address needs a ``metrics`` key (401
 without one, like every keyed route); a scraper without a key uses the metrics
 listener instead, bound to loopback by default (``WELLTEMPERED_METRICS_ADDRESS``,
-:mod:`service.api.exporter`).
+:mod:`service.server.exporter`).
 
 Once a key is known and not expired, and before its scope is checked, the
 request is counted against the key's rate limit (429 with ``Retry-After``; a
@@ -58,10 +58,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Annotated
 
 import anyio.to_thread
-from fastapi import Depends, FastAPI, Request
+from sqlalchemy.orm import sessionmaker
 
 from service.errors import Forbidden, Unauthorized
 from service.security.limits import RateLimiter
@@ -149,8 +148,8 @@ def _lookup(sessions, digest: str) -> _Entry | None:
         return _Entry(digest, principal, as_utc(row.expires_at))
 
 
-def _bearer(request: Request) -> str:
-    header = request.headers.get("authorization")
+def bearer(header: str | None) -> str:
+    """The key of an ``Authorization: Bearer <key>`` header (401 for anything else)."""
     if not header:
         raise Unauthorized("This endpoint needs an API key: send Authorization: Bearer <key>.")
     scheme, _, key = header.partition(" ")
@@ -158,44 +157,6 @@ def _bearer(request: Request) -> str:
     if scheme.lower() != "bearer" or not key:
         raise Unauthorized("Send the API key as Authorization: Bearer <key>.")
     return key
-
-
-async def authorize(request: Request) -> Principal:
-    """The one auth dependency of every route: 401/429/403 or the caller's :class:`Principal`."""
-    # The scope the route's budget declares (service.api.budget); a route always has one
-    # by the time it asks who is calling.
-    need = request.scope["route"].limits.scope
-    auth: Authenticator = request.app.state.welltempered_auth
-    if not auth.enabled:
-        return AUTH_OFF
-    if need is None:
-        return ANONYMOUS
-    key = _bearer(request)
-    digest = key_digest(key)
-    del key  # from here on, only the digest
-    entry = auth.cache.get(digest)
-    if entry is None:
-        sessions = request.app.state.welltempered.sessions
-        # A read: once more on a fresh connection if the first one was dropped.
-        entry = await anyio.to_thread.run_sync(retry_read, _lookup, sessions, digest)
-        if entry is None:
-            raise Unauthorized("The API key is unknown or revoked.")
-        auth.cache.put(entry)
-    if entry.expires_at is not None and entry.expires_at <= datetime.now(UTC):
-        raise Unauthorized(f"The API key {entry.principal.prefix}... has expired.")
-    principal = entry.principal
-    if auth.limiter is not None:  # all the limit costs when it is off
-        auth.limiter.check(principal.key_id, principal.namespace, principal.prefix)
-    if not principal.allows(need):
-        raise Forbidden(
-            f"This operation needs the {need!r} scope; the key {principal.prefix}... has "
-            f"{principal.scope!r}."
-        )
-    request.state.principal = principal
-    return principal
-
-
-PrincipalDep = Annotated[Principal, Depends(authorize)]
 
 
 class Authenticator:
@@ -215,10 +176,32 @@ class Authenticator:
                 on_refused=on_rate_limited,
             )
 
-
-def install(
-    app: FastAPI, settings: Settings, on_rate_limited: Callable[[str], None] | None = None
-) -> None:
-    """Put :func:`authorize` on every route of ``app`` (call before including routers)."""
-    app.state.welltempered_auth = Authenticator(settings, on_rate_limited)
-    app.router.dependencies.append(Depends(authorize))
+    async def authenticate(
+        self, header: str | None, need: str | None, sessions: sessionmaker
+    ) -> Principal:
+        """The caller of a request with the ``Authorization`` ``header`` to an operation
+        that needs the scope ``need`` (None: open): 401, 429 or 403, or its
+        :class:`Principal`."""
+        if not self.enabled:
+            return AUTH_OFF
+        if need is None:
+            return ANONYMOUS
+        digest = key_digest(bearer(header))  # from here on, only the digest
+        entry = self.cache.get(digest)
+        if entry is None:
+            # A read: once more on a fresh connection if the first one was dropped.
+            entry = await anyio.to_thread.run_sync(retry_read, _lookup, sessions, digest)
+            if entry is None:
+                raise Unauthorized("The API key is unknown or revoked.")
+            self.cache.put(entry)
+        if entry.expires_at is not None and entry.expires_at <= datetime.now(UTC):
+            raise Unauthorized(f"The API key {entry.principal.prefix}... has expired.")
+        principal = entry.principal
+        if self.limiter is not None:  # all the limit costs when it is off
+            self.limiter.check(principal.key_id, principal.namespace, principal.prefix)
+        if not principal.allows(need):
+            raise Forbidden(
+                f"This operation needs the {need!r} scope; the key {principal.prefix}... has "
+                f"{principal.scope!r}."
+            )
+        return principal

@@ -16,8 +16,8 @@ refused request takes nothing. A key is sustained at the rate and may send a
 burst of that many requests at once after being idle. The default rate, 0,
 turns the limit off.
 
-:func:`service.security.auth.authorize` applies it once the key is known and not
-expired: an unknown key is still a 401, every request of a known key counts
+:meth:`service.security.auth.Authenticator.authenticate` applies it once the key is
+known and not expired: an unknown key is still a 401, every request of a known key counts
 (a 403 too), and the open routes (``/healthz``, ``/readyz``, ``/metrics``),
 which need no key, are never limited. With ``WELLTEMPERED_AUTH=off`` there is
 no key to count against, so there is no limit either (``serve`` then listens

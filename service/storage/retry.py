@@ -12,7 +12,7 @@ it. What then:
   try, or a 503, never a 500.
 - :func:`retry_read` runs a read that opens its own session again, once, on a fresh
   connection. The API replays a whole ``GET`` the same way
-  (:mod:`service.api.faults`).
+  (:mod:`service.server.faults`).
 - A write cannot simply be repeated: if the connection died during ``COMMIT``
   without an answer, the change may or may not be in the database (an error the
   server sends in reply to ``COMMIT`` means it did not commit). :func:`recording` and the listeners

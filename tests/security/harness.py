@@ -7,7 +7,7 @@ A parser may refuse an input only with a domain error (``ServiceError``, which t
 API maps to a 400/413/415/422 problem, or the core's ``CalibrationInputError``, a
 422); anything else raised here would be a 500 in the service, and is a crash.
 The JSON target also checks that the parser that reads number arrays in groups
-(:func:`service.api.ingest.plain_object`) gives exactly what orjson's parse gives.
+(:func:`service.api.json_body.plain_object`) gives exactly what orjson's parse gives.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import numpy as np
 import orjson
 
 from calibrators.validation import CalibrationInputError
-from service.api import ingest
+from service.api.codecs import json_body, npy, npz, scores
 from service.errors import ServiceError
 
 #: A model of 4 classes; small limits, so the row and byte limits are reachable.
-BOUNDS = ingest.Bounds(num_classes=4, model="m", max_rows=1000, max_bytes=1 << 20, what="dataset")
+BOUNDS = scores.Bounds(num_classes=4, model="m", max_rows=1000, max_bytes=1 << 20, what="dataset")
 #: The same with ``?dtype=bfloat16``: binary scores are raw bfloat16 bit patterns.
 BFLOAT16_BOUNDS = dataclasses.replace(BOUNDS, dtype="bfloat16")
 REFUSALS = (ServiceError, CalibrationInputError)
@@ -39,20 +39,20 @@ class Mismatch(AssertionError):
     """The group parser and orjson disagree on a JSON body."""
 
 
-def run_npy(data: bytes, chunk: int = 7, bounds: ingest.Bounds = BOUNDS) -> None:
+def run_npy(data: bytes, chunk: int = 7, bounds: scores.Bounds = BOUNDS) -> None:
     """A .npy predict body, arriving in chunks of ``chunk`` bytes, read as predict reads
     it with ``bounds.dtype`` as ``?dtype=``."""
-    check = ingest.npy_check(bounds)
-    stream = ingest.NpyStream("The .npy body", check, score_dtype=bounds.dtype)
+    check = npy.npy_check(bounds)
+    stream = npy.NpyStream("The .npy body", check, score_dtype=bounds.dtype)
     for at in range(0, len(data), chunk):
         stream.feed(data[at : at + chunk])
-    ingest.scores_from_npy(stream.finish(), bounds, None)
+    npy.scores_from_npy(stream.finish(), bounds, None)
 
 
 _NPZ_PATH: Path | None = None
 
 
-def run_npz(data: bytes, bounds: ingest.Bounds = BOUNDS) -> None:
+def run_npz(data: bytes, bounds: scores.Bounds = BOUNDS) -> None:
     """A .npz upload (datasets, feedback), from a file as the service reads it, with
     ``bounds.dtype`` as ``?dtype=``."""
     global _NPZ_PATH
@@ -61,7 +61,7 @@ def run_npz(data: bytes, bounds: ingest.Bounds = BOUNDS) -> None:
         os.close(fd)
         _NPZ_PATH = Path(name)
     _NPZ_PATH.write_bytes(data)
-    ingest.labelled_from_npz(_NPZ_PATH, bounds, None)
+    npz.labelled_from_npz(_NPZ_PATH, bounds, None)
 
 
 def _same(a, b) -> bool:
@@ -72,10 +72,10 @@ def _same(a, b) -> bool:
 
 def run_json(data: bytes) -> None:
     """A JSON body of each route; and the group parser against orjson on it."""
-    allowed = {*ingest.JSON_SCORE_KEYS, "labels", "version"}
+    allowed = {*scores.JSON_SCORE_KEYS, "labels", "version"}
     plain = None
     try:
-        plain = ingest.plain_object(data, allowed, BOUNDS)
+        plain = json_body.plain_object(data, allowed, BOUNDS)
     except REFUSALS:
         pass
     if plain is not None:
@@ -84,7 +84,7 @@ def run_json(data: bytes) -> None:
         except orjson.JSONDecodeError as exc:
             raise Mismatch(f"group parser accepted what orjson refuses: {exc}") from None
         try:
-            full = ingest.json_object(data, allowed, BOUNDS)
+            full = json_body.json_object(data, allowed, BOUNDS)
         except REFUSALS as exc:
             raise Mismatch(f"group parser accepted what json_object refuses: {exc}") from None
         if set(full) != set(plain) or set(parsed) != set(plain):
@@ -93,8 +93,8 @@ def run_json(data: bytes) -> None:
             if not _same(value, full[key]):
                 raise Mismatch(f"{key!r} differs: {value!r} vs {full[key]!r}")
     for call in (
-        lambda: ingest.scores_from_json(data, BOUNDS, None),
-        lambda: ingest.labelled_from_json(data, BOUNDS, None, extra_keys=("version",)),
+        lambda: json_body.scores_from_json(data, BOUNDS, None),
+        lambda: json_body.labelled_from_json(data, BOUNDS, None, extra_keys=("version",)),
     ):
         try:
             call()

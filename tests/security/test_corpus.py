@@ -106,9 +106,9 @@ def test_group_parser_equals_orjson(rows, spaces, labels, monkeypatch_groups):
 
 @pytest.fixture(scope="module")
 def monkeypatch_groups():
-    from service.api import ingest
+    from service.api.codecs import json_body
 
-    saved = ingest._JSON_GROUP_BYTES
-    ingest._JSON_GROUP_BYTES = 16
+    saved = json_body._JSON_GROUP_BYTES
+    json_body._JSON_GROUP_BYTES = 16
     yield
-    ingest._JSON_GROUP_BYTES = saved
+    json_body._JSON_GROUP_BYTES = saved

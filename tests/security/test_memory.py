@@ -23,7 +23,7 @@ MiB = memory.MiB
 #: Memory a request may take whatever its body: the interpreter's and the
 #: allocator's slack, a thread's stack, the answer.
 CONSTANT = 64 * MiB
-#: The JSON limit of predict on a 10-class model (ingest.json_body_limit at default
+#: The JSON limit of predict on a 10-class model (json_body.json_body_limit at default
 #: settings): the most a chunked JSON body is read before its 413.
 JSON_LIMIT = 64 * 1024 + 100_000 * (10 * 48 + 64)
 

@@ -27,8 +27,8 @@ from sqlalchemy.orm import sessionmaker
 
 from service import cli
 from service.api.app import create_app
-from service.api.exporter import parse_address
 from service.security import keys
+from service.server.exporter import parse_address
 from service.storage.db import ApiKey, make_engine
 from service.vocabulary import DEFAULT_ALIAS, METRICS_NAMESPACE, METRICS_SCOPE, TENANT_SCOPES
 from tests.helpers import skip_or_fail

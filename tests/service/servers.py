@@ -19,7 +19,7 @@ from starlette.applications import Starlette
 from starlette.responses import Response
 from starlette.routing import Route
 
-from service.api.timeouts import guarded_protocol
+from service.server.timeouts import guarded_protocol
 
 ROOT = Path(__file__).resolve().parents[2]
 

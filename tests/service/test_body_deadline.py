@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from service.api.timeouts import BodyTimeoutMiddleware
+from service.server.timeouts import BodyTimeoutMiddleware
 
 IDLE = 0.2
 

@@ -1,4 +1,4 @@
-"""Every route's request budget (service.api.budget): declared, published, enforced.
+"""Every route's request budget (service.server.budget): declared, published, enforced.
 
 In process: the declarations (every route, in /openapi.json, a route without one
 refused when the app is built), the decoded limit of compressed bodies on every route
@@ -20,9 +20,9 @@ import pytest
 from fastapi import APIRouter, FastAPI
 from fastapi.testclient import TestClient
 
-from service.api import budget
 from service.api.app import create_app
 from service.api.routers import v2
+from service.server import budget
 from tests.service.helpers import (
     assert_problem,
     create_model,

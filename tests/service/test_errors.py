@@ -16,8 +16,8 @@ from starlette.requests import Request
 
 from calibrators import CalibrationInputError
 from service import errors
-from service.api import problems
 from service.api.app import create_app
+from service.server import problems
 from service.vocabulary import DEFAULT_ALIAS, KINDS
 from tests.service.helpers import (
     assert_problem,

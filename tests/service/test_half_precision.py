@@ -9,7 +9,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from service.api import ingest
+from service import errors
+from service.api.codecs import npy as npy_codec
+from service.api.codecs import scores
 from service.storage.arrays import ArrayStore
 from tests.service.helpers import assert_problem, create_model, logits_data, npy, npz, promote
 
@@ -30,7 +32,7 @@ def bf16_value(bits: np.ndarray) -> np.ndarray:
 
 
 def _decode(body: bytes, chunk: int, score_dtype: str | None = None) -> np.ndarray:
-    stream = ingest.NpyStream("x", lambda header: None, score_dtype=score_dtype)
+    stream = npy_codec.NpyStream("x", lambda header: None, score_dtype=score_dtype)
     for at in range(0, len(body), chunk):
         stream.feed(body[at : at + chunk])
     return stream.finish()
@@ -52,22 +54,22 @@ def test_stream_widens_float16_and_bfloat16_exactly_whatever_the_chunks(chunk, o
 
 
 def test_header_memory_counts_the_float32_array_only():
-    header = ingest.parse_npy_header(npy(np.zeros((10, 4), np.float16)), "x")
+    header = npy_codec.parse_npy_header(npy(np.zeros((10, 4), np.float16)), "x")
     assert header.widened and header.nbytes == 80 and header.memory == 160
-    header = ingest.parse_npy_header(npy(np.zeros((10, 4), np.uint16)), "x", "bfloat16")
+    header = npy_codec.parse_npy_header(npy(np.zeros((10, 4), np.uint16)), "x", "bfloat16")
     assert header.bfloat16 and header.memory == 160
 
 
 @pytest.mark.parametrize("dtype", ["<f4", ">u2", "<u4", "|u1", "<f2"])
 def test_bfloat16_needs_16_bit_little_endian_patterns(dtype):
-    with pytest.raises(ingest.InvalidInput, match="bfloat16"):
-        ingest.parse_npy_header(npy(np.zeros((2, 3), dtype)), "x", "bfloat16")
+    with pytest.raises(errors.InvalidInput, match="bfloat16"):
+        npy_codec.parse_npy_header(npy(np.zeros((2, 3), dtype)), "x", "bfloat16")
 
 
 def test_a_bfloat16_npy_without_the_query_is_refused_with_the_fix():
     body = npy(np.zeros((2, 3), ml_dtypes.bfloat16))
-    with pytest.raises(ingest.InvalidInput, match=r"add \?dtype=bfloat16"):
-        ingest.parse_npy_header(body, "x")
+    with pytest.raises(errors.InvalidInput, match=r"add \?dtype=bfloat16"):
+        npy_codec.parse_npy_header(body, "x")
 
 
 # -- the service ------------------------------------------------------------------
@@ -187,8 +189,8 @@ def test_half_precision_refusals(client):
 
 
 def test_the_byte_limit_counts_the_float32_array_of_half_precision_data():
-    header = ingest.parse_npy_header(npy(np.zeros((8000, K), np.float16)), "x")
-    ingest.check_scores_header(header, ingest.Bounds(K, "m", 10**6, 160_000, "predict"), "x")
-    with pytest.raises(ingest.ContentTooLarge, match="float16 and bfloat16 to float32"):
-        bounds = ingest.Bounds(K, "m", 10**6, 159_999, "predict")
-        ingest.check_scores_header(header, bounds, "x")
+    header = npy_codec.parse_npy_header(npy(np.zeros((8000, K), np.float16)), "x")
+    npy_codec.check_scores_header(header, scores.Bounds(K, "m", 10**6, 160_000, "predict"), "x")
+    with pytest.raises(errors.ContentTooLarge, match="float16 and bfloat16 to float32"):
+        bounds = scores.Bounds(K, "m", 10**6, 159_999, "predict")
+        npy_codec.check_scores_header(header, bounds, "x")

@@ -16,7 +16,7 @@ import pytest
 from uvicorn import Config
 from uvicorn.server import ServerState
 
-from service.api.timeouts import PROTOCOLS, guarded_protocol
+from service.server.timeouts import PROTOCOLS, guarded_protocol
 
 DEADLINE = 0.3
 

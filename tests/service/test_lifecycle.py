@@ -14,9 +14,9 @@ from sqlalchemy import func, select
 
 from service import cli
 from service.api.app import create_app
-from service.api.budget import flatten
 from service.jobs.sweeper import Sweeper
 from service.security import keys
+from service.server.budget import flatten
 from service.storage import array_refs, registry, usage
 from service.storage.arrays import ArrayStore
 from service.storage.db import ArrayFile, FeedbackBin

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from starlette.requests import Request
 
 from service.api.app import create_app
-from service.api.problems import error_response, problem_type
 from service.errors import TooManyRequests
 from service.security.limits import RateLimiter
+from service.server.problems import error_response, problem_type
 from service.vocabulary import DEFAULT_ALIAS
 from tests.service.helpers import (
     Clock,

@@ -10,8 +10,8 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
-from service.api.exporter import MetricsListener, parse_port_range
 from service.observe.metrics import ServiceMetrics
+from service.server.exporter import MetricsListener, parse_port_range
 from service.settings import Settings
 from tests.service.servers import free_port
 

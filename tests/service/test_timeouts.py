@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
-from service.api.timeouts import BodyTimeoutMiddleware
+from service.server.timeouts import BodyTimeoutMiddleware
 from tests.helpers import skip_or_fail
 from tests.service.helpers import logits_data
 from tests.service.servers import ROOT, Server, free_port

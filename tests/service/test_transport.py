@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from service.api.transport import FLUSH_BYTES, JoinedWrites
+from service.server.transport import FLUSH_BYTES, JoinedWrites
 from tests.service.servers import protocol_server
 
 

@@ -665,14 +665,14 @@ def test_a_large_binary_answer_is_streamed_from_views_of_the_outputs(named, monk
     assert whole.status_code == 200, whole.text
     monkeypatch.setattr(v2, "STREAM_ANSWER_BYTES", 1000)
     chunks = []
-    real = v2.ingest.byte_chunks
+    real = v2.npy.byte_chunks
 
     def spy(head, arrays):
         size, parts = real(head, arrays)
         chunks.append([a.nbytes for a in arrays])
         return size, parts
 
-    monkeypatch.setattr(v2.ingest, "byte_chunks", spy)
+    monkeypatch.setattr(v2.npy, "byte_chunks", spy)
     streamed = named.post(f"/v2/models/{model}/infer", content=body, headers=headers)
     assert streamed.status_code == 200, streamed.text
     assert chunks, "the answer was not streamed"

@@ -7,12 +7,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Request, Response
 
-from service.api import budget
-from service.api.budget import declare
 from service.api.deps import AliasDep, ModelDep, SessionDep, StateDep
 from service.api.pagination import Page, pages
 from service.api.schemas import AliasList, AliasOut, AliasPut, DeletedOut
 from service.api.uploads import require_json
+from service.server import budget
+from service.server.budget import declare
 from service.storage import registry
 from service.storage.db import Alias, CalibratorVersion, Model
 from service.vocabulary import ALIAS_PATTERN

@@ -10,8 +10,6 @@ from fastapi import APIRouter, Depends, Request, Response
 from sqlalchemy.orm import Session
 
 from calibrators.holdout import split_indices
-from service.api import budget
-from service.api.budget import declare
 from service.api.deps import AppState, ModelDep, SessionDep, StateDep, VersionDep
 from service.api.openapi import BINARY, OCTET_STREAM
 from service.api.pagination import Page, pages
@@ -29,6 +27,8 @@ from service.errors import Conflict, NotReady
 from service.jobs import evaluation
 from service.jobs.fitting import affordable, check_fit_request, import_affordable
 from service.security import limits
+from service.server import budget
+from service.server.budget import declare
 from service.serving.inference import onnx_bytes
 from service.storage import fits, registry
 from service.storage.db import CalibratorVersion, Dataset, Model

@@ -8,8 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 
-from service.api import budget, ingest
-from service.api.budget import declare
+from service.api.codecs import json_body, npz, scores
 from service.api.deps import (
     DatasetDep,
     DtypeQuery,
@@ -23,6 +22,8 @@ from service.api.openapi import LABELS, SCORE_PROPERTIES
 from service.api.pagination import Page, pages
 from service.api.schemas import DatasetList, DatasetOut, DeletedOut
 from service.api.uploads import NPZ_TYPES, Upload, labelled_body
+from service.server import budget
+from service.server.budget import declare
 from service.storage import registry
 from service.storage.db import Dataset, Model
 
@@ -33,10 +34,10 @@ async def receive_upload(
     request: Request, state: StateDep, model: ModelDep
 ) -> AsyncIterator[Upload]:
     """The body, read or spooled to disk by its media type (after the model is found)."""
-    bounds = ingest.bounds(state.settings, "dataset", model.num_classes, model.name)
+    bounds = scores.bounds(state.settings, "dataset", model.num_classes, model.name)
     async with labelled_body(
         request,
-        json_limit=ingest.json_body_limit(bounds, state.settings.max_json_bytes),
+        json_limit=json_body.json_body_limit(bounds, state.settings.max_json_bytes),
         temp_path=state.arrays.temp_path,
         multipart=True,
         expected=f"Upload a dataset as application/json, a .npz body ({', '.join(NPZ_TYPES)}) "
@@ -114,11 +115,11 @@ def upload_dataset(
     kind: KindQuery = None,
     dtype: DtypeQuery = None,
 ) -> DatasetOut:
-    bounds = ingest.bounds(state.settings, "dataset", model.num_classes, model.name, dtype)
+    bounds = scores.bounds(state.settings, "dataset", model.num_classes, model.name, dtype)
     if upload.json is not None:
-        data, _ = ingest.labelled_from_json(upload.json, bounds, kind)
+        data, _ = json_body.labelled_from_json(upload.json, bounds, kind)
     else:
-        data = ingest.labelled_from_npz(upload.npz, bounds, kind)
+        data = npz.labelled_from_npz(upload.npz, bounds, kind)
     dataset, created = registry.add_dataset(
         session, model, state.arrays, data.scores, data.labels, data.kind, quotas
     )

@@ -7,10 +7,10 @@ import logging
 from fastapi import APIRouter, Request
 from sqlalchemy.exc import SQLAlchemyError
 
-from service.api import budget
-from service.api.budget import declare
 from service.api.deps import AppState, StateDep
-from service.api.problems import problem_response
+from service.server import budget
+from service.server.budget import declare
+from service.server.problems import problem_response
 from service.storage import migrate
 from service.storage.retry import retry_read
 

@@ -7,14 +7,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Request, Response
 
-from service.api import budget
-from service.api.budget import declare
+from service.api.auth import PrincipalDep
 from service.api.deps import SessionDep
 from service.api.pagination import Page, pages
 from service.api.schemas import KeyCreate, KeyCreated, KeyList, KeyOut
 from service.api.uploads import require_json
 from service.security import keys
-from service.security.auth import PrincipalDep
+from service.server import budget
+from service.server.budget import declare
 from service.storage import keys as key_rows
 from service.storage.db import ApiKey
 from service.vocabulary import MAX_ID

@@ -6,14 +6,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from service.api import budget
-from service.api.budget import declare
+from service.api.auth import PrincipalDep
 from service.api.deps import ModelDep, QuotasDep, SessionDep, StateDep
 from service.api.pagination import Page, pages
 from service.api.schemas import DeletedOut, ModelCreate, ModelList, ModelOut, ModelPatch
 from service.api.uploads import require_json
 from service.security import limits
-from service.security.auth import PrincipalDep
+from service.server import budget
+from service.server.budget import declare
 from service.storage import registry
 from service.storage.db import Model
 

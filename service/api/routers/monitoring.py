@@ -13,8 +13,7 @@ from typing import Annotated, Any
 import numpy as np
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 
-from service.api import budget, ingest
-from service.api.budget import declare
+from service.api.codecs import json_body, npz, scores
 from service.api.deps import DtypeQuery, KindQuery, ModelDep, SessionDep, StateDep, VersionDep
 from service.api.openapi import BINARY, LABELS, OCTET_STREAM, SCORE_PROPERTIES
 from service.api.uploads import NPZ_TYPES, Upload, labelled_body
@@ -24,6 +23,8 @@ from service.observe import monitoring
 from service.observe.svg import CONTENT_TYPE as SVG
 from service.observe.svg import reliability_svg
 from service.security import limits
+from service.server import budget
+from service.server.budget import declare
 from service.serving import inference
 from service.storage import idempotency, registry
 from service.storage.db import CalibratorVersion, IdempotencyKey, Model
@@ -126,10 +127,10 @@ async def feedback_body(
 ) -> AsyncIterator[Upload]:
     """JSON read into memory, or a .npz spooled to a temp file (removed after the
     response), like a dataset upload; 415 for anything else. After the model is found."""
-    bounds = ingest.bounds(state.settings, "feedback", model.num_classes, model.name)
+    bounds = scores.bounds(state.settings, "feedback", model.num_classes, model.name)
     async with labelled_body(
         request,
-        json_limit=ingest.json_body_limit(bounds, state.settings.max_json_bytes),
+        json_limit=json_body.json_body_limit(bounds, state.settings.max_json_bytes),
         temp_path=state.arrays.temp_path,
         multipart=False,
         expected=f"Send feedback as application/json or as a .npz body ({', '.join(NPZ_TYPES)}).",
@@ -141,10 +142,10 @@ FeedbackBodyDep = Annotated[Upload, Depends(feedback_body)]
 
 
 def parse_feedback(
-    body: bytes | bytearray, bounds: ingest.Bounds, kind: str | None
-) -> tuple[ingest.Labelled, int | None]:
+    body: bytes | bytearray, bounds: scores.Bounds, kind: str | None
+) -> tuple[scores.Labelled, int | None]:
     """``{"logits" | "probabilities": [[...]], "labels": [...], "version"?: N}``."""
-    labelled, extra = ingest.labelled_from_json(body, bounds, kind, extra_keys=("version",))
+    labelled, extra = json_body.labelled_from_json(body, bounds, kind, extra_keys=("version",))
     version = extra.get("version")
     if version is not None and (
         isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= MAX_ID
@@ -157,12 +158,12 @@ def parse_feedback(
 
 
 def feedback_rows(
-    body: Upload, bounds: ingest.Bounds, version: int | None, kind: str | None = None
-) -> tuple[ingest.Labelled, int | None]:
+    body: Upload, bounds: scores.Bounds, version: int | None, kind: str | None = None
+) -> tuple[scores.Labelled, int | None]:
     """The validated rows, and the version that served them: the query's ``version``, or a
     JSON body's own (422 if the two disagree)."""
     if body.npz is not None:
-        return ingest.labelled_from_npz(body.npz, bounds, kind), version
+        return npz.labelled_from_npz(body.npz, bounds, kind), version
     labelled, in_body = parse_feedback(body.json, bounds, kind)
     if in_body is not None and version is not None and in_body != version:
         raise InvalidInput(
@@ -261,7 +262,7 @@ def post_feedback(
         prior = idempotency.find(session, model.namespace, idempotency_key, ttl)
         if prior is not None:
             return replayed(prior, model, response)
-    bounds = ingest.bounds(settings, "feedback", model.num_classes, model.name, dtype)
+    bounds = scores.bounds(settings, "feedback", model.num_classes, model.name, dtype)
     labelled, version = feedback_rows(body, bounds, version, kind)
     n = int(labelled.labels.shape[0])
     limits.check_rows(n, settings.max_feedback_rows, "feedback")

@@ -24,17 +24,19 @@ from starlette.routing import Match, Route
 from starlette.types import Scope
 
 from calibrators.numerics import row_chunks
-from service.api import answers, budget, ingest
-from service.api.budget import declare
+from service.api import answers
+from service.api.auth import authorize
+from service.api.codecs import json_body, npy, scores
 from service.api.deps import AppState, get_app_state
-from service.api.hotpath import ServingApp
 from service.api.openapi import BINARY, OCTET_STREAM, SCORE_PROPERTIES
 from service.api.schemas import Kind, PredictOut, ScoreDtype
 from service.api.uploads import media_type, read_body, read_npy
 from service.errors import UnsupportedMediaType
 from service.observe.metrics import ServiceMetrics
 from service.security import limits
-from service.security.auth import authorize
+from service.server import budget
+from service.server.budget import declare
+from service.server.hotpath import ServingApp
 from service.serving import inference
 from service.serving.inference import Served
 from service.vocabulary import DEFAULT_ALIAS, MAX_ID
@@ -46,7 +48,7 @@ VERSION_HEADER = "X-Welltempered-Version"
 
 
 async def read_scores_body(
-    request: Request, state: AppState, bounds: ingest.Bounds
+    request: Request, state: AppState, bounds: scores.Bounds
 ) -> tuple[str, Any]:
     """The body and its format: JSON bytes (at most what ``bounds`` can need), or a .npy
     decoded while it arrives (its header checked against ``bounds`` first); 415 for
@@ -55,13 +57,13 @@ async def read_scores_body(
     kind = media_type(request)
     settings = state.settings
     if kind == "application/json" or kind.endswith("+json"):
-        limit = ingest.json_body_limit(bounds, settings.max_json_bytes)
+        limit = json_body.json_body_limit(bounds, settings.max_json_bytes)
         budget.narrow(request, limit)
         return "json", await read_body(request, limit)
     if kind in (NPY, "application/octet-stream"):
-        limit = ingest.npy_body_limit(bounds, settings.max_body_bytes)
+        limit = npy.npy_body_limit(bounds, settings.max_body_bytes)
         budget.narrow(request, limit)
-        return "npy", await read_npy(request, ingest.npy_check(bounds), limit, bounds.dtype)
+        return "npy", await read_npy(request, npy.npy_check(bounds), limit, bounds.dtype)
     raise UnsupportedMediaType(
         f"Send scores as application/json or as a .npy body ({NPY}). "
         f"Got {kind or 'no Content-Type'!r}."
@@ -262,15 +264,15 @@ def respond(
     raw: Any,
     query: Target,
     want_npy: bool,
-    bounds: ingest.Bounds,
+    bounds: scores.Bounds,
     metrics: ServiceMetrics,
     limits: answers.AnswerLimits,
 ) -> Response:
     """Parse, validate, bound the answer, run ONNX Runtime and serialise: CPU work."""
     if fmt == "json":
-        scores, kind = ingest.scores_from_json(raw, bounds, query.kind)
+        scores, kind = json_body.scores_from_json(raw, bounds, query.kind)
     else:
-        scores, kind = ingest.scores_from_npy(raw, bounds, query.kind)
+        scores, kind = npy.scores_from_npy(raw, bounds, query.kind)
     n, k = scores.shape
     data = answer_bytes(n, k, query.top_k, want_npy, served.max_name_bytes)
     fix = NPY_ANSWER_FIX if query.top_k is None else TOP_K_ANSWER_FIX
@@ -283,10 +285,10 @@ def respond(
         else:
             body = top_k_records(out, served.class_names)
         if body.nbytes > STREAM_ANSWER_BYTES:  # no copy of a big answer: views of it
-            size, chunks = ingest.npy_chunks(body)
+            size, chunks = npy.npy_chunks(body)
             headers["Content-Length"] = str(size)
             return StreamingResponse(chunks, media_type=NPY, headers=headers)
-        return Response(ingest.npy_view(body), media_type=NPY, headers=headers)
+        return Response(npy.npy_view(body), media_type=NPY, headers=headers)
     if query.top_k is None:
         payload = {"probabilities": out["probabilities"]}
     else:
@@ -322,7 +324,7 @@ async def predict(request: Request) -> Response:
     model = request.path_params["model"]
     query = target(request)
     served = await state.serving.get(model, query.alias, query.version, caller.namespace)
-    bounds = ingest.bounds(state.settings, "predict", served.num_classes, served.model, query.dtype)
+    bounds = scores.bounds(state.settings, "predict", served.num_classes, served.model, query.dtype)
     fmt, raw = await read_scores_body(request, state, bounds)
     want_npy = NPY in request.headers.get("accept", "")
     size = len(raw) if fmt == "json" else raw.nbytes
@@ -355,19 +357,19 @@ def add_hot_route(app: FastAPI, path: str, endpoint, **documented) -> None:
     take the app's exception handlers either way. The documented route (``documented``
     are :meth:`FastAPI.add_api_route`'s arguments) stays in the app for /openapi.json,
     matched by no request, since the plain route matches first. On a
-    :class:`~service.api.hotpath.ServingApp` (the service's app), its POSTs skip
+    :class:`~service.server.hotpath.ServingApp` (the service's app), its POSTs skip
     Starlette's and FastAPI's middleware layers as well.
     """
     app.add_api_route(path, endpoint, methods=["POST"], **documented)
     route = _HotRoute(path, endpoint, methods=["POST"])
     app.router.routes.insert(0, route)
-    if isinstance(app, ServingApp):  # and past Starlette's layers (service.api.hotpath)
+    if isinstance(app, ServingApp):  # and past Starlette's layers (service.server.hotpath)
         app.add_hot_route(route)
 
 
 def install(app: FastAPI) -> None:
     """Add /predict to the app's own router, ahead of the others; call it before
-    :func:`service.security.auth.install`, as predict calls ``authorize`` itself.
+    :func:`service.api.auth.install`, as predict calls ``authorize`` itself.
 
     Not through ``include_router``: FastAPI dispatches an included router's routes
     through a second matching pass, and a dependency costs a parameter-solving

@@ -36,7 +36,7 @@ itself, authorised and parsed inline (no FastAPI parameter solving: see
 :mod:`service.api.routers.predict`), and from validated scores on it is
 :func:`service.api.routers.predict.calibrate`: the same cached ONNX session, the
 same numbers, the same metrics. Errors are the service's domain errors, which
-:mod:`service.api.problems` renders in the protocol's shape,
+:mod:`service.server.problems` renders in the protocol's shape,
 ``{"error": "<detail>"}``, with the status of its table.
 """
 
@@ -52,10 +52,10 @@ from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from service.api import answers, budget, ingest
-from service.api.budget import declare
+from service.api import answers
+from service.api.auth import PrincipalDep, authorize
+from service.api.codecs import json_body, npy, scores
 from service.api.deps import StateDep, get_app_state
-from service.api.problems import OIP_PREFIX, problem_response
 from service.api.routers import health
 from service.api.routers.predict import (
     STREAM_ANSWER_BYTES,
@@ -72,7 +72,9 @@ from service.errors import (
     NotFound,
 )
 from service.observe.metrics import ServiceMetrics
-from service.security.auth import PrincipalDep, authorize
+from service.server import budget
+from service.server.budget import declare
+from service.server.problems import OIP_PREFIX, problem_response
 from service.serving.inference import OUTPUTS, TOP_K_OUTPUTS, Served, check_top_k
 from service.storage import registry
 from service.vocabulary import DEFAULT_ALIAS, KINDS, MAX_ID
@@ -181,7 +183,7 @@ def _input(
     raw: bytes,
     head: int | None,
     kind: str,
-    bounds: ingest.Bounds,
+    bounds: scores.Bounds,
 ) -> np.ndarray:
     """The scores of the ``logits`` input, validated like a /v1 body: its shape against
     the model's K and the row limit of ``bounds`` first."""
@@ -247,7 +249,7 @@ def _input(
                 f"The data of {where} must hold {rows * cols} numbers (shape {shape}). "
                 f"Got {arr.size}."
             )
-    return ingest.validated_scores(arr.reshape(rows, cols), kind, num_classes, model)
+    return scores.validated_scores(arr.reshape(rows, cols), kind, num_classes, model)
 
 
 def default_outputs(top_k: int | None, named: bool) -> tuple[str, ...]:
@@ -297,7 +299,7 @@ def _outputs(
 
 
 def parse_request(
-    raw: bytes, head: int | None, bounds: ingest.Bounds, named: bool = False
+    raw: bytes, head: int | None, bounds: scores.Bounds, named: bool = False
 ) -> InferRequest:
     """An infer body: JSON, or (``head`` bytes of) JSON followed by binary tensor data,
     for a model of ``bounds.num_classes`` classes; ``named``: the model has class_names
@@ -306,7 +308,7 @@ def parse_request(
     if head is not None and head > len(raw):
         raise MalformedBody(f"{HEADER_LENGTH} is {head}, but the body holds {len(raw)} bytes.")
     header = raw if head is None else memoryview(raw)[:head]
-    obj = _object(ingest.decode_json(header), "The JSON header")
+    obj = _object(json_body.decode_json(header), "The JSON header")
     _fields(obj, _REQUEST_FIELDS, "the request")
     request_id = obj.get("id")
     if request_id is not None and not isinstance(request_id, str):
@@ -391,7 +393,7 @@ def encode_response(served: Served, request: InferRequest, out: dict[str, np.nda
         return Response(head, media_type="application/json", headers=headers)
     headers[HEADER_LENGTH] = str(len(head))
     if sum(a.nbytes for a in binary) > STREAM_ANSWER_BYTES:  # no copy: views of the arrays
-        size, chunks = ingest.byte_chunks(head, binary)
+        size, chunks = npy.byte_chunks(head, binary)
         headers["Content-Length"] = str(size)
         return StreamingResponse(chunks, media_type=OCTET_STREAM, headers=headers)
     return Response(_binary_body(head, binary), media_type=OCTET_STREAM, headers=headers)
@@ -435,7 +437,7 @@ def respond(
     served: Served,
     raw: bytes,
     head: int | None,
-    bounds: ingest.Bounds,
+    bounds: scores.Bounds,
     metrics: ServiceMetrics,
     limits: answers.AnswerLimits,
 ) -> Response:
@@ -461,7 +463,7 @@ def version_number(text: str | None) -> int | None:
 async def infer(request: Request) -> Response:
     # The hot path, resolved by plain calls like /v1 predict's: the caller, the served
     # version (cached), the body, whose decoded size is bounded by the model's K and the
-    # row limit before it is read (service.api.budget); small bodies on the event loop,
+    # row limit before it is read (service.server.budget); small bodies on the event loop,
     # larger ones in the thread pool.
     caller = await authorize(request)
     state = get_app_state(request)
@@ -470,8 +472,8 @@ async def infer(request: Request) -> Response:
     served = await state.serving.get(params["name"], None, version, caller.namespace)
     head = header_length(request)
     settings = state.settings
-    bounds = ingest.bounds(settings, "predict", served.num_classes, served.model)
-    limit = ingest.json_body_limit(bounds, settings.max_json_bytes)
+    bounds = scores.bounds(settings, "predict", served.num_classes, served.model)
+    limit = json_body.json_body_limit(bounds, settings.max_json_bytes)
     if head is not None:  # a JSON header, then at most max_rows x K float64s
         if head > limit:
             raise ContentTooLarge(f"{HEADER_LENGTH} is over the limit of {limit} bytes.")
@@ -756,7 +758,7 @@ _INFER_200 = {
 
 def install(app: FastAPI) -> None:
     """Add the /v2 routes to the app's own router; call it before
-    :func:`service.security.auth.install`, like :func:`service.api.routers.predict.install`:
+    :func:`service.api.auth.install`, like :func:`service.api.routers.predict.install`:
     infer authorises inline, the metadata routes through their own ``PrincipalDep``,
     and the two health routes are open (their budgets' scope is None)."""
     v2 = OIP_PREFIX

@@ -50,9 +50,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from service.api.problems import error_response
-from service.api.transport import JoinedWritesProtocol
 from service.errors import RequestTimeout
+from service.server.problems import error_response
+from service.server.transport import JoinedWritesProtocol
 
 log = logging.getLogger("welltempered.timeouts")
 

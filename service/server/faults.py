@@ -14,7 +14,7 @@ deadlock, a full pool) escapes the application before its response has started:
   ``Idempotency-Key``, where the route takes one, so it is not applied twice).
 
 The driver's message (host names, SQL) goes to the log, never to the caller. Errors
-that are not transient still reach the 500 handler of :mod:`service.api.problems`:
+that are not transient still reach the 500 handler of :mod:`service.server.problems`:
 they are bugs.
 """
 
@@ -25,8 +25,8 @@ import logging
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api.problems import error_response
 from service.errors import DatabaseUnavailable
+from service.server.problems import error_response
 from service.storage import retry
 
 log = logging.getLogger("welltempered.database")

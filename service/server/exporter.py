@@ -28,7 +28,7 @@ ten workers; a single port is that port or a refusal to start): the fits it ran
 name.
 
 The listener is a uvicorn server on its own event loop thread, with the same header
-deadline as the API (:mod:`service.api.timeouts`); it answers ``GET /metrics``
+deadline as the API (:mod:`service.server.timeouts`); it answers ``GET /metrics``
 only (404 elsewhere, 405 for other methods), plain text, no key.
 """
 
@@ -48,9 +48,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from service.api.timeouts import guarded_protocol
 from service.observe import metrics as obs
 from service.observe import monitoring
+from service.server.timeouts import guarded_protocol
 from service.settings import Settings
 from service.storage.arrays import ArrayStore
 from service.storage.db import APPLICATION_NAME, make_engine

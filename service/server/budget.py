@@ -45,8 +45,8 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api.problems import error_response
 from service.errors import ContentTooLarge, MalformedBody, ServiceError, UnsupportedMediaType
+from service.server.problems import error_response
 from service.settings import Settings
 from service.vocabulary import METRICS_SCOPE, TENANT_SCOPES
 
@@ -182,7 +182,7 @@ def attach(routes: list, settings: Settings) -> None:
     if missing:
         names = ", ".join(missing)
         raise MissingBudget(
-            "Every route declares its budget (service.api.budget.declare on its handler). "
+            "Every route declares its budget (service.server.budget.declare on its handler). "
             f"Got routes without one: {names}."
         )
 

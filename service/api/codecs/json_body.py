@@ -1,0 +1,417 @@
+"""JSON score bodies, parsed without a Python float per number.
+
+A JSON body is bounded in bytes by what its rows can need (:func:`json_body_limit`);
+its number arrays are parsed in groups of rows straight into a float64 array
+(:func:`json_object`), so no list of Python floats the size of the body ever
+exists; rows are counted before parsing. Pure: no web framework.
+"""
+
+from __future__ import annotations
+
+import mmap
+import re
+from typing import Any
+
+import numpy as np
+import orjson
+
+from calibrators.validation import as_labels
+from service.api.codecs.scores import (
+    CHUNK_BYTES,
+    JSON_SCORE_KEYS,
+    Bounds,
+    Labelled,
+    check_not_probabilities,
+    resolve_kind,
+    shorten,
+    validated_scores,
+)
+from service.errors import ContentTooLarge, InvalidInput, MalformedJSON
+
+#: A JSON body may take this many bytes per number and per row, plus a constant:
+#: enough for any float64 written by json.dumps, indented or not.
+JSON_BYTES_PER_VALUE = 48
+
+
+JSON_BYTES_PER_VALUE = 48
+JSON_BYTES_PER_ROW = 64
+
+
+JSON_BYTES_PER_ROW = 64
+JSON_BYTES_CONSTANT = 64 * 1024
+
+
+#: JSON number arrays are parsed in groups of about this many bytes; bodies up to this
+#: size are parsed by orjson in one go (their Python objects are a constant).
+_JSON_GROUP_BYTES = 1 << 20
+
+
+
+def json_body_limit(bounds: Bounds, max_json_bytes: int) -> int:
+    """Largest JSON body the rows and K of ``bounds`` can need (and the JSON limit)."""
+    per_row = bounds.num_classes * JSON_BYTES_PER_VALUE + JSON_BYTES_PER_ROW
+    return min(max_json_bytes, JSON_BYTES_CONSTANT + bounds.max_rows * per_row)
+
+
+
+def _count(body, byte: bytes, start: int = 0, end: int | None = None) -> int:
+    """``body.count(byte, start, end)``, for a memory map too (which has no ``count``)."""
+    end = len(body) if end is None else end
+    if not isinstance(body, mmap.mmap):
+        return body.count(byte, start, end)
+    view = np.frombuffer(body, np.uint8)
+    value = byte[0]
+    total = sum(
+        int(np.count_nonzero(view[at : min(at + CHUNK_BYTES, end)] == value))
+        for at in range(start, end, CHUNK_BYTES)
+    )
+    del view
+    return total
+
+
+
+def _loads(body) -> Any:
+    if isinstance(body, mmap.mmap):
+        with memoryview(body) as view:
+            return orjson.loads(view)
+    return orjson.loads(body)
+
+
+
+_NON_FINITE = (b"NaN", b"Infinity", b"-Infinity", b"nan", b"inf", b"Inf", b"-inf", b"-NaN")
+
+
+
+def decode_json(body: bytes | bytearray | mmap.mmap) -> Any:
+    try:
+        return _loads(body)
+    except orjson.JSONDecodeError as exc:
+        at = exc.pos
+        near = bytes(body[at : at + 9])
+        if "infinity" in str(exc) or near.startswith(_NON_FINITE):
+            raise InvalidInput(
+                "Non-finite numbers are not allowed: JSON has no NaN or Infinity, and scores "
+                f"must be finite. Got {near.decode('latin1')!r} near char {at}."
+            ) from None
+        raise MalformedJSON(f"The body is not valid JSON: {exc}.") from None
+
+
+
+_WS = rb"[ \t\n\r]*"
+
+
+_WS = rb"[ \t\n\r]*"
+_OPEN = re.compile(_WS + rb"\{" + _WS)
+
+
+_OPEN = re.compile(_WS + rb"\{" + _WS)
+_KEY = re.compile(rb'"([A-Za-z_][A-Za-z0-9_]{0,63})"' + _WS + rb":" + _WS)
+
+
+_KEY = re.compile(rb'"([A-Za-z_][A-Za-z0-9_]{0,63})"' + _WS + rb":" + _WS)
+_AFTER_VALUE = re.compile(_WS + rb"([,}])" + _WS)
+
+
+_AFTER_VALUE = re.compile(_WS + rb"([,}])" + _WS)
+_INTEGER = re.compile(rb"-?(?:0|[1-9][0-9]{0,17})(?![0-9.eE])")
+
+
+_INTEGER = re.compile(rb"-?(?:0|[1-9][0-9]{0,17})(?![0-9.eE])")
+_NUMERIC = re.compile(rb"[-+0-9.eE,\[\] \t\n\r]*")
+
+
+_NUMERIC = re.compile(rb"[-+0-9.eE,\[\] \t\n\r]*")
+_ROWS_END = re.compile(rb"\]" + _WS + rb"\]")
+
+
+_ROWS_END = re.compile(rb"\]" + _WS + rb"\]")
+_SEPARATOR = re.compile(_WS + rb"," + _WS)
+
+
+_SEPARATOR = re.compile(_WS + rb"," + _WS)
+_SPACE = re.compile(_WS)
+
+
+_SPACE = re.compile(_WS)
+_LITERALS = re.compile(rb"true|false|null")
+
+
+
+def _may_hold_literals(body) -> bool:
+    """Whether ``true``, ``false`` or ``null`` occur in ``body``: numpy would read a true
+    among numbers as 1.0, so their rows are checked item by item.
+
+    Each literal has a ``u`` or an ``f``, and no JSON number does: two ``memchr`` scans
+    rule them out in well under a microsecond for a 1 x 1,000 body, where the regular
+    expression alone took three times as long as parsing it (bench/README.md).
+
+    >>> _may_hold_literals(b'{"logits": [[1.5e-3, -2]]}'), _may_hold_literals(b'[true]')
+    (False, True)
+    """
+    if body.find(b"u") < 0 and body.find(b"f") < 0:
+        return False
+    return _LITERALS.search(body) is not None
+
+
+
+def _numbers(text: bytes) -> np.ndarray | None:
+    """``text``, a JSON array, as float64; None unless it parses to numbers of one shape."""
+    try:
+        arr = np.asarray(orjson.loads(text), dtype=np.float64)
+    except (orjson.JSONDecodeError, ValueError, TypeError):
+        return None
+    return arr
+
+
+
+def _array_2d(body, start: int, end: int, bounds: Bounds) -> np.ndarray | None:
+    """The rows between ``start`` (a row's '[') and ``end`` (after the last row's ']'),
+    parsed in groups of rows into one preallocated (N, K) float64 array."""
+    n = _count(body, b"[", start, end)
+    bounds.check_rows(n)
+    out = None
+    filled = 0
+    pos = start
+    while pos < end:
+        cut = body.find(b"]", min(pos + _JSON_GROUP_BYTES, end - 1), end)
+        block = _numbers(b"[" + bytes(body[pos : cut + 1]) + b"]")
+        if block is None or block.ndim != 2 or filled + len(block) > n:
+            return None
+        if out is None:
+            out = np.empty((n, block.shape[1]))
+        elif block.shape[1] != out.shape[1]:
+            return None
+        out[filled : filled + len(block)] = block
+        filled += len(block)
+        pos = cut + 1
+        if pos < end:
+            sep = _SEPARATOR.match(body, pos)
+            if sep is None or body[sep.end() : sep.end() + 1] != b"[":
+                return None
+            pos = sep.end()
+    return out if filled == n else None
+
+
+
+def _array_1d(body, start: int, end: int, bounds: Bounds) -> np.ndarray | None:
+    """The numbers between ``start`` and ``end`` (a 1-D array's ']'), in groups."""
+    if body.find(b"[", start, end) >= 0:
+        return None
+    n = _count(body, b",", start, end) + 1
+    bounds.check_rows(n)
+    out = np.empty(n)
+    filled = 0
+    pos = start
+    while pos < end:
+        cut = body.find(b",", pos + _JSON_GROUP_BYTES, end)
+        cut = end if cut < 0 else cut
+        block = _numbers(b"[" + bytes(body[pos:cut]) + b"]")
+        if block is None or block.ndim != 1 or filled + len(block) > n:
+            return None
+        out[filled : filled + len(block)] = block
+        filled += len(block)
+        pos = cut + 1
+    return out if filled == n else None
+
+
+
+def _array(body, pos: int, bounds: Bounds) -> tuple[np.ndarray, int] | None:
+    """The number array whose '[' is at ``pos``, and the position after it; None unless it
+    is a plain 1-D or 2-D array of numbers."""
+    limit = _NUMERIC.match(body, pos + 1).end()
+    inner = _SPACE.match(body, pos + 1).end()
+    first = body[inner : inner + 1]
+    if first == b"]":
+        return np.empty(0), inner + 1
+    if first == b"[":
+        close = _ROWS_END.search(body, inner, limit)
+        if close is None:
+            return None
+        arr = _array_2d(body, inner, close.start() + 1, bounds)
+        return None if arr is None else (arr, close.end())
+    close = body.find(b"]", inner, limit)
+    if close < 0:
+        return None
+    arr = _array_1d(body, inner, close, bounds)
+    return None if arr is None else (arr, close + 1)
+
+
+
+def plain_object(body, allowed: set[str], bounds: Bounds) -> dict[str, Any] | None:
+    """A JSON object of plain keys whose values are number arrays or integers, parsed
+    without a Python object per number; None for anything else (:func:`json_object` then
+    reads it with orjson). What it returns is what orjson's parse would give, with the
+    arrays as float64 (bench/fuzz_parsers.py compares the two)."""
+    m = _OPEN.match(body)
+    if m is None:
+        return None
+    pos, out = m.end(), {}
+    if body[pos : pos + 1] == b"}":
+        return out if _SPACE.match(body, pos + 1).end() == len(body) else None
+    while True:
+        m = _KEY.match(body, pos)
+        if m is None:
+            return None
+        key = m.group(1).decode()
+        if key in out or key not in allowed:
+            return None
+        pos = m.end()
+        if body[pos : pos + 1] == b"[":
+            parsed = _array(body, pos, bounds)
+            if parsed is None:
+                return None
+            out[key], pos = parsed
+        else:
+            m = _INTEGER.match(body, pos)
+            if m is None:
+                return None
+            out[key], pos = int(m.group()), m.end()
+        m = _AFTER_VALUE.match(body, pos)
+        if m is None:
+            return None
+        pos = m.end()
+        if m.group(1) == b"}":
+            return out if pos == len(body) else None
+
+
+
+def _quotes_only_in_keys(body, keys: int) -> bool:
+    """Whether ``body``, a JSON object of ``keys`` keys, has no ``"`` but its keys' own
+    (two each): then none of its values holds a string. One ``memchr`` per quote.
+
+    >>> _quotes_only_in_keys(b'{"logits": [[1, 2]]}', 1), _quotes_only_in_keys(b'{"a": ["1"]}', 1)
+    (True, False)
+    """
+    at = -1
+    for _ in range(2 * keys + 1):
+        at = body.find(b'"', at + 1)
+        if at < 0:
+            return True
+    return False
+
+
+
+def _only_numbers(key: str, value: Any, scan: bool, no_strings: bool = False) -> Any:
+    """A parsed array of numbers as float64. true/false/null are looked for when ``scan``
+    (a 422: numpy would read true as 1.0 next to a float); strings, ragged or nested
+    arrays are left as they are, for the core's message.
+
+    ``no_strings`` (the body holds none, :func:`_quotes_only_in_keys`) and no ``scan``:
+    numbers and lists are all there is, and numpy converts them to float64 in one pass
+    (what :func:`_numbers` does for large bodies), without first discovering a dtype:
+    a third of the conversion's time for a 1 x 1,000 predict.
+    """
+    if not isinstance(value, list):
+        return value
+    if no_strings and not scan:
+        try:
+            return np.asarray(value, dtype=np.float64)
+        except (ValueError, TypeError, OverflowError):
+            pass  # ragged, nested or out of range: the checks below word it
+    for row in value if scan else ():
+        items = row if isinstance(row, list) else (row,)
+        for item in items:
+            if isinstance(item, bool) or not isinstance(item, int | float | list):
+                raise InvalidInput(
+                    f"{key} must be a numeric array: JSON numbers only (read as float64), "
+                    f"no strings, true, false or null. Got {shorten(item)}."
+                )
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError):
+        return value
+    return arr.astype(np.float64, copy=False) if arr.dtype.kind in "fiu" else value
+
+
+
+def json_object(body: bytes | bytearray, allowed_keys: set[str], bounds: Bounds) -> dict:
+    """The body as a JSON object with no keys but ``allowed_keys`` (400 if not JSON, else
+    422); number arrays become float64 arrays, rows limited by ``bounds`` (413)."""
+    if len(body) > _JSON_GROUP_BYTES:
+        plain = plain_object(body, allowed_keys, bounds)
+        if plain is not None:
+            return plain
+    # Small bodies, and anything else (escaped keys, other value types, errors): orjson,
+    # once the body is known to hold no more numbers than the row limit allows.
+    allowed = bounds.max_rows * (bounds.num_classes + 2) + 64
+    # Every number takes a byte: a body no longer than that cannot hold too many, and
+    # then its commas and brackets need no counting (a 1 x 1,000 predict, every time).
+    values = 0 if len(body) <= allowed else _count(body, b",") + _count(body, b"[")
+    if values > allowed:
+        raise ContentTooLarge(
+            f"The JSON body holds up to {values} numbers, more than {bounds.max_rows} rows of "
+            f"{bounds.num_classes} classes can need (WELLTEMPERED_MAX_"
+            f"{bounds.what.upper()}_ROWS); split it.",
+            max_rows=bounds.max_rows,
+        )
+    obj = decode_json(body)
+    if not isinstance(obj, dict):
+        raise InvalidInput(f"The body must be a JSON object. Got a {type(obj).__name__}.")
+    unknown = set(obj) - allowed_keys
+    if unknown:
+        raise InvalidInput(
+            f"Unknown field(s) {shorten(sorted(unknown))}; expected {sorted(allowed_keys)!r}."
+        )
+    scan = _may_hold_literals(body)
+    plain = _quotes_only_in_keys(body, len(obj))
+    return {k: _only_numbers(k, v, scan, plain) if k != "version" else v for k, v in obj.items()}
+
+
+
+def score_key(obj: dict, allowed: tuple[str, ...]) -> str:
+    """The one key of ``allowed`` that ``obj`` holds (422 for none or several)."""
+    present = [k for k in allowed if k in obj]
+    if len(present) != 1:
+        raise InvalidInput(
+            f"The body must hold exactly one of {', '.join(map(repr, allowed))}. "
+            f"Got {sorted(obj)!r}."
+        )
+    return present[0]
+
+
+
+_JSON_FIX = "Send them under the key 'probabilities'."
+
+
+
+def _json_scores(obj: dict, bounds: Bounds, kind: str | None) -> tuple[np.ndarray, str, bool]:
+    if bounds.dtype is not None:
+        raise InvalidInput(
+            f"?dtype={bounds.dtype} says how a binary body's raw scores are read; a JSON body "
+            "holds numbers. Drop ?dtype, or send a .npy/.npz."
+        )
+    key = score_key(obj, JSON_SCORE_KEYS)
+    kind, explicit = resolve_kind(kind, key, f"key {key!r}")
+    scores = validated_scores(obj[key], kind, bounds.num_classes, bounds.model)
+    bounds.check_rows(scores.shape[0])
+    return scores, kind, explicit
+
+
+
+def scores_from_json(
+    body: bytes | bytearray, bounds: Bounds, kind: str | None = None
+) -> tuple[np.ndarray, str]:
+    """``{"logits" | "probabilities": [[...]]}`` for predict."""
+    obj = json_object(body, set(JSON_SCORE_KEYS), bounds)
+    scores, kind, explicit = _json_scores(obj, bounds, kind)
+    check_not_probabilities(scores, kind, explicit, _JSON_FIX)
+    return scores, kind
+
+
+
+def labelled_from_json(
+    body: bytes | bytearray,
+    bounds: Bounds,
+    kind: str | None = None,
+    extra_keys: tuple[str, ...] = (),
+) -> tuple[Labelled, dict[str, Any]]:
+    """``{"logits" | "probabilities": [[...]], "labels": [...], <extra_keys>?}``: the
+    validated rows, and the values of ``extra_keys`` the body holds."""
+    obj = json_object(body, {*JSON_SCORE_KEYS, "labels", *extra_keys}, bounds)
+    if "labels" not in obj:
+        score_key(obj, JSON_SCORE_KEYS)
+        raise InvalidInput("The body must hold 'labels', one class index per row.")
+    scores, kind, explicit = _json_scores(obj, bounds, kind)
+    labels = as_labels(obj["labels"], scores.shape[0], scores.shape[1])
+    check_not_probabilities(scores, kind, explicit, _JSON_FIX)
+    return Labelled(scores, labels, kind), {k: obj[k] for k in extra_keys if k in obj}

@@ -1,0 +1,212 @@
+""".npz bodies (datasets, feedback), read from the file they were spooled to.
+
+A ``.npz`` is a zip: its central directory is bounded (:data:`MAX_NPZ_MEMBERS`
+entries) before :mod:`zipfile` reads it; only stored and deflated, unencrypted
+members are read, each through :class:`~service.api.codecs.npy.NpyStream`, so a
+member inflates to at most its declared size, checked while inflating. Pure: no
+web framework.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import zipfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from service.api.codecs.npy import NpyHeader, NpyStream, check_scores_header, parse_npy_header
+from service.api.codecs.scores import (
+    CHUNK_BYTES,
+    LABEL_KEYS,
+    SCORE_KEYS,
+    Bounds,
+    Labelled,
+    check_not_probabilities,
+    resolve_kind,
+    shorten,
+    too_many_bytes,
+    validated,
+)
+from service.errors import InvalidInput, MalformedBody
+
+#: Zip entries a .npz may list, and bytes its central directory may take; checked from
+#: its end record, before zipfile reads them (zipfile reads the whole directory into
+#: memory and builds an object per entry it finds there, whatever the count says).
+MAX_NPZ_MEMBERS = 64
+
+
+MAX_NPZ_MEMBERS = 64
+MAX_CENTRAL_DIRECTORY = 64 * 1024
+
+
+MAX_CENTRAL_DIRECTORY = 64 * 1024
+_ZIP_METHODS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflate"}
+
+
+_ZIP_METHODS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflate"}
+
+
+
+def _zip_directory(f, what: str) -> tuple[int, int]:
+    """Entries and central-directory bytes the zip's end record declares (zip64 included),
+    read from the last 64 KiB."""
+    size = f.seek(0, io.SEEK_END)
+    tail_size = min(size, 22 + 65_535)
+    f.seek(size - tail_size)
+    tail = f.read(tail_size)
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or len(tail) - at < 22:
+        raise MalformedBody(f"{what} is not a .npz (zip) archive: no end of central directory.")
+    entries, size = struct.unpack("<HI", tail[at + 10 : at + 16])
+    locator = at - 20
+    if locator >= 0 and tail[locator : locator + 4] == b"PK\x06\x07":
+        record = size - tail_size + locator - 56
+        if record < 0:
+            raise MalformedBody(f"{what} has a zip64 locator but no zip64 end record.")
+        f.seek(record)
+        data = f.read(56)
+        if len(data) < 56 or data[:4] != b"PK\x06\x06":
+            raise MalformedBody(f"{what} has a zip64 locator but no zip64 end record.")
+        entries, size = struct.unpack("<QQ", data[32:48])
+    return entries, size
+
+
+
+_ZIP_ERRORS = (
+    ValueError,
+    OSError,
+    EOFError,
+    zipfile.BadZipFile,
+    zlib.error,
+    KeyError,
+    NotImplementedError,
+    RuntimeError,
+    struct.error,
+    OverflowError,
+)
+
+
+
+def _open_npz(path: Path, what: str) -> zipfile.ZipFile:
+    with open(path, "rb") as f:
+        entries, size = _zip_directory(f, what)
+    if entries > MAX_NPZ_MEMBERS:
+        raise InvalidInput(f"{what} lists {entries} entries; at most {MAX_NPZ_MEMBERS}.")
+    if size > MAX_CENTRAL_DIRECTORY:
+        raise InvalidInput(
+            f"{what} has a zip central directory of {size} bytes; at most {MAX_CENTRAL_DIRECTORY}."
+        )
+    try:
+        zf = zipfile.ZipFile(path)
+    except _ZIP_ERRORS as exc:
+        raise MalformedBody(f"{what} is not a .npz (zip) archive: {shorten(exc)}.") from None
+    if len(zf.infolist()) > MAX_NPZ_MEMBERS:
+        zf.close()
+        raise InvalidInput(f"{what} holds {len(zf.infolist())} entries; at most {MAX_NPZ_MEMBERS}.")
+    return zf
+
+
+
+def _member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, what: str):
+    if info.flag_bits & 0x41:  # traditional or strong encryption
+        raise InvalidInput(f"{what} is encrypted; send the arrays unencrypted.")
+    if info.compress_type not in _ZIP_METHODS:
+        raise InvalidInput(
+            f"{what} is compressed with zip method {info.compress_type}; only stored "
+            "(np.savez) and deflate (np.savez_compressed) members are read."
+        )
+    try:
+        return zf.open(info)
+    except _ZIP_ERRORS as exc:
+        raise MalformedBody(f"{what} cannot be read: {shorten(exc)}.") from None
+
+
+
+def _read_member_header(fp, what: str, score_dtype: str | None = None) -> tuple[NpyHeader, bytes]:
+    """The member's .npy header (inflating at most a few KiB past it), and the bytes read
+    past it."""
+    head = bytearray()
+    while (header := parse_npy_header(head, what, score_dtype)) is None:
+        chunk = fp.read(4096)
+        if not chunk:
+            raise MalformedBody(f"{what} ends before its .npy header does.")
+        head += chunk
+    return header, bytes(head[header.offset :])
+
+
+
+def _check_member_size(info: zipfile.ZipInfo, header: NpyHeader, what: str) -> None:
+    """400 unless the member's size in the zip is its header's plus the data it declares."""
+    if info.file_size != header.offset + header.nbytes:
+        raise MalformedBody(
+            f"{what} is {info.file_size} bytes long once inflated, but its .npy header "
+            f"declares {header.offset + header.nbytes}."
+        )
+
+
+
+def _read_member_data(fp, header: NpyHeader, read: bytes, what: str) -> np.ndarray:
+    """The data of a checked header: inflated chunk by chunk into one array, never more
+    bytes than the header declares."""
+    stream = NpyStream(what, lambda header: None, header)
+    stream.feed(read)
+    while chunk := fp.read(CHUNK_BYTES):
+        stream.feed(chunk)
+    return stream.finish()
+
+
+
+def labelled_from_npz(path: Path, bounds: Bounds, kind: str | None = None) -> Labelled:
+    """A ``.npz`` holding ``logits`` | ``probabilities`` | ``predictions`` and ``labels`` |
+    ``ground_truth``. Both headers are checked against ``bounds`` before a byte of data
+    is inflated; ``kind`` (``?kind=``) must agree with the member's name."""
+    what = "The .npz body"
+    zf = _open_npz(path, what)
+    with zf:
+        members: dict[str, zipfile.ZipInfo] = {}
+        for info in zf.infolist():
+            name = info.filename.removesuffix(".npy")
+            if name in members:
+                raise MalformedBody(f"{what} holds the array {name!r} twice.")
+            members[name] = info
+        score_names = [k for k in SCORE_KEYS if k in members]
+        label_names = [k for k in LABEL_KEYS if k in members]
+        if len(score_names) != 1 or len(label_names) != 1:
+            raise InvalidInput(
+                "The .npz must hold exactly one score array (logits, probabilities or "
+                "predictions) and one label array (labels or ground_truth). "
+                f"Got {shorten(sorted(members))}."
+            )
+        score_name, label_name = score_names[0], label_names[0]
+        kind, explicit = resolve_kind(kind, SCORE_KEYS[score_name], f"array {score_name!r}")
+        try:
+            with (
+                _member(zf, members[score_name], f"array {score_name!r}") as fs,
+                _member(zf, members[label_name], f"array {label_name!r}") as fl,
+            ):
+                s_what, l_what = f"array {score_name!r} of the .npz", f"array {label_name!r}"
+                s_head, s_read = _read_member_header(fs, s_what, bounds.dtype)
+                l_head, l_read = _read_member_header(fl, l_what)
+                check_scores_header(s_head, bounds, s_what)
+                if l_head.shape != s_head.shape[:1]:
+                    raise InvalidInput(
+                        f"labels must be a 1-D array with one entry per row of the scores "
+                        f"({s_head.shape[0]}). Got shape {l_head.shape}."
+                    )
+                total = s_head.memory + l_head.memory
+                if total > bounds.max_bytes:
+                    raise too_many_bytes(what, total, bounds.max_bytes)
+                _check_member_size(members[score_name], s_head, s_what)
+                _check_member_size(members[label_name], l_head, l_what)
+                scores = _read_member_data(fs, s_head, s_read, s_what)
+                labels = _read_member_data(fl, l_head, l_read, l_what)
+        except _ZIP_ERRORS as exc:  # CRC errors, bad compressed data...
+            raise MalformedBody(f"{what} is corrupt: {shorten(exc)}.") from None
+    data = validated(scores, labels, kind, bounds.num_classes, bounds.model)
+    check_not_probabilities(
+        data.scores, kind, explicit, "Name the array 'probabilities' in the .npz."
+    )
+    return data

@@ -1,0 +1,177 @@
+"""What every score body shares, whatever its format: the names of its arrays, the
+bounds of a request (:class:`Bounds`: the model's K, the row and byte limits, known
+before a byte of data is read) and the validation of the decoded arrays.
+
+Shapes, NaN/Inf, probability rows, dtypes and labels are checked by
+``calibrators.validation`` (its ``CalibrationInputError`` becomes a 422 in
+:mod:`service.server.problems`); this module adds what the core cannot know: the
+model's number of classes, the row and byte limits of the request, and whether
+logits look like probabilities. Pure: no web framework.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from calibrators.numerics import row_chunks
+from calibrators.validation import as_labels, as_scores
+from service.errors import ContentTooLarge, InvalidInput
+from service.security import limits
+from service.settings import Settings
+from service.vocabulary import KINDS
+
+#: Accepted names of the score array, and the kind each one means. ``predictions``
+#: is the name used by the shared CIFAR files (softmax probabilities).
+SCORE_KEYS = {"logits": "logits", "probabilities": "probabilities", "predictions": "probabilities"}
+
+
+SCORE_KEYS = {"logits": "logits", "probabilities": "probabilities", "predictions": "probabilities"}
+LABEL_KEYS = ("labels", "ground_truth")
+
+
+#: A JSON body names its score array by its kind.
+JSON_SCORE_KEYS = KINDS
+
+
+#: A body of logits whose every row is a probability distribution (non-negative,
+#: summing to 1 within this) is refused unless the kind was given explicitly.
+PROBABILITY_LIKE_TOLERANCE = 1e-4
+
+
+
+#: Bytes of a body handled at a time where one is walked in pieces (widening, inflating,
+#: counting).
+CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What a body may hold, known before its data are read: the model's K, the rows
+    of one request (``what``: ``predict``, ``feedback`` or ``dataset``, the name of the
+    row limit) and the bytes of array data, all arrays together."""
+
+    num_classes: int
+    model: str
+    max_rows: int
+    max_bytes: int
+    what: str
+    #: ``?dtype=`` (:data:`service.vocabulary.SCORE_DTYPES`): how a binary body's scores are read.
+    dtype: str | None = None
+
+    def check_rows(self, rows: int) -> None:
+        limits.check_rows(rows, self.max_rows, self.what)
+
+
+#: The setting that limits the rows of each kind of request.
+_ROW_SETTINGS = {
+    "predict": "max_predict_rows",
+    "feedback": "max_feedback_rows",
+    "dataset": "max_dataset_rows",
+}
+
+
+
+def bounds(
+    settings: Settings, what: str, num_classes: int, model: str, dtype: str | None = None
+) -> Bounds:
+    """The :class:`Bounds` of a ``what`` request (``predict``, ``feedback`` or ``dataset``)
+    for a model of ``num_classes`` classes; ``dtype`` is the request's ``?dtype=``."""
+    rows = getattr(settings, _ROW_SETTINGS[what])
+    return Bounds(num_classes, model, rows, settings.max_body_bytes, what, dtype)
+
+
+
+@dataclass(frozen=True)
+class Labelled:
+    scores: np.ndarray  # (N, K) float32 or float64, validated
+    labels: np.ndarray  # (N,) int64 in [0, K)
+    kind: str
+
+
+
+def _check_classes(arr: np.ndarray, kind: str, num_classes: int, model: str) -> None:
+    if arr.shape[1] != num_classes:
+        raise InvalidInput(
+            f"{kind} must have {num_classes} columns, one per class of model {model!r}. "
+            f"Got shape {arr.shape}."
+        )
+
+
+
+def validated_scores(scores: Any, kind: str, num_classes: int, model: str) -> np.ndarray:
+    arr = as_scores(scores, kind)
+    _check_classes(arr, kind, num_classes, model)
+    return arr
+
+
+
+def validated(scores: Any, labels: Any, kind: str, num_classes: int, model: str) -> Labelled:
+    arr = validated_scores(scores, kind, num_classes, model)
+    return Labelled(arr, as_labels(labels, arr.shape[0], arr.shape[1]), kind)
+
+
+
+def every_row_a_distribution(arr: np.ndarray) -> bool:
+    """True when every row of validated scores is non-negative and sums to 1 within
+    :data:`PROBABILITY_LIKE_TOLERANCE` (checked in row chunks; stops at the first row
+    that is not)."""
+    n, k = arr.shape
+    if n and abs(arr[0].sum(dtype=np.float64) - 1.0) > PROBABILITY_LIKE_TOLERANCE:
+        return False  # most logits: decided by the first row's sum
+    for rows in row_chunks(n, k):
+        block = arr[rows]
+        if (block < 0).any():
+            return False
+        sums = block.sum(axis=1, dtype=np.float64)
+        if (np.abs(sums - 1.0) > PROBABILITY_LIKE_TOLERANCE).any():
+            return False
+    return True
+
+
+
+def check_not_probabilities(arr: np.ndarray, kind: str, explicit: bool, fix: str) -> None:
+    """422 for logits (``kind`` not given ``explicit``-ly) whose every row is a
+    probability distribution: probabilities sent as logits would be calibrated wrong
+    without a word. ``fix`` says how to send them as probabilities."""
+    if kind != "logits" or explicit or not every_row_a_distribution(arr):
+        return
+    raise InvalidInput(
+        f"These scores were sent as logits, but every row is a probability distribution "
+        f"(non-negative, summing to 1 within {PROBABILITY_LIKE_TOLERANCE:g}): calibrating "
+        f"probabilities as logits gives wrong answers. {fix} If they really are logits, "
+        "add ?kind=logits.",
+        fix=fix,
+    )
+
+
+
+def resolve_kind(given: str | None, body_kind: str, where: str) -> tuple[str, bool]:
+    """The kind of the scores and whether it was explicit: ``?kind=`` when given (422 if it
+    contradicts ``body_kind``, the kind the body names ``where``), else ``body_kind``."""
+    if given is None:
+        return body_kind, False
+    if given != body_kind:
+        raise InvalidInput(
+            f"?kind={given} contradicts the body, which holds {body_kind} ({where}): "
+            "give the kind once, or make them agree."
+        )
+    return given, True
+
+
+
+def shorten(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+
+def too_many_bytes(what: str, nbytes: int, limit: int) -> ContentTooLarge:
+    return ContentTooLarge(
+        f"{what} declares data that take {nbytes} bytes once read and converted (float16 "
+        "and bfloat16 to float32, anything but float32 to float64); a request may hold at most "
+        f"{limit} (WELLTEMPERED_MAX_BODY_BYTES).",
+        max_bytes=limit,
+    )
