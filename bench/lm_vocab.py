@@ -114,7 +114,7 @@ def upload_breakdown(path: Path, folder: Path) -> dict[str, float]:
     """Seconds of the steps of the service's upload, called in this process on the file
     (the spooled body): read and validate the .npz, hash the arrays, the dataset's
     metrics, write the files (``service/api/routers/datasets.py``)."""
-    from service.api.codecs import npz, scores
+    from service.api.codecs import npz, rules
     from service.settings import Settings
     from service.storage.arrays import ArrayStore
 
@@ -122,7 +122,7 @@ def upload_breakdown(path: Path, folder: Path) -> dict[str, float]:
     with np.load(path) as f:
         k = f["logits"].shape[1]
     t0 = time.perf_counter()
-    data = npz.labelled_from_npz(path, scores.bounds(Settings(), "dataset", k, MODEL))
+    data = npz.labelled_from_npz(path, rules.bounds(Settings(), "dataset", k, MODEL))
     out["read and validate"] = time.perf_counter() - t0
     store = ArrayStore(folder)
     t0 = time.perf_counter()

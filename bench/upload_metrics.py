@@ -200,7 +200,7 @@ def compare(a: dict, b: dict) -> str:
 
 def upload_steps(old, z: np.ndarray, y: np.ndarray, dtype: str) -> None:
     """The service's steps of an upload of this case's ``.npz``, in this process."""
-    from service.api.codecs import npz, scores
+    from service.api.codecs import npz, rules
     from service.settings import Settings
     from service.storage.arrays import ArrayStore
 
@@ -210,7 +210,7 @@ def upload_steps(old, z: np.ndarray, y: np.ndarray, dtype: str) -> None:
         seconds = {}
         t0 = time.perf_counter()
         data = npz.labelled_from_npz(
-            path, scores.bounds(Settings(), "dataset", z.shape[1], "bench")
+            path, rules.bounds(Settings(), "dataset", z.shape[1], "bench")
         )
         seconds["read and validate"] = time.perf_counter() - t0
         store = ArrayStore(Path(tmp) / "arrays")

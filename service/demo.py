@@ -21,7 +21,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import sessionmaker
 
 from calibrators.holdout import DEFAULT_HOLDOUT
-from service.api.codecs.scores import validated
+from service.api.codecs.rules import validated
 from service.errors import NotFound
 from service.jobs.attempts import execute
 from service.jobs.queue import worker_config

@@ -22,11 +22,11 @@ import numpy as np
 import orjson
 
 from calibrators.validation import CalibrationInputError
-from service.api.codecs import json_body, npy, npz, scores
+from service.api.codecs import json_body, npy, npz, rules
 from service.errors import ServiceError
 
 #: A model of 4 classes; small limits, so the row and byte limits are reachable.
-BOUNDS = scores.Bounds(num_classes=4, model="m", max_rows=1000, max_bytes=1 << 20, what="dataset")
+BOUNDS = rules.Bounds(num_classes=4, model="m", max_rows=1000, max_bytes=1 << 20, what="dataset")
 #: The same with ``?dtype=bfloat16``: binary scores are raw bfloat16 bit patterns.
 BFLOAT16_BOUNDS = dataclasses.replace(BOUNDS, dtype="bfloat16")
 REFUSALS = (ServiceError, CalibrationInputError)
@@ -39,7 +39,7 @@ class Mismatch(AssertionError):
     """The group parser and orjson disagree on a JSON body."""
 
 
-def run_npy(data: bytes, chunk: int = 7, bounds: scores.Bounds = BOUNDS) -> None:
+def run_npy(data: bytes, chunk: int = 7, bounds: rules.Bounds = BOUNDS) -> None:
     """A .npy predict body, arriving in chunks of ``chunk`` bytes, read as predict reads
     it with ``bounds.dtype`` as ``?dtype=``."""
     check = npy.npy_check(bounds)
@@ -52,7 +52,7 @@ def run_npy(data: bytes, chunk: int = 7, bounds: scores.Bounds = BOUNDS) -> None
 _NPZ_PATH: Path | None = None
 
 
-def run_npz(data: bytes, bounds: scores.Bounds = BOUNDS) -> None:
+def run_npz(data: bytes, bounds: rules.Bounds = BOUNDS) -> None:
     """A .npz upload (datasets, feedback), from a file as the service reads it, with
     ``bounds.dtype`` as ``?dtype=``."""
     global _NPZ_PATH
@@ -72,7 +72,7 @@ def _same(a, b) -> bool:
 
 def run_json(data: bytes) -> None:
     """A JSON body of each route; and the group parser against orjson on it."""
-    allowed = {*scores.JSON_SCORE_KEYS, "labels", "version"}
+    allowed = {*rules.JSON_SCORE_KEYS, "labels", "version"}
     plain = None
     try:
         plain = json_body.plain_object(data, allowed, BOUNDS)

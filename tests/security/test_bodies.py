@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from service.api.codecs import npy as npy_codec
-from service.api.codecs import scores
+from service.api.codecs import rules
 from service.errors import ContentTooLarge
 from tests.security import payloads as pl
 from tests.security.conftest import LIMITS
@@ -312,7 +312,7 @@ def test_byte_limit_counts_the_converted_arrays(served):
     # is under max_body_bytes (4 MiB) but whose float64 copy is not is a 413 from the
     # header (the served model has 4 classes, so the check is called directly).
     rows, k = LIMITS["max_dataset_rows"], 256
-    bounds = scores.Bounds(k, "m", rows, LIMITS["max_body_bytes"], "dataset")
+    bounds = rules.Bounds(k, "m", rows, LIMITS["max_body_bytes"], "dataset")
     header = npy_codec.parse_npy_header(pl.npy_header((rows, k), "|i1"), "x")
     assert header.nbytes < bounds.max_bytes < header.memory
     with pytest.raises(ContentTooLarge):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from calibrators.validation import CalibrationInputError, as_labels, as_scores
-from service.api.codecs import scores
+from service.api.codecs import rules
 from tests.security import payloads as pl
 from tests.service.helpers import assert_problem
 
@@ -141,9 +141,9 @@ def test_every_row_a_distribution_is_chunked(monkeypatch):
 
     monkeypatch.setattr(numerics, "CHUNK_ELEMENTS", 8)  # 2 rows per chunk
     p = probabilities(9)
-    assert scores.every_row_a_distribution(p)
+    assert rules.every_row_a_distribution(p)
     p[7] = [0.5, 0.5, 0.5, -0.5]
-    assert not scores.every_row_a_distribution(p)
+    assert not rules.every_row_a_distribution(p)
 
 
 # -- empty query values -------------------------------------------------------------------

@@ -21,7 +21,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.testclient import TestClient
 
 from service.api.app import create_app
-from service.api.routers import v2
+from service.api.codecs import oip
 from service.server import budget
 from tests.service.helpers import (
     assert_problem,
@@ -153,7 +153,7 @@ def test_a_compression_bomb_inflates_no_further_than_the_rows_can_need(served, r
         url, headers["content-type"] = "/v2/models/m/infer", "application/json"
     else:
         url, headers["content-type"] = "/v2/models/m/infer", "application/octet-stream"
-        headers[v2.HEADER_LENGTH] = "100"
+        headers[oip.HEADER_LENGTH] = "100"
     settings = served.app.state.welltempered.settings
     tracemalloc.start()
     try:
@@ -172,12 +172,12 @@ def test_a_compression_bomb_inflates_no_further_than_the_rows_can_need(served, r
 def test_v2_shape_of_2_62_rows_and_no_columns_is_a_422(served):
     head = json.dumps({"inputs": [{"name": "logits", "shape": [2**62, 0], "datatype": "FP32",
                                    "parameters": {"binary_data_size": 0}}]}).encode()
-    r = served.post("/v2/models/m/infer", content=head, headers={v2.HEADER_LENGTH: str(len(head))})
+    r = served.post("/v2/models/m/infer", content=head, headers={oip.HEADER_LENGTH: str(len(head))})
     assert r.status_code == 422, r.text
     assert f"{K} columns" in r.json()["error"]
     head = json.dumps({"inputs": [{"name": "logits", "shape": [2**62, K], "datatype": "FP32",
                                    "parameters": {"binary_data_size": 0}}]}).encode()
-    r = served.post("/v2/models/m/infer", content=head, headers={v2.HEADER_LENGTH: str(len(head))})
+    r = served.post("/v2/models/m/infer", content=head, headers={oip.HEADER_LENGTH: str(len(head))})
     assert r.status_code == 413 and "rows" in r.json()["error"], r.text
 
 
@@ -207,7 +207,7 @@ def test_answers_with_long_class_names_are_refused_before_the_work(tmp_path, dat
             "parameters": {"top_k": 2, "binary_data_output": True},
         }).encode()
         r = c.post("/v2/models/m/infer", content=head + z.tobytes(),
-                   headers={v2.HEADER_LENGTH: str(len(head))})
+                   headers={oip.HEADER_LENGTH: str(len(head))})
         assert r.status_code == 413 and "answer" in r.json()["error"], r.text
         # a few rows of the same are answered, names and all
         r = c.post("/v1/models/m/predict?top_k=2", content=npy(z[:3]),

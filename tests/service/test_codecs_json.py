@@ -6,14 +6,14 @@ import json
 import numpy as np
 import pytest
 
-from service.api.codecs import json_body, scores
+from service.api.codecs import json_body, rules
 from service.errors import ContentTooLarge, InvalidInput
 
 K = 4
 
 
-def bounds(max_rows: int = 100) -> scores.Bounds:
-    return scores.Bounds(K, "m", max_rows, 1 << 20, "predict")
+def bounds(max_rows: int = 100) -> rules.Bounds:
+    return rules.Bounds(K, "m", max_rows, 1 << 20, "predict")
 
 
 @pytest.mark.parametrize("literal", ["true", "false", "null"])

@@ -11,7 +11,7 @@ import pytest
 
 from service import errors
 from service.api.codecs import npy as npy_codec
-from service.api.codecs import scores
+from service.api.codecs import rules
 from service.storage.arrays import ArrayStore
 from tests.service.helpers import assert_problem, create_model, logits_data, npy, npz, promote
 
@@ -190,7 +190,7 @@ def test_half_precision_refusals(client):
 
 def test_the_byte_limit_counts_the_float32_array_of_half_precision_data():
     header = npy_codec.parse_npy_header(npy(np.zeros((8000, K), np.float16)), "x")
-    npy_codec.check_scores_header(header, scores.Bounds(K, "m", 10**6, 160_000, "predict"), "x")
+    npy_codec.check_scores_header(header, rules.Bounds(K, "m", 10**6, 160_000, "predict"), "x")
     with pytest.raises(errors.ContentTooLarge, match="float16 and bfloat16 to float32"):
-        bounds = scores.Bounds(K, "m", 10**6, 159_999, "predict")
+        bounds = rules.Bounds(K, "m", 10**6, 159_999, "predict")
         npy_codec.check_scores_header(header, bounds, "x")

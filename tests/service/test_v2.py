@@ -20,6 +20,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy.orm import sessionmaker
 
 from service.api.app import create_app
+from service.api.codecs import answers, oip
 from service.api.routers import v2
 from service.security import keys
 from service.serving import inference
@@ -38,7 +39,7 @@ from tests.service.helpers import (
 )
 from tests.service.servers import Server
 
-HEADER = v2.HEADER_LENGTH
+HEADER = oip.HEADER_LENGTH
 K = 4
 NPY = "application/x-npy"
 
@@ -84,7 +85,7 @@ def binary_request(
     arr: np.ndarray, datatype: str = "FP32", raw: bytes | None = None, **request
 ) -> tuple[bytes, dict]:
     """A body with the binary tensor data extension, and its header."""
-    raw = arr.astype(v2.INPUT_DATATYPES[datatype]).tobytes() if raw is None else raw
+    raw = arr.astype(oip.INPUT_DATATYPES[datatype]).tobytes() if raw is None else raw
     head = json.dumps(
         {"inputs": [tensor(arr, datatype, parameters={"binary_data_size": len(raw)})], **request}
     ).encode()
@@ -251,7 +252,7 @@ def test_infer_json_equals_v1(served, kind):
     r = served.post("/v2/models/m/infer", json=body)
     head = r.json()
     assert head["model_name"] == "m" and head["model_version"] == "1" and head["id"] == "r-1"
-    assert [t["name"] for t in head["outputs"]] == list(v2.DEFAULT_OUTPUTS)
+    assert [t["name"] for t in head["outputs"]] == list(oip.DEFAULT_OUTPUTS)
     assert r.headers["x-welltempered-version"] == "1" and HEADER not in r.headers
     assert_same(outputs(r), v1(served, scores, f"?kind={kind}"))
     # nested data, the versioned path and named outputs
@@ -264,7 +265,7 @@ def test_infer_json_equals_v1(served, kind):
     assert_same(got, {k: v for k, v in v1(served, z).items() if k in got})
 
 
-@pytest.mark.parametrize("datatype", list(v2.INPUT_DATATYPES))
+@pytest.mark.parametrize("datatype", list(oip.INPUT_DATATYPES))
 def test_infer_binary_inputs_and_outputs(served, datatype):
     z = rows(9)
     if datatype == "BF16":  # the top half of each float32: what the server widens back
@@ -273,7 +274,7 @@ def test_infer_binary_inputs_and_outputs(served, datatype):
         same = same.reshape(z.shape)
     else:
         raw = None
-        same = z.astype(v2.INPUT_DATATYPES[datatype])
+        same = z.astype(oip.INPUT_DATATYPES[datatype])
     body, headers = binary_request(z, datatype, raw, parameters={"binary_data_output": True})
     r = served.post("/v2/models/m/infer", content=body, headers=headers)
     assert r.headers["content-type"] == "application/octet-stream"
@@ -376,7 +377,7 @@ def test_top_k_on_v2(served):
     index, value = oracle_top_k(v1(served, z)["probabilities"], 2)
     body, headers = binary_request(z, parameters={"top_k": 2})
     got = outputs(served.post("/v2/models/m/infer", content=body, headers=headers))
-    assert list(got) == list(v2.TOP_K_DEFAULT_OUTPUTS)  # not the whole row
+    assert list(got) == list(oip.TOP_K_DEFAULT_OUTPUTS)  # not the whole row
     assert (got["top_k_indices"] == index).all()
     assert (got["top_k_probabilities"] == value).all()
     body, headers = binary_request(z, parameters={"top_k": K + 1})
@@ -396,8 +397,8 @@ def test_class_names_in_v2_metadata(named):
     with class_names only."""
     outputs_of = {m: [t["name"] for t in named.get(f"/v2/models/{m}").json()["outputs"]]
                   for m in ("m", "n")}  # fmt: skip
-    assert outputs_of["m"] == list(v2.DEFAULT_OUTPUTS)
-    assert outputs_of["n"] == [*v2.DEFAULT_OUTPUTS, "label_name"]
+    assert outputs_of["m"] == list(oip.DEFAULT_OUTPUTS)
+    assert outputs_of["n"] == [*oip.DEFAULT_OUTPUTS, "label_name"]
     meta = named.get("/v2/models/n/versions/1?top_k=2").json()["outputs"]
     assert {"name": "label_name", "datatype": "BYTES", "shape": [-1]} in meta
     assert meta[-1] == {"name": "top_k_names", "datatype": "BYTES", "shape": [-1, 2]}
@@ -419,11 +420,11 @@ def test_class_names_in_v2_infer(named, binary):
         r = named.post("/v2/models/n/infer", json={"inputs": [tensor(z, data=z.tolist())]})
         assert r.headers["content-type"] == "application/json"
     got = outputs(r)
-    assert list(got) == [*v2.DEFAULT_OUTPUTS, "label_name"]
+    assert list(got) == [*oip.DEFAULT_OUTPUTS, "label_name"]
     assert got["label_name"].tolist() == want["label_names"] == names[got["label"]].tolist()
     body, headers = binary_request(z, parameters={"top_k": 3, "binary_data_output": binary})
     got = outputs(named.post("/v2/models/n/infer", content=body, headers=headers))
-    assert list(got) == [*v2.TOP_K_DEFAULT_OUTPUTS, "label_name", "top_k_names"]
+    assert list(got) == [*oip.TOP_K_DEFAULT_OUTPUTS, "label_name", "top_k_names"]
     assert got["top_k_names"].shape == (7, 3)
     assert (got["top_k_names"] == names[got["top_k_indices"]]).all()
     # asked by name, alone, and mixed: binary for one output only
@@ -446,7 +447,7 @@ def test_class_name_outputs_are_refused_without_names_or_top_k(named):
         assert_error(named.post(f"/v2/models/{model}/infer", json=body), 422, *words)
     # the model without names answers exactly what it did before
     got = outputs(named.post("/v2/models/m/infer", json={"inputs": [tensor(z, data=z.tolist())]}))
-    assert list(got) == list(v2.DEFAULT_OUTPUTS)
+    assert list(got) == list(oip.DEFAULT_OUTPUTS)
 
 
 def test_class_names_in_the_top_k_npy(named):
@@ -489,7 +490,7 @@ def test_top_k_of_a_wide_vocabulary_breaks_ties_in_class_order():
 
 def test_inference_docstrings():
     assert doctest.testmod(inference).failed == 0
-    result = doctest.testmod(v2)  # bytes_tensor: the protocol's binary BYTES
+    result = doctest.testmod(oip)  # bytes_tensor: the protocol's binary BYTES
     assert result.attempted > 0 and result.failed == 0
 
 
@@ -652,7 +653,7 @@ def test_a_json_answer_of_whole_rows_is_bounded_like_v1(tmp_path, database_url, 
 
 @pytest.mark.parametrize("names", [False, True])
 def test_a_large_binary_answer_is_streamed_from_views_of_the_outputs(named, monkeypatch, names):
-    """Over predict.STREAM_ANSWER_BYTES the binary answer is the JSON header, then views of
+    """Over answers.STREAM_ANSWER_BYTES the binary answer is the JSON header, then views of
     each output's bytes (no copy of them in one buffer): the same bytes as the one-buffer
     answer of a small one, with its Content-Length."""
     model = "n" if names else "m"
@@ -663,16 +664,16 @@ def test_a_large_binary_answer_is_streamed_from_views_of_the_outputs(named, monk
                                        *(("label_name", "top_k_names") if names else ()))])
     whole = named.post(f"/v2/models/{model}/infer", content=body, headers=headers)
     assert whole.status_code == 200, whole.text
-    monkeypatch.setattr(v2, "STREAM_ANSWER_BYTES", 1000)
+    monkeypatch.setattr(answers, "STREAM_ANSWER_BYTES", 1000)
     chunks = []
-    real = v2.npy.byte_chunks
+    real = oip.npy.byte_chunks
 
     def spy(head, arrays):
         size, parts = real(head, arrays)
         chunks.append([a.nbytes for a in arrays])
         return size, parts
 
-    monkeypatch.setattr(v2.npy, "byte_chunks", spy)
+    monkeypatch.setattr(oip.npy, "byte_chunks", spy)
     streamed = named.post(f"/v2/models/{model}/infer", content=body, headers=headers)
     assert streamed.status_code == 200, streamed.text
     assert chunks, "the answer was not streamed"
@@ -834,7 +835,7 @@ def test_tritonclient_json_and_binary_4096_x_1000(triton_server):
         label_name = result.as_numpy("label_name")  # BYTES: tritonclient answers bytes
         assert label_name.shape == (4096,)
         assert [b.decode() for b in label_name] == names[want_p.argmax(axis=1)].tolist()
-        # over predict.STREAM_ANSWER_BYTES (16 MiB), streamed from views of the outputs
+        # over answers.STREAM_ANSWER_BYTES (16 MiB), streamed from views of the outputs
         more = np.concatenate([z, z[:1000]])  # 5,096 x 1,000: 20 MB of probabilities
         x = httpclient.InferInput("logits", list(more.shape), "FP32")
         x.set_data_from_numpy(more, binary_data=True)
@@ -842,7 +843,7 @@ def test_tritonclient_json_and_binary_4096_x_1000(triton_server):
                   for n in ("probabilities", "label")]
         result = client.infer("big", [x], outputs=wanted, headers=auth())
         streamed = result.as_numpy("probabilities")
-        assert streamed.nbytes > v2.STREAM_ANSWER_BYTES
+        assert streamed.nbytes > answers.STREAM_ANSWER_BYTES
         assert (streamed[:4096] == probabilities).all()
         assert (streamed[4096:] == probabilities[:1000]).all()
         assert (result.as_numpy("label")[4096:] == want_p[:1000].argmax(axis=1)).all()

@@ -16,7 +16,7 @@ import numpy as np
 import orjson
 
 from calibrators.validation import as_labels
-from service.api.codecs.scores import (
+from service.api.codecs.rules import (
     CHUNK_BYTES,
     JSON_SCORE_KEYS,
     Bounds,

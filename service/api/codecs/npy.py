@@ -4,7 +4,7 @@ and .npy answers, encoded without a copy.
 A ``.npy`` header is parsed here, not by numpy: at most :data:`MAX_NPY_HEADER`
 bytes, a shape of non-negative Python ints (no bool), a dtype of
 :data:`NPY_DTYPES`. The shape is checked against the model's K, the row limit and
-the byte limit (:class:`~service.api.codecs.scores.Bounds`) *before* the data are
+the byte limit (:class:`~service.api.codecs.rules.Bounds`) *before* the data are
 allocated; the data then fill one preallocated array, chunk by chunk
 (:class:`NpyStream`), and a byte past the declared size is an error (docs/api.md,
 "Body formats"). Pure: no web framework.
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.api.codecs.scores import (
+from service.api.codecs.rules import (
     CHUNK_BYTES,
     Bounds,
     check_not_probabilities,

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from service.api.codecs.npy import NpyHeader, NpyStream, check_scores_header, parse_npy_header
-from service.api.codecs.scores import (
+from service.api.codecs.rules import (
     CHUNK_BYTES,
     LABEL_KEYS,
     SCORE_KEYS,

@@ -8,7 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 
-from service.api.codecs import json_body, npz, scores
+from service.api.codecs import json_body, npz, rules
 from service.api.deps import (
     DatasetDep,
     DtypeQuery,
@@ -34,7 +34,7 @@ async def receive_upload(
     request: Request, state: StateDep, model: ModelDep
 ) -> AsyncIterator[Upload]:
     """The body, read or spooled to disk by its media type (after the model is found)."""
-    bounds = scores.bounds(state.settings, "dataset", model.num_classes, model.name)
+    bounds = rules.bounds(state.settings, "dataset", model.num_classes, model.name)
     async with labelled_body(
         request,
         json_limit=json_body.json_body_limit(bounds, state.settings.max_json_bytes),
@@ -115,7 +115,7 @@ def upload_dataset(
     kind: KindQuery = None,
     dtype: DtypeQuery = None,
 ) -> DatasetOut:
-    bounds = scores.bounds(state.settings, "dataset", model.num_classes, model.name, dtype)
+    bounds = rules.bounds(state.settings, "dataset", model.num_classes, model.name, dtype)
     if upload.json is not None:
         data, _ = json_body.labelled_from_json(upload.json, bounds, kind)
     else:

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import numpy as np
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 
-from service.api.codecs import json_body, npz, scores
+from service.api.codecs import json_body, npz, rules
 from service.api.deps import DtypeQuery, KindQuery, ModelDep, SessionDep, StateDep, VersionDep
 from service.api.openapi import BINARY, LABELS, OCTET_STREAM, SCORE_PROPERTIES
 from service.api.uploads import NPZ_TYPES, Upload, labelled_body
@@ -127,7 +127,7 @@ async def feedback_body(
 ) -> AsyncIterator[Upload]:
     """JSON read into memory, or a .npz spooled to a temp file (removed after the
     response), like a dataset upload; 415 for anything else. After the model is found."""
-    bounds = scores.bounds(state.settings, "feedback", model.num_classes, model.name)
+    bounds = rules.bounds(state.settings, "feedback", model.num_classes, model.name)
     async with labelled_body(
         request,
         json_limit=json_body.json_body_limit(bounds, state.settings.max_json_bytes),
@@ -142,8 +142,8 @@ FeedbackBodyDep = Annotated[Upload, Depends(feedback_body)]
 
 
 def parse_feedback(
-    body: bytes | bytearray, bounds: scores.Bounds, kind: str | None
-) -> tuple[scores.Labelled, int | None]:
+    body: bytes | bytearray, bounds: rules.Bounds, kind: str | None
+) -> tuple[rules.Labelled, int | None]:
     """``{"logits" | "probabilities": [[...]], "labels": [...], "version"?: N}``."""
     labelled, extra = json_body.labelled_from_json(body, bounds, kind, extra_keys=("version",))
     version = extra.get("version")
@@ -158,8 +158,8 @@ def parse_feedback(
 
 
 def feedback_rows(
-    body: Upload, bounds: scores.Bounds, version: int | None, kind: str | None = None
-) -> tuple[scores.Labelled, int | None]:
+    body: Upload, bounds: rules.Bounds, version: int | None, kind: str | None = None
+) -> tuple[rules.Labelled, int | None]:
     """The validated rows, and the version that served them: the query's ``version``, or a
     JSON body's own (422 if the two disagree)."""
     if body.npz is not None:
@@ -262,7 +262,7 @@ def post_feedback(
         prior = idempotency.find(session, model.namespace, idempotency_key, ttl)
         if prior is not None:
             return replayed(prior, model, response)
-    bounds = scores.bounds(settings, "feedback", model.num_classes, model.name, dtype)
+    bounds = rules.bounds(settings, "feedback", model.num_classes, model.name, dtype)
     labelled, version = feedback_rows(body, bounds, version, kind)
     n = int(labelled.labels.shape[0])
     limits.check_rows(n, settings.max_feedback_rows, "feedback")

@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import anyio.to_thread
-import numpy as np
 import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -23,22 +22,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.routing import Match, Route
 from starlette.types import Scope
 
-from calibrators.numerics import row_chunks
-from service.api import answers
 from service.api.auth import authorize
-from service.api.codecs import json_body, npy, scores
+from service.api.codecs import answers, json_body, npy, rules
 from service.api.deps import AppState, get_app_state
 from service.api.openapi import BINARY, OCTET_STREAM, SCORE_PROPERTIES
 from service.api.schemas import Kind, PredictOut, ScoreDtype
 from service.api.uploads import media_type, read_body, read_npy
 from service.errors import UnsupportedMediaType
 from service.observe.metrics import ServiceMetrics
-from service.security import limits
 from service.server import budget
 from service.server.budget import declare
 from service.server.hotpath import ServingApp
 from service.serving import inference
 from service.serving.inference import Served
+from service.serving.predict import calibrate
 from service.vocabulary import DEFAULT_ALIAS, MAX_ID
 
 PATH = "/v1/models/{model}/predict"
@@ -48,7 +45,7 @@ VERSION_HEADER = "X-Welltempered-Version"
 
 
 async def read_scores_body(
-    request: Request, state: AppState, bounds: scores.Bounds
+    request: Request, state: AppState, bounds: rules.Bounds
 ) -> tuple[str, Any]:
     """The body and its format: JSON bytes (at most what ``bounds`` can need), or a .npy
     decoded while it arrives (its header checked against ``bounds`` first); 415 for
@@ -165,106 +162,13 @@ _PREDICT_DOC = {
 }
 
 
-def calibrate(
-    served: Served,
-    scores: np.ndarray,
-    kind: str,
-    max_rows: int,
-    metrics: ServiceMetrics,
-    top_k: int | None = None,
-) -> dict[str, np.ndarray]:
-    """The serving path from validated scores on, shared by /v1 predict and /v2 infer.
-
-    The row limit (413), the version's ONNX session, the prediction metrics, and with
-    ``top_k`` the k largest probabilities (:func:`service.serving.inference.top_k`).
-    Returns the graph's outputs (:data:`~service.serving.inference.OUTPUTS`), plus
-    :data:`~service.serving.inference.TOP_K_OUTPUTS` with ``top_k``.
-    """
-    limits.check_rows(scores.shape[0], max_rows, "predict")
-    if top_k is not None:  # before the work, not after
-        inference.check_top_k(top_k, served.num_classes)
-    out = inference.run(served.session, inference.as_onnx_input(scores, kind))
-    flipped = _flipped(scores, out["label"])
-    metrics.observe_predictions(
-        served.namespace, served.model, served.version, out["entropy"], out["confidence"], flipped
-    )
-    if top_k is not None:
-        out.update(inference.top_k(out["probabilities"], top_k))
-    return out
-
-
-def _flipped(scores: np.ndarray, labels: np.ndarray) -> int:
-    """Rows whose calibrated argmax is not the input's (the log of probabilities keeps
-    it). A big batch in row chunks: numpy's argmax copies an unaligned array whole, and a
-    /v2 binary input is a view of the body at the JSON header's length, any offset."""
-    n, k = scores.shape
-    if n * k <= inference.RUN_ELEMENTS:
-        return int((scores.argmax(axis=1) != labels).sum())
-    return sum(
-        int((scores[rows].argmax(axis=1) != labels[rows]).sum())
-        for rows in row_chunks(n, k, inference.RUN_ELEMENTS)
-    )
-
-
-#: A .npy answer larger than this is sent as views of its array (header, then 1 MiB
-#: slices), not copied into one buffer first; smaller ones take one write (the fast path).
-STREAM_ANSWER_BYTES = 16 << 20
-
-#: How to get whole rows without JSON, on /v1 predict.
-NPY_ANSWER_FIX = "Ask for ?top_k=<k>, or for the whole rows as a .npy: Accept: application/x-npy."
-TOP_K_ANSWER_FIX = "Ask for a smaller ?top_k, fewer rows, or a .npy: Accept: application/x-npy."
-
-
-def answer_bytes(n: int, k: int, top_k: int | None, want_npy: bool, name_bytes: int) -> int:
-    """The most bytes of a predict answer for ``n`` rows of ``k`` classes, before it is
-    computed; ``name_bytes``: the model's longest class name in UTF-8 (0: no names).
-    Everything but :data:`answers.CONSTANT_BYTES` is data, JSON unless ``want_npy``."""
-    top = 0 if top_k is None else min(top_k, k)
-    if want_npy:
-        if top_k is None:  # float32 probabilities
-            return n * k * answers.BINARY_BYTES["FP32"]
-        # records (index int64, probability float32, name <U: 4 bytes a character)
-        record = answers.BINARY_BYTES["INT64"] + answers.BINARY_BYTES["FP32"] + 4 * name_bytes
-        return n * top * record
-    fp32, int64 = answers.JSON_BYTES["FP32"], answers.JSON_BYTES["INT64"]
-    name = answers.json_string_bytes(name_bytes) if name_bytes else 0
-    per_row = int64 + 2 * fp32 + name  # label, confidence, entropy, label name
-    per_row += k * fp32 if top_k is None else top * (int64 + fp32 + name)
-    return n * per_row
-
-
-#: The .npy answer of a ``top_k`` request: per row and rank, the class and its probability.
-TOP_K_RECORD = np.dtype([("index", "<i8"), ("probability", "<f4")])
-
-
-def top_k_records(out: dict[str, np.ndarray], class_names: np.ndarray | None) -> np.ndarray:
-    """The (n, k) records of a ``top_k`` .npy answer: :data:`TOP_K_RECORD`, and when the
-    model has class names a third field, ``name`` (``<U``, as wide as the longest name
-    answered: numpy's fixed-width strings, which ``np.load`` reads without pickle).
-
-    The whole-row answer has no such field: its columns are the classes in order, and
-    their names are the model's (``GET /v1/models/{model}``).
-    """
-    index = out["top_k_indices"]
-    fields = TOP_K_RECORD.descr
-    if class_names is not None:
-        names = class_names[index].astype(str)
-        fields = [*fields, ("name", names.dtype.str)]
-    body = np.empty(index.shape, np.dtype(fields))
-    body["index"] = index
-    body["probability"] = out["top_k_probabilities"]
-    if class_names is not None:
-        body["name"] = names
-    return body
-
-
 def respond(
     served: Served,
     fmt: str,
     raw: Any,
     query: Target,
     want_npy: bool,
-    bounds: scores.Bounds,
+    bounds: rules.Bounds,
     metrics: ServiceMetrics,
     limits: answers.AnswerLimits,
 ) -> Response:
@@ -274,8 +178,8 @@ def respond(
     else:
         scores, kind = npy.scores_from_npy(raw, bounds, query.kind)
     n, k = scores.shape
-    data = answer_bytes(n, k, query.top_k, want_npy, served.max_name_bytes)
-    fix = NPY_ANSWER_FIX if query.top_k is None else TOP_K_ANSWER_FIX
+    data = answers.predict_answer_bytes(n, k, query.top_k, want_npy, served.max_name_bytes)
+    fix = answers.NPY_ANSWER_FIX if query.top_k is None else answers.TOP_K_ANSWER_FIX
     limits.check(data + answers.CONSTANT_BYTES, 0 if want_npy else data, fix)
     out = calibrate(served, scores, kind, bounds.max_rows, metrics, query.top_k)
     headers = {VERSION_HEADER: str(served.version)}
@@ -283,8 +187,8 @@ def respond(
         if query.top_k is None:
             body = out["probabilities"]
         else:
-            body = top_k_records(out, served.class_names)
-        if body.nbytes > STREAM_ANSWER_BYTES:  # no copy of a big answer: views of it
+            body = answers.top_k_records(out, served.class_names)
+        if body.nbytes > answers.STREAM_ANSWER_BYTES:  # no copy of a big answer: views of it
             size, chunks = npy.npy_chunks(body)
             headers["Content-Length"] = str(size)
             return StreamingResponse(chunks, media_type=NPY, headers=headers)
@@ -324,11 +228,12 @@ async def predict(request: Request) -> Response:
     model = request.path_params["model"]
     query = target(request)
     served = await state.serving.get(model, query.alias, query.version, caller.namespace)
-    bounds = scores.bounds(state.settings, "predict", served.num_classes, served.model, query.dtype)
+    bounds = rules.bounds(state.settings, "predict", served.num_classes, served.model, query.dtype)
     fmt, raw = await read_scores_body(request, state, bounds)
     want_npy = NPY in request.headers.get("accept", "")
     size = len(raw) if fmt == "json" else raw.nbytes
-    limits = answers.AnswerLimits.of(request, state.settings.max_json_bytes, size)
+    declared = budget.limits_of(request.scope).answer
+    limits = answers.AnswerLimits.of(declared, state.settings.max_json_bytes, size)
     args = (served, fmt, raw, query, want_npy, bounds, state.metrics, limits)
     if size <= state.settings.inline_predict_bytes:
         return respond(*args)

@@ -34,7 +34,7 @@ can send them.
 Infer is the /v1 predict path under another wire format: installed on the app
 itself, authorised and parsed inline (no FastAPI parameter solving: see
 :mod:`service.api.routers.predict`), and from validated scores on it is
-:func:`service.api.routers.predict.calibrate`: the same cached ONNX session, the
+:func:`service.serving.predict.calibrate`: the same cached ONNX session, the
 same numbers, the same metrics. Errors are the service's domain errors, which
 :mod:`service.server.problems` renders in the protocol's shape,
 ``{"error": "<detail>"}``, with the status of its table.
@@ -42,412 +42,58 @@ same numbers, the same metrics. Errors are the service's domain errors, which
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated
 
 import anyio.to_thread
-import numpy as np
-import orjson
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from service.api import answers
 from service.api.auth import PrincipalDep, authorize
-from service.api.codecs import json_body, npy, scores
+from service.api.codecs import answers, json_body, oip, rules
 from service.api.deps import StateDep, get_app_state
 from service.api.routers import health
-from service.api.routers.predict import (
-    STREAM_ANSWER_BYTES,
-    VERSION_HEADER,
-    add_hot_route,
-    calibrate,
-)
+from service.api.routers.predict import VERSION_HEADER, add_hot_route
 from service.api.uploads import read_body
 from service.errors import (
     Conflict,
     ContentTooLarge,
-    InvalidInput,
-    MalformedBody,
     NotFound,
 )
 from service.observe.metrics import ServiceMetrics
 from service.server import budget
 from service.server.budget import declare
 from service.server.problems import OIP_PREFIX, problem_response
-from service.serving.inference import OUTPUTS, TOP_K_OUTPUTS, Served, check_top_k
+from service.serving.inference import TOP_K_OUTPUTS, Served, check_top_k
+from service.serving.predict import calibrate
 from service.storage import registry
 from service.vocabulary import DEFAULT_ALIAS, KINDS, MAX_ID
-
-HEADER_LENGTH = "Inference-Header-Content-Length"
-SERVER_NAME = "welltempered"
-EXTENSIONS = ("binary_tensor_data",)
-PLATFORM = "onnxruntime_onnx"
-OCTET_STREAM = "application/octet-stream"
-INPUT = "logits"
-#: Datatypes the input may have, and the little-endian numpy dtype of their bytes
-#: (BF16: the top 16 bits of a float32, widened exactly).
-INPUT_DATATYPES = {
-    "FP32": np.dtype("<f4"),
-    "FP64": np.dtype("<f8"),
-    "FP16": np.dtype("<f2"),
-    "BF16": np.dtype("<u2"),
-}
-#: Every output, with its datatype: the graph's outputs, then the top-k ones.
-OUTPUT_DATATYPES = {
-    "probabilities": "FP32",
-    "confidence": "FP32",
-    "label": "INT64",
-    "entropy": "FP32",
-    "top_k_indices": "INT64",
-    "top_k_probabilities": "FP32",
-    "label_name": "BYTES",
-    "top_k_names": "BYTES",
-}
-#: The outputs that name classes (when the model has class_names): the output they name.
-NAME_OUTPUTS = {"label_name": "label", "top_k_names": "top_k_indices"}
-#: The outputs that need the request parameter top_k.
-TOP_K_ONLY = (*TOP_K_OUTPUTS, "top_k_names")
-#: Outputs answered when a request names none: without and with ``top_k``.
-DEFAULT_OUTPUTS = tuple(name for name in OUTPUT_DATATYPES if name in OUTPUTS)
-TOP_K_DEFAULT_OUTPUTS = (*(n for n in DEFAULT_OUTPUTS if n != "probabilities"), *TOP_K_OUTPUTS)
-
-_REQUEST_FIELDS = {"id", "parameters", "inputs", "outputs"}
-_INPUT_FIELDS = {"name", "shape", "datatype", "parameters", "data"}
-_OUTPUT_FIELDS = {"name", "parameters"}
-
-
-# -- the request ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class InferRequest:
-    """A parsed and validated infer request: the scores and what to answer."""
-
-    id: str | None
-    scores: np.ndarray  # (n, K), validated by calibrators.validation
-    kind: str
-    top_k: int | None
-    outputs: tuple[tuple[str, bool], ...]  # (name, as binary data)
-
-
-def _object(value: Any, where: str) -> dict:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise InvalidInput(f"{where} must be a JSON object. Got {type(value).__name__}.")
-    return value
-
-
-def _fields(obj: dict, allowed: set[str], where: str) -> None:
-    unknown = set(obj) - allowed
-    if unknown:
-        raise InvalidInput(
-            f"Unknown field(s) {sorted(unknown)!r} in {where}; expected {sorted(allowed)!r}."
-        )
-
-
-def _integer(value: Any, where: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidInput(f"{where} must be an integer >= {minimum}. Got {value!r}.")
-    return value
-
-
-def _boolean(value: Any, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise InvalidInput(f"{where} must be true or false. Got {value!r}.")
-    return value
-
-
-def _no_shared_memory(params: dict, where: str) -> None:
-    if any(str(key).startswith("shared_memory") for key in params):
-        raise InvalidInput(
-            f"{where}: the shared memory extensions are not supported; send the tensor in "
-            "the body (JSON data or binary_data_size)."
-        )
-
-
-def header_length(request: Request) -> int | None:
-    """The ``Inference-Header-Content-Length`` of a request (None without one)."""
-    value = request.headers.get(HEADER_LENGTH)
-    if value is None:
-        return None
-    value = value.strip()
-    if not (value.isascii() and value.isdigit()):
-        raise MalformedBody(f"{HEADER_LENGTH} must be a number of bytes. Got {value!r}.")
-    return int(value)
-
-
-def _input(
-    tensor: Any,
-    raw: bytes,
-    head: int | None,
-    kind: str,
-    bounds: scores.Bounds,
-) -> np.ndarray:
-    """The scores of the ``logits`` input, validated like a /v1 body: its shape against
-    the model's K and the row limit of ``bounds`` first."""
-    where = f"input {INPUT!r}"
-    num_classes, model, check_rows = bounds.num_classes, bounds.model, bounds.check_rows
-    tensor = _object(tensor, "Each input")
-    _fields(tensor, _INPUT_FIELDS, "an input")
-    if tensor.get("name") != INPUT:
-        raise InvalidInput(f"The model's one input is {INPUT!r}. Got {tensor.get('name')!r}.")
-    shape = tensor.get("shape")
-    if not (isinstance(shape, list) and len(shape) == 2):
-        raise InvalidInput(f"The shape of {where} must be [n, {num_classes}]. Got {shape!r}.")
-    rows, cols = (_integer(n, f"The shape of {where}", 0) for n in shape)
-    if cols != num_classes:  # before anything is sized by the shape ([2**62, 0] included)
-        raise InvalidInput(
-            f"The shape of {where} must be [n, {num_classes}]: {num_classes} columns, one "
-            f"per class of model {model!r}. Got {shape!r}."
-        )
-    check_rows(rows)
-    datatype = tensor.get("datatype")
-    if datatype not in INPUT_DATATYPES:
-        raise InvalidInput(
-            f"The datatype of {where} must be one of {', '.join(INPUT_DATATYPES)}. "
-            f"Got {datatype!r}."
-        )
-    params = _object(tensor.get("parameters"), f"The parameters of {where}")
-    _no_shared_memory(params, where)
-    binary = len(raw) - head if head is not None else 0
-    if "binary_data_size" in params:
-        size = _integer(params["binary_data_size"], f"binary_data_size of {where}", 0)
-        if head is None:
-            raise InvalidInput(f"binary_data_size needs the {HEADER_LENGTH} header.")
-        if "data" in tensor:
-            raise InvalidInput(f"{where} has both data and binary_data_size: send one.")
-        dtype = INPUT_DATATYPES[datatype]
-        if size != rows * cols * dtype.itemsize:
-            raise InvalidInput(
-                f"binary_data_size of {where} must be {rows * cols * dtype.itemsize} bytes "
-                f"({rows} x {cols} {datatype}). Got {size}."
-            )
-        if size != binary:
-            raise MalformedBody(
-                f"The body holds {binary} bytes after its JSON header; binary_data_size "
-                f"says {size}."
-            )
-        arr = np.frombuffer(raw, dtype, rows * cols, head)
-        if datatype == "BF16":
-            arr = (arr.astype(np.uint32) << 16).view(np.float32)
-    else:
-        if binary:
-            raise MalformedBody(
-                f"The body holds {binary} bytes after its JSON header, but no input has "
-                "binary_data_size."
-            )
-        if "data" not in tensor:
-            raise InvalidInput(f"{where} needs data, or binary_data_size with binary data.")
-        try:
-            arr = np.asarray(tensor["data"])
-        except (ValueError, TypeError):  # ragged nested lists
-            raise InvalidInput(f"The data of {where} must be a (nested) list of numbers.") from None
-        if arr.size != rows * cols:
-            raise InvalidInput(
-                f"The data of {where} must hold {rows * cols} numbers (shape {shape}). "
-                f"Got {arr.size}."
-            )
-    return scores.validated_scores(arr.reshape(rows, cols), kind, num_classes, model)
-
-
-def default_outputs(top_k: int | None, named: bool) -> tuple[str, ...]:
-    """The outputs answered when a request names none; ``named``: the model has
-    class_names."""
-    names = TOP_K_DEFAULT_OUTPUTS if top_k is not None else DEFAULT_OUTPUTS
-    if named:
-        names += tuple(n for n in NAME_OUTPUTS if top_k is not None or n not in TOP_K_ONLY)
-    return names
-
-
-def _outputs(
-    spec: Any, top_k: int | None, binary: bool, named: bool
-) -> tuple[tuple[str, bool], ...]:
-    if spec is None or spec == []:
-        return tuple((name, binary) for name in default_outputs(top_k, named))
-    if not isinstance(spec, list):
-        raise InvalidInput(f"outputs must be a list. Got {type(spec).__name__}.")
-    out: dict[str, bool] = {}
-    for tensor in spec:
-        tensor = _object(tensor, "Each output")
-        _fields(tensor, _OUTPUT_FIELDS, "an output")
-        name = tensor.get("name")
-        if name not in OUTPUT_DATATYPES:
-            raise InvalidInput(
-                f"Unknown output {name!r}; the outputs are {', '.join(OUTPUT_DATATYPES)}."
-            )
-        if name in TOP_K_ONLY and top_k is None:
-            raise InvalidInput(f"The output {name!r} needs the request parameter top_k.")
-        if name in NAME_OUTPUTS and not named:
-            raise InvalidInput(
-                f"The output {name!r} needs the model's class_names, and it has none "
-                "(PATCH /v1/models/{model} sets them)."
-            )
-        if name in out:
-            raise InvalidInput(f"The output {name!r} is asked for twice.")
-        params = _object(tensor.get("parameters"), f"The parameters of output {name!r}")
-        _no_shared_memory(params, f"output {name!r}")
-        if "classification" in params:
-            raise InvalidInput(
-                "The classification extension is not supported: ask for the request "
-                "parameter top_k and the outputs top_k_indices and top_k_probabilities."
-            )
-        flag = params.get("binary_data", binary)
-        out[name] = _boolean(flag, f"binary_data of output {name!r}")
-    return tuple(out.items())
-
-
-def parse_request(
-    raw: bytes, head: int | None, bounds: scores.Bounds, named: bool = False
-) -> InferRequest:
-    """An infer body: JSON, or (``head`` bytes of) JSON followed by binary tensor data,
-    for a model of ``bounds.num_classes`` classes; ``named``: the model has class_names
-    (so the name outputs exist)."""
-    num_classes = bounds.num_classes
-    if head is not None and head > len(raw):
-        raise MalformedBody(f"{HEADER_LENGTH} is {head}, but the body holds {len(raw)} bytes.")
-    header = raw if head is None else memoryview(raw)[:head]
-    obj = _object(json_body.decode_json(header), "The JSON header")
-    _fields(obj, _REQUEST_FIELDS, "the request")
-    request_id = obj.get("id")
-    if request_id is not None and not isinstance(request_id, str):
-        raise InvalidInput(f"id must be a string. Got {request_id!r}.")
-    params = _object(obj.get("parameters"), "parameters")
-    kind = params.get("kind", KINDS[0])
-    if kind not in KINDS:
-        raise InvalidInput(f"The parameter kind must be one of {', '.join(KINDS)}. Got {kind!r}.")
-    top_k = params.get("top_k")
-    if top_k is not None:
-        check_top_k(_integer(top_k, "The parameter top_k", 1), num_classes)
-    binary = _boolean(params.get("binary_data_output", False), "binary_data_output")
-    inputs = obj.get("inputs")
-    if not (isinstance(inputs, list) and len(inputs) == 1):
-        raise InvalidInput(
-            f"inputs must be a list of one tensor, {INPUT!r}. Got {type(inputs).__name__}"
-            + (f" of {len(inputs)}." if isinstance(inputs, list) else ".")
-        )
-    outputs = _outputs(obj.get("outputs"), top_k, binary, named)
-    scores = _input(inputs[0], raw, head, kind, bounds)
-    return InferRequest(request_id, scores, kind, top_k, outputs)
-
-
-# -- the response ---------------------------------------------------------------
-
-
-def _binary_body(head: bytes, arrays: list[np.ndarray]) -> memoryview:
-    """The JSON header and the arrays' little-endian bytes, in one buffer (one copy: the
-    fast path of a small answer; a big one is streamed, :func:`encode_response`)."""
-    out = bytearray(len(head) + sum(a.nbytes for a in arrays))
-    out[: len(head)] = head
-    offset = len(head)
-    for arr in arrays:
-        dest = np.frombuffer(out, arr.dtype.newbyteorder("<"), arr.size, offset)
-        dest[...] = arr.ravel()
-        offset += arr.nbytes
-    return memoryview(out)
-
-
-def bytes_tensor(strings: np.ndarray) -> np.ndarray:
-    """The binary form of a BYTES tensor of ``strings`` (row major), as uint8: per
-    element its UTF-8 length (little-endian uint32), then the UTF-8 bytes.
-
-    >>> bytes_tensor(np.array(["a", "\N{GREEK SMALL LETTER BETA}"], object)).tobytes()
-    b'\\x01\\x00\\x00\\x00a\\x02\\x00\\x00\\x00\\xce\\xb2'
-    """
-    parts = []
-    for text in strings.ravel():
-        encoded = text.encode()
-        parts += (len(encoded).to_bytes(4, "little"), encoded)
-    return np.frombuffer(b"".join(parts), np.uint8)
-
-
-def encode_response(served: Served, request: InferRequest, out: dict[str, np.ndarray]) -> Response:
-    tensors, binary = [], []
-    for name, as_binary in request.outputs:
-        if name in NAME_OUTPUTS:  # parse_request let it through: the model has names
-            arr = served.class_names[out[NAME_OUTPUTS[name]]]
-        else:
-            arr = out[name]
-        tensor: dict[str, Any] = {
-            "name": name,
-            "datatype": OUTPUT_DATATYPES[name],
-            "shape": list(arr.shape),
-        }
-        if as_binary:
-            data = bytes_tensor(arr) if arr.dtype == object else arr
-            tensor["parameters"] = {"binary_data_size": data.nbytes}
-            binary.append(data)
-        elif arr.dtype == object:
-            tensor["data"] = arr.ravel().tolist()
-        else:
-            tensor["data"] = np.ascontiguousarray(arr).ravel()
-        tensors.append(tensor)
-    body: dict[str, Any] = {"model_name": served.model, "model_version": str(served.version)}
-    if request.id is not None:
-        body["id"] = request.id
-    body["outputs"] = tensors
-    head = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
-    headers = {VERSION_HEADER: str(served.version)}
-    if not binary:
-        return Response(head, media_type="application/json", headers=headers)
-    headers[HEADER_LENGTH] = str(len(head))
-    if sum(a.nbytes for a in binary) > STREAM_ANSWER_BYTES:  # no copy: views of the arrays
-        size, chunks = npy.byte_chunks(head, binary)
-        headers["Content-Length"] = str(size)
-        return StreamingResponse(chunks, media_type=OCTET_STREAM, headers=headers)
-    return Response(_binary_body(head, binary), media_type=OCTET_STREAM, headers=headers)
-
-
-#: How to get whole rows without JSON, on /v2 infer.
-BINARY_ANSWER_FIX = (
-    "Ask for the parameter top_k (the outputs top_k_indices and top_k_probabilities), or "
-    "for probabilities as binary tensor data: the parameter binary_data_output, or the "
-    "output's binary_data, true."
-)
-
-
-def answer_bytes(request: InferRequest, name_bytes: int) -> tuple[int, int]:
-    """The most bytes the answer to ``request`` can take, before it is computed: in all,
-    and as JSON ``data`` (whose limit is MAX_JSON_BYTES); ``name_bytes``: the model's
-    longest class name in UTF-8."""
-    n, k = request.scores.shape
-    per_row = {
-        "probabilities": k,
-        "top_k_indices": min(request.top_k or 0, k),
-        "top_k_probabilities": min(request.top_k or 0, k),
-        "top_k_names": min(request.top_k or 0, k),
-    }
-    as_json = 0
-    total = answers.CONSTANT_BYTES + answers.json_string_bytes(len((request.id or "").encode()))
-    for name, binary in request.outputs:
-        datatype = OUTPUT_DATATYPES[name]
-        if datatype == "BYTES":  # per name: a uint32 length, or quoted and escaped JSON
-            each = 4 + name_bytes if binary else answers.json_string_bytes(name_bytes)
-        else:
-            each = answers.BINARY_BYTES[datatype] if binary else answers.JSON_BYTES[datatype]
-        size = n * per_row.get(name, 1) * each
-        total += size
-        if not binary:
-            as_json += size
-    return total, as_json
 
 
 def respond(
     served: Served,
     raw: bytes,
     head: int | None,
-    bounds: scores.Bounds,
+    bounds: rules.Bounds,
     metrics: ServiceMetrics,
     limits: answers.AnswerLimits,
 ) -> Response:
     """Parse, validate, bound the answer, run ONNX Runtime and serialise: CPU work."""
     named = served.class_names is not None
-    request = parse_request(raw, head, bounds, named)
-    total, as_json = answer_bytes(request, served.max_name_bytes)
-    limits.check(total, as_json, BINARY_ANSWER_FIX)
+    request = oip.parse_request(raw, head, bounds, named)
+    total, as_json = oip.answer_bytes(request, served.max_name_bytes)
+    limits.check(total, as_json, oip.BINARY_ANSWER_FIX)
     out = calibrate(served, request.scores, request.kind, bounds.max_rows, metrics, request.top_k)
-    return encode_response(served, request, out)
+    encoded = oip.encode(served.model, served.version, served.class_names, request, out)
+    headers = {VERSION_HEADER: str(served.version)}
+    if not encoded.binary:
+        return Response(encoded.head, media_type="application/json", headers=headers)
+    headers[oip.HEADER_LENGTH] = str(len(encoded.head))
+    if encoded.binary_bytes > answers.STREAM_ANSWER_BYTES:  # no copy: views of the arrays
+        size, chunks = encoded.chunks()
+        headers["Content-Length"] = str(size)
+        return StreamingResponse(chunks, media_type=oip.OCTET_STREAM, headers=headers)
+    return Response(encoded.body(), media_type=oip.OCTET_STREAM, headers=headers)
 
 
 def version_number(text: str | None) -> int | None:
@@ -470,18 +116,19 @@ async def infer(request: Request) -> Response:
     params = request.path_params
     version = version_number(params.get("version"))
     served = await state.serving.get(params["name"], None, version, caller.namespace)
-    head = header_length(request)
+    head = oip.header_length(request.headers.get(oip.HEADER_LENGTH))
     settings = state.settings
-    bounds = scores.bounds(settings, "predict", served.num_classes, served.model)
+    bounds = rules.bounds(settings, "predict", served.num_classes, served.model)
     limit = json_body.json_body_limit(bounds, settings.max_json_bytes)
     if head is not None:  # a JSON header, then at most max_rows x K float64s
         if head > limit:
-            raise ContentTooLarge(f"{HEADER_LENGTH} is over the limit of {limit} bytes.")
+            raise ContentTooLarge(f"{oip.HEADER_LENGTH} is over the limit of {limit} bytes.")
         data = bounds.max_rows * bounds.num_classes * 8
         limit = min(settings.max_body_bytes, head + data)
     budget.narrow(request, limit)
     raw = await read_body(request, limit)
-    answer = answers.AnswerLimits.of(request, settings.max_json_bytes, len(raw))
+    declared = budget.limits_of(request.scope).answer
+    answer = answers.AnswerLimits.of(declared, settings.max_json_bytes, len(raw))
     args = (served, raw, head, bounds, state.metrics, answer)
     if len(raw) <= settings.inline_predict_bytes:
         return respond(*args)
@@ -548,7 +195,7 @@ def ready(request: Request, state: StateDep) -> Ready | Response:
 @declare(budget.READ)
 async def server_metadata(request: Request, caller: PrincipalDep) -> ServerMetadata:
     return ServerMetadata(
-        name=SERVER_NAME, version=request.app.version, extensions=list(EXTENSIONS)
+        name=oip.SERVER_NAME, version=request.app.version, extensions=list(oip.EXTENSIONS)
     )
 
 
@@ -581,10 +228,10 @@ def _model_metadata(
     return ModelMetadata(
         name=model.name,
         versions=versions,
-        platform=PLATFORM,
-        inputs=[TensorMetadata(name=INPUT, datatype="FP32", shape=[-1, k])],
+        platform=oip.PLATFORM,
+        inputs=[TensorMetadata(name=oip.INPUT, datatype="FP32", shape=[-1, k])],
         outputs=[
-            TensorMetadata(name=n, datatype=OUTPUT_DATATYPES[n], shape=shape)
+            TensorMetadata(name=n, datatype=oip.OUTPUT_DATATYPES[n], shape=shape)
             for n, shape in outputs.items()
         ],
     )
@@ -638,7 +285,7 @@ _VERSION = {
     "schema": {"type": "string"},
 }
 _HEADER = {
-    "name": HEADER_LENGTH,
+    "name": oip.HEADER_LENGTH,
     "in": "header",
     "required": False,
     "description": "Binary tensor data extension: the length of the JSON header, which "
@@ -670,14 +317,14 @@ _INFER_REQUEST = {
                 "required": ["name", "shape", "datatype"],
                 "additionalProperties": False,
                 "properties": {
-                    "name": {"type": "string", "enum": [INPUT]},
+                    "name": {"type": "string", "enum": [oip.INPUT]},
                     "shape": {
                         "type": "array",
                         "items": {"type": "integer", "minimum": 0},
                         "minItems": 2,
                         "maxItems": 2,
                     },
-                    "datatype": {"type": "string", "enum": list(INPUT_DATATYPES)},
+                    "datatype": {"type": "string", "enum": list(oip.INPUT_DATATYPES)},
                     "parameters": {
                         "type": "object",
                         "additionalProperties": True,
@@ -694,7 +341,7 @@ _INFER_REQUEST = {
                 "required": ["name"],
                 "additionalProperties": False,
                 "properties": {
-                    "name": {"type": "string", "enum": list(OUTPUT_DATATYPES)},
+                    "name": {"type": "string", "enum": list(oip.OUTPUT_DATATYPES)},
                     "parameters": {
                         "type": "object",
                         "additionalProperties": True,
@@ -741,7 +388,7 @@ def _infer_doc(versioned: bool) -> dict:
             "required": True,
             "content": {
                 "application/json": {"schema": _INFER_REQUEST},
-                OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}},
+                oip.OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}},
             },
         },
     }
@@ -750,8 +397,8 @@ def _infer_doc(versioned: bool) -> dict:
 _INFER_200 = {
     200: {
         "description": "The outputs: JSON, or with binary outputs the JSON header "
-        f"({HEADER_LENGTH} bytes) followed by their little-endian bytes.",
-        "content": {"application/json": {"schema": _INFER_RESPONSE}, OCTET_STREAM: {}},
+        f"({oip.HEADER_LENGTH} bytes) followed by their little-endian bytes.",
+        "content": {"application/json": {"schema": _INFER_RESPONSE}, oip.OCTET_STREAM: {}},
     }
 }
 

@@ -1,0 +1,53 @@
+"""The prediction path from validated scores on, shared by /v1 predict and /v2 infer:
+the row limit, the version's ONNX session, the prediction metrics and ``top_k``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from calibrators.numerics import row_chunks
+from service.observe.metrics import ServiceMetrics
+from service.security import limits
+from service.serving import inference
+from service.serving.inference import Served
+
+
+def calibrate(
+    served: Served,
+    scores: np.ndarray,
+    kind: str,
+    max_rows: int,
+    metrics: ServiceMetrics,
+    top_k: int | None = None,
+) -> dict[str, np.ndarray]:
+    """The serving path from validated scores on, shared by /v1 predict and /v2 infer.
+
+    The row limit (413), the version's ONNX session, the prediction metrics, and with
+    ``top_k`` the k largest probabilities (:func:`service.serving.inference.top_k`).
+    Returns the graph's outputs (:data:`~service.serving.inference.OUTPUTS`), plus
+    :data:`~service.serving.inference.TOP_K_OUTPUTS` with ``top_k``.
+    """
+    limits.check_rows(scores.shape[0], max_rows, "predict")
+    if top_k is not None:  # before the work, not after
+        inference.check_top_k(top_k, served.num_classes)
+    out = inference.run(served.session, inference.as_onnx_input(scores, kind))
+    flipped = _flipped(scores, out["label"])
+    metrics.observe_predictions(
+        served.namespace, served.model, served.version, out["entropy"], out["confidence"], flipped
+    )
+    if top_k is not None:
+        out.update(inference.top_k(out["probabilities"], top_k))
+    return out
+
+
+def _flipped(scores: np.ndarray, labels: np.ndarray) -> int:
+    """Rows whose calibrated argmax is not the input's (the log of probabilities keeps
+    it). A big batch in row chunks: numpy's argmax copies an unaligned array whole, and a
+    /v2 binary input is a view of the body at the JSON header's length, any offset."""
+    n, k = scores.shape
+    if n * k <= inference.RUN_ELEMENTS:
+        return int((scores.argmax(axis=1) != labels).sum())
+    return sum(
+        int((scores[rows].argmax(axis=1) != labels[rows]).sum())
+        for rows in row_chunks(n, k, inference.RUN_ELEMENTS)
+    )
