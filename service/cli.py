@@ -65,6 +65,24 @@ def use_database(command: str, url: str, *, create: bool) -> bool:
     return True
 
 
+def start_metrics_listener(listener, command: str, setting: str, text: str) -> bool:
+    """Start ``listener`` (a :class:`service.server.exporter.MetricsListener`) on the first
+    free port of ``text``, the value of ``setting``, and log which; False, after saying
+    why on stderr, when none is free (the command then exits 2). Serve and worker alike."""
+    try:
+        listener.start()
+    except OSError as exc:
+        print(
+            f"welltempered {command}: cannot listen for metrics on {text.strip()} ({setting}: "
+            "a port, or ports whose first free one each process of a host takes; empty for "
+            f"no listener): {exc}",
+            file=sys.stderr,
+        )
+        return False
+    logging.info("%s: metrics listener on %s:%d (%s)", command, *listener.address, setting)
+    return True
+
+
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -108,7 +126,9 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     use_database("serve", settings.database_url, create=True)
     try:
-        metrics_address = exporter.parse_address(settings.metrics_address)
+        metrics_address = exporter.parse_ports(
+            settings.metrics_address, "WELLTEMPERED_METRICS_ADDRESS"
+        )
     except ValueError as exc:
         print(f"welltempered serve: {exc}", file=sys.stderr)
         return 2
@@ -160,7 +180,7 @@ def serve(args: argparse.Namespace) -> int:
             settings.data_dir / "prometheus-multiproc"
         )
         # The metrics listener lives here, in the parent: one for all workers, adding
-        # up their files (service/api/exporter.py).
+        # up their files (service/server/exporter.py).
         if metrics_address is not None:
             listener = exporter.MetricsListener(
                 metrics_address, settings, multiprocess_dir=multiprocess_dir
@@ -173,16 +193,11 @@ def serve(args: argparse.Namespace) -> int:
             listener = exporter.MetricsListener(metrics_address, settings, metrics=process_metrics)
         app = create_app(settings, process_metrics)
     if listener is not None:
-        host, port = metrics_address
-        try:
-            listener.start()
-        except OSError as exc:
-            print(
-                f"welltempered serve: cannot listen for metrics on {host}:{port} "
-                f"(WELLTEMPERED_METRICS_ADDRESS; empty for no listener): {exc}",
-                file=sys.stderr,
-            )
+        if not start_metrics_listener(
+            listener, "serve", "WELLTEMPERED_METRICS_ADDRESS", settings.metrics_address
+        ):
             return 2
+        host, port = listener.address
         if not is_loopback(host):
             logging.warning(
                 "the metrics listener on %s:%d answers anyone who can reach it with every "
@@ -241,7 +256,7 @@ def worker(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        metrics_address = exporter.parse_port_range(
+        metrics_address = exporter.parse_ports(
             settings.worker_metrics_address, "WELLTEMPERED_WORKER_METRICS_ADDRESS"
         )
     except ValueError as exc:
@@ -269,24 +284,15 @@ def worker(args: argparse.Namespace) -> int:
         )
         listening = "no listener"
         if metrics_address is not None:
-            host, first, last = metrics_address
             listener = exporter.MetricsListener(
-                (host, first),
-                settings,
-                metrics=process_metrics,
-                database_gauges=False,
-                last_port=last,
+                metrics_address, settings, metrics=process_metrics, database_gauges=False
             )
-            try:
-                listener.start()
-            except OSError as exc:
-                ports = str(first) if first == last else f"{first}-{last}"
-                print(
-                    f"welltempered worker: cannot listen for metrics on {host}:{ports} "
-                    "(WELLTEMPERED_WORKER_METRICS_ADDRESS: a port, or a range whose first "
-                    f"free port each worker of a host takes; empty for no listener): {exc}",
-                    file=sys.stderr,
-                )
+            if not start_metrics_listener(
+                listener,
+                "worker",
+                "WELLTEMPERED_WORKER_METRICS_ADDRESS",
+                settings.worker_metrics_address,
+            ):
                 return 2
             listening = "{}:{}".format(*listener.address)
         logging.info(

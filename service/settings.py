@@ -241,18 +241,22 @@ class Settings(BaseSettings):
         description="How often each serve process sweeps orphan array files (0: only at "
         "start-up and with `welltempered gc`).",
     )
-    # -- exposure and slow clients (service/api/exporter.py, timeouts.py; docs/operations.md) --
+    # -- exposure and slow clients (service/server/exporter.py, timeouts.py; docs/operations.md) --
     metrics_address: str = Field(
-        "127.0.0.1:9464",
-        description="host:port of the metrics listener started by `welltempered serve` "
-        "(GET /metrics without a key, every namespace's series): keep it on loopback or an "
-        "internal network. Empty: no listener (scrape the API's /metrics with a metrics key).",
+        "127.0.0.1:9464,9475-9483",
+        description="host:port, or host:ports (a port, first-last, or several joined by "
+        "commas), of the metrics listener started by `welltempered serve` (GET /metrics "
+        "without a key, every namespace's series): keep it on loopback or an internal "
+        "network. With several ports each serve takes its first free one (the log says "
+        "which): the default's 9464 first, then 9475-9483, past the workers' 9465-9474, so "
+        "up to ten servers of a host share it. A single port is that port or a refusal to "
+        "start. Empty: no listener (scrape the API's /metrics with a metrics key).",
     )
     worker_metrics_address: str = Field(
         "127.0.0.1:9465-9474",
-        description="host:port, or host:first-last, of the metrics listener of "
-        "`welltempered worker` (GET /metrics without a key: the fits it ran, its array "
-        "read cache, no database gauges and no tenant data). With a range each worker "
+        description="host:port, or host:ports as for metrics_address, of the metrics "
+        "listener of `welltempered worker` (GET /metrics without a key: the fits it ran, "
+        "its array read cache, no database gauges and no tenant data). With a range each worker "
         "takes its first free port (the log says which), so workers on one host share the "
         "default; a single port is that port or a refusal to start. Empty: no listener.",
     )

@@ -75,3 +75,26 @@ JSON_VALUES = st.recursive(
                                                                 max_size=5),
     max_leaves=20,
 )
+
+
+#: Characters stored text (a class name, a description) may hold, stated independently
+#: of service.vocabulary: any letter, mark (combining or not), number, punctuation,
+#: symbol (emoji), space, private-use or unassigned code point, and the zero-width
+#: non-joiner and joiner that some scripts and emoji sequences need.
+STORED_TEXT_CHARACTERS = st.characters(
+    exclude_categories=("Cc", "Cf", "Cs", "Zl", "Zp")
+) | st.sampled_from("\u200c\u200d")
+#: Characters no stored text may hold: controls, line and paragraph separators, lone
+#: surrogates and every other format character (bidirectional overrides among them).
+REFUSED_TEXT_CHARACTERS = st.characters(categories=("Cc", "Cf", "Cs", "Zl", "Zp")).filter(
+    lambda c: c not in "\u200c\u200d"
+)
+
+
+@st.composite
+def stored_names(draw, max_chars: int = 128) -> str:
+    """A name that may be stored: 1 to ``max_chars`` characters of
+    :data:`STORED_TEXT_CHARACTERS`, with no whitespace at either end."""
+    return draw(st.text(STORED_TEXT_CHARACTERS, min_size=1, max_size=max_chars).filter(
+        lambda s: s == s.strip()
+    ))

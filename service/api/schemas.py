@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from datetime import datetime
+from functools import partial
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -24,7 +26,11 @@ from service.vocabulary import (
     DEFAULT_ARGMAX_POLICY,
     KEY_STATES,
     KINDS,
+    MAX_CLASS_NAME_CHARS,
+    MAX_CLASS_NAMES_BYTES,
+    MAX_DESCRIPTION_CHARS,
     MAX_ID,
+    MAX_KEY_DESCRIPTION_CHARS,
     METHODS,
     NAME_PATTERN,
     SCOPES,
@@ -32,6 +38,8 @@ from service.vocabulary import (
     STATUSES,
     TENANT_SCOPES,
     VERSION_SOURCES,
+    check_names,
+    check_text,
 )
 
 # The closed lists of service.vocabulary as types: Literal[("a", "b")] is Literal["a", "b"].
@@ -52,13 +60,29 @@ VersionSource = Literal[VERSION_SOURCES]  # type: ignore[valid-type]
 Timestamp = Annotated[datetime, PlainSerializer(as_utc, return_type=datetime, when_used="json")]
 
 
-#: Longest model description.
-MAX_DESCRIPTION = 1024
+def _text(what: str, max_chars: int) -> Any:
+    """Free text a tenant stores and the service echoes: checked by
+    :func:`service.vocabulary.check_text` (documented with its limit)."""
+    return Annotated[
+        str,
+        AfterValidator(partial(check_text, what=what, max_chars=max_chars)),
+        Field(json_schema_extra={"maxLength": max_chars}),
+    ]
 
 
-def _distinct(names: list[str]) -> None:
-    if len(set(names)) != len(names):
-        raise ValueError("class_names must be distinct.")
+#: A model's class names, checked by :func:`service.vocabulary.check_names`.
+ClassNames = Annotated[
+    list[
+        Annotated[str, Field(json_schema_extra={"minLength": 1, "maxLength": MAX_CLASS_NAME_CHARS})]
+    ],
+    AfterValidator(check_names),
+]
+_CLASS_NAMES = (
+    f"One per class, in order, distinct; each one line of at most {MAX_CLASS_NAME_CHARS} "
+    f"characters, {MAX_CLASS_NAMES_BYTES} bytes of UTF-8 in all (docs/api.md)."
+)
+ModelDescription = _text("description", MAX_DESCRIPTION_CHARS)
+KeyDescription = _text("description", MAX_KEY_DESCRIPTION_CHARS)
 
 
 class ModelCreate(BaseModel):
@@ -66,23 +90,21 @@ class ModelCreate(BaseModel):
 
     name: str = Field(pattern=NAME_PATTERN, description="URL-safe, unique.")
     num_classes: int = Field(ge=2, le=1_000_000)
-    class_names: list[str] | None = Field(None, description="One per class, in order.")
+    class_names: ClassNames | None = Field(None, description=_CLASS_NAMES)
     argmax_policy: ArgmaxPolicy = Field(
         DEFAULT_ARGMAX_POLICY,
         description="require: a calibrator that changes any held-out predicted class is "
         "stored 'rejected' and cannot be aliased; warn: allowed with a warning; off: allowed.",
     )
-    description: str | None = Field(None, max_length=MAX_DESCRIPTION)
+    description: ModelDescription | None = None
 
     @model_validator(mode="after")
     def _names(self) -> ModelCreate:
-        if self.class_names is not None:
-            if len(self.class_names) != self.num_classes:
-                raise ValueError(
-                    f"class_names must have num_classes={self.num_classes} entries. "
-                    f"Got {len(self.class_names)}."
-                )
-            _distinct(self.class_names)
+        if self.class_names is not None and len(self.class_names) != self.num_classes:
+            raise ValueError(
+                f"class_names must have num_classes={self.num_classes} entries. "
+                f"Got {len(self.class_names)}."
+            )
         return self
 
 
@@ -92,22 +114,20 @@ class ModelPatch(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    class_names: list[str] | None = Field(
-        None, description="One per class, in order (num_classes of them); null removes them."
+    class_names: ClassNames | None = Field(
+        None, description=f"{_CLASS_NAMES} num_classes of them; null removes them."
     )
     argmax_policy: ArgmaxPolicy | None = Field(
         None,
         description="Applies to fits that start from now on; a version keeps the outcome "
         "of the policy it was fitted under (refit to apply a new policy).",
     )
-    description: str | None = Field(None, max_length=MAX_DESCRIPTION)
+    description: ModelDescription | None = None
 
     @model_validator(mode="after")
     def _fields(self) -> ModelPatch:
         if "argmax_policy" in self.model_fields_set and self.argmax_policy is None:
             raise ValueError("argmax_policy cannot be null: give require, warn or off.")
-        if self.class_names is not None:
-            _distinct(self.class_names)
         return self
 
     def changes(self) -> dict[str, Any]:
@@ -300,7 +320,7 @@ class KeyCreate(BaseModel):
     expires_in_seconds: int | None = Field(
         None, ge=1, le=10 * 365 * 86400, description="Lifetime; none: never expires."
     )
-    description: str | None = Field(None, max_length=256)
+    description: KeyDescription | None = None
 
 
 class KeyOut(BaseModel):

@@ -21,10 +21,12 @@ from service.storage import keys as key_rows
 from service.storage import migrate
 from service.storage.db import ApiKey, as_utc, make_engine, utcnow
 from service.vocabulary import (
+    MAX_KEY_DESCRIPTION_CHARS,
     METRICS_NAMESPACE,
     METRICS_SCOPE,
     NAMESPACE_PATTERN,
     SCOPES,
+    check_text,
     parse_duration,
 )
 
@@ -139,7 +141,10 @@ def _when(moment: datetime | None) -> str:
 def _create(session: Session, args: argparse.Namespace) -> int:
     try:
         expires = timedelta(seconds=parse_duration(args.expires)) if args.expires else None
-        row, key = create_key(session, args.namespace, args.scope, expires, args.description)
+        description = args.description
+        if description is not None:  # the rule of the API's KeyCreate
+            check_text(description, "--description", MAX_KEY_DESCRIPTION_CHARS)
+        row, key = create_key(session, args.namespace, args.scope, expires, description)
     except ValueError as exc:
         print(f"welltempered keys create: {exc}", file=sys.stderr)
         return 2

@@ -4,8 +4,10 @@
 hold-out and live quality, traffic), so it is not served to anyone who can reach
 the API: on the API's address it needs a key of the ``metrics`` scope
 (:mod:`service.security.auth`), and ``welltempered serve`` also starts this
-listener on ``WELLTEMPERED_METRICS_ADDRESS`` (default ``127.0.0.1:9464``, loopback
-only; empty for none) for a scraper on the same host or on an internal network.
+listener on ``WELLTEMPERED_METRICS_ADDRESS`` (default ``127.0.0.1:9464,9475-9483``,
+loopback only; empty for none) for a scraper on the same host or on an internal
+network: the first free port of 9464 and 9475-9483, so up to ten servers of a host
+share the default, beside the workers' 9465-9474 (:func:`parse_ports`).
 
 Which process serves it
 -----------------------
@@ -22,10 +24,10 @@ database gauges, read at scrape time through the listener's own small engine.
 ``welltempered worker`` (fits only, no API) runs one too, on
 ``WELLTEMPERED_WORKER_METRICS_ADDRESS`` (default ``127.0.0.1:9465-9474``: the first
 free port of the range, so a worker and a serve on one host do not collide, nor up to
-ten workers; a single port is that port or a refusal to start): the fits it ran
-(``fit_duration_seconds``), its array read cache, its process; no database gauges
-(the API replicas export those, identical everywhere), hence no namespace or model
-name.
+ten workers): the fits it ran (``fit_duration_seconds``), its array read cache, its
+process; no database gauges (the API replicas export those, identical everywhere),
+hence no namespace or model name. For serve and worker alike, a single port is that
+port or a refusal to start, and the log says which port was taken.
 
 The listener is a uvicorn server on its own event loop thread, with the same header
 deadline as the API (:mod:`service.server.timeouts`); it answers ``GET /metrics``
@@ -38,7 +40,7 @@ import errno
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import uvicorn
 from sqlalchemy import Engine
@@ -81,34 +83,38 @@ def parse_address(
     return host, int(port)
 
 
-def parse_port_range(
-    text: str, setting: str = "WELLTEMPERED_WORKER_METRICS_ADDRESS"
-) -> tuple[str, int, int] | None:
-    """``host:port`` or ``host:first-last`` as ``(host, first, last)``; None for ``""``.
-    A range lets several processes of a host share one setting: each listens on the
-    first port of it that is free (:meth:`MetricsListener.start`).
+def parse_ports(text: str, setting: str) -> tuple[str, tuple[int, ...]] | None:
+    """``host:ports`` as ``(host, ports)``: the ports to try, in order; None for ``""``.
+    ``ports`` is a port, a range ``first-last``, or several of them joined by commas.
+    Several ports let the processes of a host share one setting: each listens on the
+    first of them that is free (:meth:`MetricsListener.start`); a single port is that
+    port or an error. ``setting`` names the variable in the error.
 
-    >>> parse_port_range("127.0.0.1:9465-9474"), parse_port_range("[::1]:9465")
-    (('127.0.0.1', 9465, 9474), ('::1', 9465, 9465))
+    >>> parse_ports("127.0.0.1:9464,9475-9477", "X"), parse_ports("[::1]:9465", "X")
+    (('127.0.0.1', (9464, 9475, 9476, 9477)), ('::1', (9465,)))
     """
     text = text.strip()
     if not text:
         return None
-    host, sep, ports = text.rpartition(":")
-    first, dash, last = ports.partition("-")
+    host, sep, spec = text.rpartition(":")
+    ports: list[int] = []
     try:
-        parsed = parse_address(f"{host}{sep}{first}", setting)
-        if dash:
-            end = parse_address(f"{host}{sep}{last}", setting)
+        for part in spec.split(","):
+            first, dash, last = part.partition("-")
+            start = parse_address(f"{host}{sep}{first}", setting)
+            end = parse_address(f"{host}{sep}{last}", setting) if dash else start
+            if start is None or end is None or end[1] < start[1]:
+                raise ValueError(part)
+            ports.extend(range(start[1], end[1] + 1))
     except ValueError:
-        parsed = end = None
-    if parsed is None or (dash and (end is None or end[1] < parsed[1])):
+        ports = []
+    if not ports or len(set(ports)) != len(ports):
         raise ValueError(
-            f"{setting} is host:port or host:first-last (127.0.0.1:9465, "
-            f"127.0.0.1:9465-9474: the first free port of the range), or empty for no "
-            f"metrics listener. Got {text!r}."
+            f"{setting} is host:port, or host:ports whose first free one is taken "
+            "(127.0.0.1:9464, 127.0.0.1:9465-9474, 127.0.0.1:9464,9475-9483), or empty for "
+            f"no metrics listener. Got {text!r}."
         )
-    return parsed[0], parsed[1], end[1] if dash else parsed[1]
+    return start[0], tuple(ports)
 
 
 def metrics_app(render: Render) -> Starlette:
@@ -121,11 +127,11 @@ def metrics_app(render: Render) -> Starlette:
     return Starlette(routes=[Route("/metrics", scrape, methods=["GET"])])
 
 
-def _bind_first_free(host: str, first: int, last: int) -> socket.socket:
-    """A socket bound to the first port of ``first..last`` that is free on ``host``;
-    the last port's ``OSError`` when none is (only "address in use" moves on)."""
+def _bind_first_free(host: str, ports: Sequence[int]) -> socket.socket:
+    """A socket bound to the first of ``ports`` that is free on ``host``; the last
+    port's ``OSError`` when none is (only "address in use" moves on)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    for port in range(first, last + 1):
+    for i, port in enumerate(ports):
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -134,9 +140,9 @@ def _bind_first_free(host: str, first: int, last: int) -> socket.socket:
             return sock
         except OSError as exc:
             sock.close()
-            if exc.errno != errno.EADDRINUSE or port == last:
+            if exc.errno != errno.EADDRINUSE or i == len(ports) - 1:
                 raise
-    raise AssertionError("unreachable: the last port raises")
+    raise ValueError(f"no port to listen on. Got {ports!r}.")
 
 
 class MetricsListener:
@@ -144,8 +150,9 @@ class MetricsListener:
 
     Parameters
     ----------
-    address : (str, int)
-        Where to listen (:func:`parse_address`): the host, and the first port to try.
+    address : (str, sequence of int)
+        Where to listen (:func:`parse_ports`): the host, and the ports to try in order.
+        Once started, :attr:`address` is ``(host, port)``, the port it got.
     settings : Settings
         The database and the monitoring window of the database gauges, the header
         deadline.
@@ -157,31 +164,27 @@ class MetricsListener:
     database_gauges : bool, default True
         Whether the scrape reads the database gauges (``welltempered worker``'s listener
         does not: the API replicas export them, and without them it names no tenant).
-    last_port : int, optional
-        With a range (:func:`parse_port_range`), the last port to try when the ones
-        before it are taken; ``address`` is then where the listener got.
     """
 
     def __init__(
         self,
-        address: tuple[str, int],
+        address: tuple[str, Sequence[int]],
         settings: Settings,
         metrics: obs.ServiceMetrics | None = None,
         multiprocess_dir: str | None = None,
         database_gauges: bool = True,
-        last_port: int | None = None,
     ):
         if (metrics is None) == (multiprocess_dir is None):
             raise ValueError(
                 "give either this process's metrics or the workers' multiprocess directory. "
                 f"Got metrics={metrics!r}, multiprocess_dir={multiprocess_dir!r}."
             )
-        self.address = address
+        self.host, self.ports = address[0], tuple(address[1])
+        self.address: tuple[str, int] | None = None
         self.settings = settings
         self.metrics = metrics
         self.multiprocess_dir = multiprocess_dir
         self.database_gauges = database_gauges
-        self.last_port = address[1] if last_port is None else last_port
         # The read cache of this process's data folder (shared with its workers and fits).
         self.cache_usage = ArrayStore(settings.data_dir).read_cache.usage
         self.engine: Engine | None = None
@@ -207,10 +210,10 @@ class MetricsListener:
         return obs.render_multiprocess(self.multiprocess_dir, snapshot, self.cache_usage)
 
     def start(self, timeout: float = 10.0) -> None:
-        """Bind the address, or the first free port up to ``last_port`` (``OSError`` if
-        every one is taken), then serve in a daemon thread."""
-        host, first = self.address
-        sock = _bind_first_free(host, first, self.last_port)
+        """Bind the first free port of the address's ports (``OSError`` if every one is
+        taken), then serve in a daemon thread."""
+        host = self.host
+        sock = _bind_first_free(host, self.ports)
         port = sock.getsockname()[1]
         self.address = (host, port)
         if self.database_gauges:

@@ -26,6 +26,7 @@ from calibrators.validation import PROBABILITY_FLOOR, CalibrationInputError
 from service.errors import InvalidInput
 from service.storage.registry import resolve_served
 from service.storage.retry import retry_read
+from service.vocabulary import longest_name_bytes
 
 #: The outputs of every calibrator's graph (calibrators.onnx_export).
 OUTPUTS = ("probabilities", "label", "confidence", "entropy")
@@ -108,8 +109,9 @@ class Served:
     session: ort.InferenceSession
     #: The model's class names as an object array (index it with labels), or None.
     class_names: np.ndarray | None = None
-    #: The longest of ``class_names`` in UTF-8 bytes (0 without names): what bounds the
-    #: names in an answer before it is computed.
+    #: The longest of them in UTF-8 bytes (0 without names): what an answer that names
+    #: each row's class costs per row at most, to bound its size before computing it.
+    #: Stored names written before their limits may be longer than a name may be now.
     max_name_bytes: int = 0
 
 
@@ -159,10 +161,7 @@ class ServingCache:
                 class_names=(
                     None if model.class_names is None else np.array(model.class_names, object)
                 ),
-                max_name_bytes=max(
-                    (len(n.encode("utf-8", "surrogatepass")) for n in model.class_names or ()),
-                    default=0,
-                ),
+                max_name_bytes=longest_name_bytes(model.class_names),
             )
 
     def invalidate(self, model: str, namespace: str) -> None:

@@ -183,10 +183,11 @@ def test_v2_shape_of_2_62_rows_and_no_columns_is_a_422(served):
 
 def test_answers_with_long_class_names_are_refused_before_the_work(tmp_path, database_url):
     """The names amplification: per row, top_k names of the longest name's size, counted
-    before the calibration (the answer would be 1,000 x 2 x 4 x 2,000 bytes as .npy)."""
+    before the calibration (names of 128 four-byte characters, the longest a name may
+    be: the .npy answer would take 1,000 x 2 x 4 x 512 bytes)."""
     settings = make_settings(database_url, tmp_path, max_json_bytes=1 << 20)
     with TestClient(create_app(settings), raise_server_exceptions=False) as c:
-        names = [f"{i}" + "n" * 1999 for i in range(K)]
+        names = [f"{i}" + "\N{GRINNING FACE}" * 127 for i in range(K)]
         create_model(c, "m", K)
         assert c.patch("/v1/models/m", json={"class_names": names}).status_code == 200
         z, y = logits_data(200, K)
@@ -197,7 +198,7 @@ def test_answers_with_long_class_names_are_refused_before_the_work(tmp_path, dat
         r = c.post("/v1/models/m/predict?top_k=2", content=npy(z),
                    headers={"content-type": NPY, "accept": NPY})
         problem = assert_problem(r, 413, "answer", "limit")
-        assert problem["answer_bytes"] >= 1000 * 2 * 4 * 2000
+        assert problem["answer_bytes"] >= 1000 * 2 * 4 * 509
         r = c.post("/v1/models/m/predict?top_k=2", content=npy(z),
                    headers={"content-type": NPY})
         assert_problem(r, 422, "MAX_JSON_BYTES")  # the names as JSON: over 1 MiB
