@@ -9,15 +9,33 @@ of a rejection, stored on the version at the time of its outcome.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import orjson
 
 import calibrators
 from calibrators import CalibrationInputError, checks, metrics
 from calibrators.base import Calibrator
 from calibrators.holdout import split_indices
+from service.errors import InvalidInput
+
+#: The most bytes the ``fit_info`` of posted parameters may take, serialised as it is
+#: stored (compact JSON, UTF-8): it is stored with the version and answered by every
+#: GET of it. Every method's own ``fit_info`` is far inside these bounds at any K
+#: (tests/service/test_import_bounds.py).
+MAX_FIT_INFO_BYTES = 64 * 1024
+#: The deepest nesting of objects and arrays in a posted ``fit_info`` (``fit_info``
+#: itself is the first level).
+MAX_FIT_INFO_DEPTH = 8
+#: The longest string (key or value) in a posted ``fit_info``, in characters.
+MAX_FIT_INFO_STRING = 1024
+#: Characters refused in ``fit_info``'s strings: C0 and C1 controls (newline and tab
+#: included) and the bidirectional marks, embeddings, overrides and isolates that
+#: reorder text in a terminal or a log ("Trojan Source", CVE-2021-42574).
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
 def evaluate(
@@ -75,7 +93,64 @@ def from_posted_params(params: Mapping[str, Any], num_classes: int) -> Calibrato
             f"params n_classes must be the model's number of classes, {num_classes}. "
             f"Got {k!r}."
         )
-    return calibrators.from_params(dict(params))
+    cal = calibrators.from_params(dict(params))
+    check_fit_info(cal.fit_info_)
+    return cal
+
+
+def _check_strings(value: Any, depth: int, path: str) -> None:
+    """Depth and strings of ``value`` (at ``path`` in fit_info), or InvalidInput."""
+    if isinstance(value, str):
+        if len(value) > MAX_FIT_INFO_STRING:
+            raise InvalidInput(
+                f"params fit_info strings hold at most {MAX_FIT_INFO_STRING} characters. "
+                f"Got {len(value)} at {path}.",
+                limit=MAX_FIT_INFO_STRING,
+            )
+        bad = _UNSAFE.search(value)
+        if bad is not None:
+            raise InvalidInput(
+                "params fit_info strings may not hold control or bidirectional-override "
+                f"characters. Got U+{ord(bad.group()):04X} at {path}."
+            )
+        return
+    if not isinstance(value, dict | list):
+        return
+    if depth >= MAX_FIT_INFO_DEPTH:
+        raise InvalidInput(
+            f"params fit_info nests objects and arrays at most {MAX_FIT_INFO_DEPTH} deep. "
+            f"Got deeper at {path}.",
+            limit=MAX_FIT_INFO_DEPTH,
+        )
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_strings(key, depth + 1, f"{path} (a key)")
+            _check_strings(item, depth + 1, f"{path}.{key[:40]}")
+    else:
+        for i, item in enumerate(value):
+            _check_strings(item, depth + 1, f"{path}[{i}]")
+
+
+def check_fit_info(fit_info: Mapping[str, Any]) -> None:
+    """Refuse (:class:`service.errors.InvalidInput`, a 422) the ``fit_info`` of posted
+    parameters unless it is small and plain: at most :data:`MAX_FIT_INFO_DEPTH` deep,
+    strings of at most :data:`MAX_FIT_INFO_STRING` characters without control or
+    bidirectional-override characters, numbers the stored JSON can hold (integers
+    within 64 bits), and :data:`MAX_FIT_INFO_BYTES` serialised. It is stored and
+    answered with the version: facts about a fit, not a place for payloads."""
+    try:  # the size first: it bounds the walk below
+        size = len(orjson.dumps(fit_info))
+    except orjson.JSONEncodeError as exc:  # an integer beyond 64 bits, or nesting past 255
+        _check_strings(dict(fit_info), 0, "fit_info")
+        raise InvalidInput(
+            f"params fit_info must be JSON the service can store. Got {exc}."
+        ) from None
+    if size > MAX_FIT_INFO_BYTES:
+        raise InvalidInput(
+            f"params fit_info takes at most {MAX_FIT_INFO_BYTES} bytes as JSON. Got {size}.",
+            limit=MAX_FIT_INFO_BYTES,
+        )
+    _check_strings(dict(fit_info), 0, "fit_info")
 
 
 def evaluate_params(
