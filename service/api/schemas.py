@@ -331,6 +331,6 @@ class DeletedOut(BaseModel):
     versions: list[int] = Field(description="Numbers of the deleted calibrator versions.")
     aliases: list[str] = Field(description="Names of the deleted aliases.")
     stored_bytes_released: int = Field(
-        description="Bytes of the deleted datasets, no longer counted against the "
-        "namespace's stored-bytes quota."
+        description="Bytes of the deleted datasets and versions, no longer counted against "
+        "the namespace's stored-bytes quota."
     )

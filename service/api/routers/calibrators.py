@@ -30,6 +30,7 @@ from service.security import limits
 from service.serving.inference import onnx_bytes
 from service.storage import fits, registry
 from service.storage.db import CalibratorVersion, Dataset, Model
+from service.storage.usage import Quotas
 from service.vocabulary import FITTED
 
 router = APIRouter(prefix="/v1/models/{model}/calibrators", tags=["calibrators"])
@@ -101,7 +102,8 @@ def _enqueue(
     response: Response,
     **version: Any,
 ) -> FitAccepted:
-    """A queued version of ``model`` (429 when the fit queue is full), its job submitted."""
+    """A queued version of ``model`` (429 when the fit queue is full; 409/413 past the
+    ``versions`` or ``stored_bytes`` quota), its job submitted."""
     limits.check_fit_queue(
         session,
         model.namespace,
@@ -114,6 +116,7 @@ def _enqueue(
         model,
         dataset,
         enqueue=lambda s, v: queue.enqueue(s, v, model.namespace),
+        quotas=Quotas.from_settings(state.settings),
         **version,
     )
     queue.submitted(row.id, model.namespace)
