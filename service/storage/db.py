@@ -181,8 +181,12 @@ class CalibratorVersion(Base):
     worker: Mapped[str | None] = mapped_column(String(128))
     #: The job engine's id of this fit (PostgreSQL: procrastinate_jobs.id; None on SQLite).
     job_id: Mapped[int | None] = mapped_column(BigInteger)
-    #: Why the argmax policy rejected it (one sentence per reason), set with the outcome.
+    #: Why it was rejected (one sentence per reason), set with the outcome.
     rejection: Mapped[list[str] | None]
+    #: The reasons of a rejection, machine-readable (REJECTION_REASONS), set with the
+    #: outcome; None for a version not rejected (or rejected before the column existed:
+    #: by the argmax policy, the only reason then).
+    rejected_for: Mapped[list[str] | None]
     #: Where its params came from: a fit here, or posted parameters (VERSION_SOURCES).
     source: Mapped[str] = mapped_column(String(16), server_default="fit")
     #: Bytes of its params as stored (:func:`json_bytes`; fit_info included): what the

@@ -52,6 +52,7 @@ from service.storage.pages import PageRequest, paged
 from service.storage.usage import Quotas
 from service.vocabulary import (
     ALIAS_PATTERN,
+    ARGMAX_CHANGED,
     DEFAULT_ALIAS,
     FROM_PARAMS,
     NAME_PATTERN,
@@ -336,7 +337,14 @@ def find_version(session: Session, model: Model, version: int) -> CalibratorVers
 
 
 def check_servable(row: CalibratorVersion, model: Model) -> None:
-    """409 unless ``row`` may be served: succeeded (a rejected fit carries its argmax report)."""
+    """409 unless ``row`` may be served: succeeded (a version rejected by the argmax policy
+    carries its argmax report; one rejected for its held-out NLL, its reason)."""
+    if row.status == "rejected" and ARGMAX_CHANGED not in (row.rejected_for or [ARGMAX_CHANGED]):
+        raise NotReady(
+            f"Version {row.version} of {model.name!r} is rejected: "
+            f"{' '.join(row.rejection or [])}",
+            version_status=row.status,
+        )
     if row.status == "rejected":
         raise ArgmaxChanged(
             f"Version {row.version} of {model.name!r} changed the predicted class of "

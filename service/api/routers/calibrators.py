@@ -59,6 +59,7 @@ def version_out(row: CalibratorVersion, model: Model) -> VersionOut:
         candidates=row.candidates if fitted else None,
         warning=row.warning,
         rejection=row.rejection,
+        rejected_for=row.rejected_for,
         error=row.error,
         source=row.source,
         fit_seconds=row.fit_seconds,
