@@ -217,8 +217,9 @@ class Settings(BaseSettings):
     quota_stored_bytes: int = Field(
         2 * 1024 * MiB,
         ge=1,
-        description="Bytes of dataset arrays one namespace may store (the .npy files of its "
-        "datasets, each dataset counted in full even when its content is shared). An upload "
+        description="Bytes one namespace may store: the .npy files of its datasets (each "
+        "dataset counted in full even when its content is shared) and the parameters of its "
+        "calibrator versions (as stored JSON, fit_info included). An upload or an import "
         "past it is refused with 409 quota-exceeded (413 if it alone is larger). Default: "
         "twice MAX_BODY_BYTES's default, room for the largest upload and more.",
     )
@@ -227,6 +228,13 @@ class Settings(BaseSettings):
     )
     quota_models: int = Field(
         100, ge=1, description="Models one namespace may hold (409 quota-exceeded past it)."
+    )
+    quota_versions: int = Field(
+        1000,
+        ge=1,
+        description="Calibrator versions one model may hold, fitted and imported, whatever "
+        "their status (409 quota-exceeded past it; deleting a version makes room). Default: "
+        "a refit a day for almost three years.",
     )
     orphan_grace_seconds: float = Field(
         3600.0,

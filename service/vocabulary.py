@@ -20,6 +20,7 @@ from calibrators.validation import KINDS
 __all__ = [
     "ALIAS_PATTERN",
     "ALLOWED_FORMAT_CHARACTERS",
+    "ARGMAX_CHANGED",
     "ARGMAX_POLICIES",
     "AUTO",
     "BIDI_CONTROLS",
@@ -41,6 +42,8 @@ __all__ = [
     "METRICS_SCOPE",
     "NAMESPACE_PATTERN",
     "NAME_PATTERN",
+    "NLL_WORSE",
+    "REJECTION_REASONS",
     "SCOPES",
     "SCORE_DTYPES",
     "STATUSES",
@@ -76,6 +79,14 @@ STATUSES = ("queued", "running", "succeeded", "rejected", "failed", "cancelled")
 UNFINISHED = ("queued", "running")
 #: Fitted: params and hold-out metrics exist (only ``succeeded`` may be served).
 FITTED = ("succeeded", "rejected")
+
+#: Why a version is ``rejected`` (its ``rejected_for``; each comes with a sentence in
+#: its ``rejection``): it changed held-out predicted classes under ``argmax_policy``
+#: ``require``, or its held-out NLL is worse than the uncalibrated scores' beyond the
+#: tolerance of :mod:`service.jobs.evaluation` (whatever the policy).
+ARGMAX_CHANGED = "argmax-changed"
+NLL_WORSE = "nll-worse-than-uncalibrated"
+REJECTION_REASONS = (ARGMAX_CHANGED, NLL_WORSE)
 
 #: The source of a version from posted parameters (``POST .../calibrators/import``):
 #: queued like a fit, its job evaluates them instead of fitting.

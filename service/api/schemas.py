@@ -33,6 +33,7 @@ from service.vocabulary import (
     MAX_KEY_DESCRIPTION_CHARS,
     METHODS,
     NAME_PATTERN,
+    REJECTION_REASONS,
     SCOPES,
     SCORE_DTYPES,
     STATUSES,
@@ -54,6 +55,7 @@ Scope = Literal[SCOPES]  # type: ignore[valid-type]
 TenantScope = Literal[TENANT_SCOPES]  # type: ignore[valid-type]
 KeyState = Literal[KEY_STATES]  # type: ignore[valid-type]
 VersionSource = Literal[VERSION_SOURCES]  # type: ignore[valid-type]
+RejectionReason = Literal[REJECTION_REASONS]  # type: ignore[valid-type]
 
 
 #: A stored time: ISO 8601 in UTC on the wire (SQLite gives naive datetimes back).
@@ -236,8 +238,15 @@ class VersionOut(BaseModel):
     warning: str | None = None
     rejection: list[str] | None = Field(
         None,
-        description="Why the argmax policy rejected this version (status 'rejected'), one "
-        "sentence per candidate method.",
+        description="Why this version was rejected (status 'rejected'): one sentence per "
+        "candidate method and reason.",
+    )
+    rejected_for: list[RejectionReason] | None = Field(
+        None,
+        description="The reasons of a rejection, machine-readable: 'argmax-changed' (the "
+        "argmax policy 'require'), 'nll-worse-than-uncalibrated' (its held-out NLL is worse "
+        "than the raw scores' beyond the tolerance). Null unless rejected (and for versions "
+        "rejected before this field existed, by the argmax policy).",
     )
     error: str | None = None
     source: VersionSource = Field(
@@ -351,6 +360,6 @@ class DeletedOut(BaseModel):
     versions: list[int] = Field(description="Numbers of the deleted calibrator versions.")
     aliases: list[str] = Field(description="Names of the deleted aliases.")
     stored_bytes_released: int = Field(
-        description="Bytes of the deleted datasets, no longer counted against the "
-        "namespace's stored-bytes quota."
+        description="Bytes of the deleted datasets and versions, no longer counted against "
+        "the namespace's stored-bytes quota."
     )

@@ -1,10 +1,25 @@
-"""A calibrator on held-out rows, and what the model's argmax policy makes of it.
+"""A calibrator on held-out rows, and what the policies make of it.
 
-One home for the rule, used by a fit (:func:`service.jobs.fitting.fit_job`, for each
+One home for the rules, used by a fit (:func:`service.jobs.fitting.fit_job`, for each
 candidate) and by a version made from posted parameters
-(:func:`service.jobs.fitting.import_job`): the hold-out metrics, the
-argmax report, whether the policy allows it, the warning of ``warn`` and the reasons
-of a rejection, stored on the version at the time of its outcome.
+(:func:`service.jobs.fitting.import_job`): the hold-out metrics, the argmax report,
+the NLL comparison with the raw scores, whether the policies allow it, the warning of
+``warn`` and the reasons of a rejection (sentences and codes), stored on the version
+at the time of its outcome.
+
+Two policies. The model's ``argmax_policy`` (``require``: no held-out predicted class
+may change). And, whatever that policy, the held-out NLL: a calibrator whose held-out
+NLL is worse than the uncalibrated scores' (:func:`calibrators.checks.nll_report`) by
+more than :data:`NLL_RELATIVE_TOLERANCE` of it *and* more than
+:data:`NLL_STANDARD_ERRORS` standard errors of the paired per-row difference is
+rejected (:data:`~service.vocabulary.NLL_WORSE`). Both conditions, because a hold-out
+is a sample: the relative floor ignores differences too small to matter (a large
+hold-out makes any difference significant), the standard errors ignore differences the
+rows cannot tell from noise (a small hold-out, or one dominated by a few confidently
+wrong rows, makes a good calibrator look worse). Temperature scaling fitted on the
+shipped real outputs is not rejected, and parameters that serve one-hot probabilities
+are once the hold-out has some tens of rows: bench/holdout_policy.py measures both
+(bench/README.md, "The held-out NLL policy").
 """
 
 from __future__ import annotations
@@ -13,24 +28,68 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import orjson
 
 import calibrators
 from calibrators import CalibrationInputError, checks, metrics
 from calibrators.base import Calibrator
 from calibrators.holdout import split_indices
+from service.errors import InvalidInput
+from service.vocabulary import ARGMAX_CHANGED, NLL_WORSE, REJECTION_REASONS, check_text
+
+#: How much worse than the raw scores' held-out NLL a calibrator's may be, relative to
+#: the raw NLL, before the difference counts (1%).
+NLL_RELATIVE_TOLERANCE = 0.01
+#: How many standard errors of the paired per-row difference the held-out NLL of a
+#: calibrator must exceed the raw scores' by before it counts (at 4, some temperature
+#: fits on subsets of the real outputs were rejected: bench/README.md).
+NLL_STANDARD_ERRORS = 5.0
+
+#: The most bytes the ``fit_info`` of posted parameters may take, serialised as it is
+#: stored (compact JSON, UTF-8): it is stored with the version and answered by every
+#: GET of it. Every method's own ``fit_info`` is far inside these bounds at any K
+#: (tests/service/test_import_bounds.py).
+MAX_FIT_INFO_BYTES = 64 * 1024
+#: The deepest nesting of objects and arrays in a posted ``fit_info`` (``fit_info``
+#: itself is the first level).
+MAX_FIT_INFO_DEPTH = 8
+#: The longest string (key or value) in a posted ``fit_info``, in characters.
+MAX_FIT_INFO_STRING = 1024
+
+
+def nll_worse(nll: Mapping[str, Any]) -> bool:
+    """Whether :func:`calibrators.checks.nll_report`'s ``nll`` is worse than the raw
+    scores beyond both tolerances (:data:`NLL_RELATIVE_TOLERANCE`,
+    :data:`NLL_STANDARD_ERRORS`). One held-out row cannot tell (no standard error)."""
+    se = nll["standard_error"]
+    if se is None:
+        return False
+    return nll["difference"] > max(
+        NLL_RELATIVE_TOLERANCE * nll["before_loss"], NLL_STANDARD_ERRORS * se
+    )
 
 
 def evaluate(
     cal: Calibrator, x_hold: np.ndarray, y_hold: np.ndarray, *, kind: str, argmax_policy: str
 ) -> dict[str, Any]:
     """``metrics`` (calibrators.metrics.report of the calibrated held-out rows),
-    ``argmax`` (calibrators.checks.argmax_report) and ``allowed`` (by the policy)."""
+    ``argmax`` (calibrators.checks.argmax_report), ``nll``
+    (calibrators.checks.nll_report), ``rejected_for`` (the reasons the policies refuse
+    it, :data:`~service.vocabulary.REJECTION_REASONS`) and ``allowed`` (none)."""
     probs = cal.predict_proba(x_hold, kind=kind)
     argmax = checks.argmax_report(x_hold, probs, kind=kind)
+    nll = checks.nll_report(x_hold, probs, y_hold, kind=kind)
+    reasons = []
+    if argmax_policy == "require" and argmax["changed"]:
+        reasons.append(ARGMAX_CHANGED)
+    if nll_worse(nll):
+        reasons.append(NLL_WORSE)
     return {
         "metrics": metrics.report(probs, y_hold),
         "argmax": argmax,
-        "allowed": argmax_policy != "require" or argmax["changed"] == 0,
+        "nll": nll,
+        "rejected_for": reasons,
+        "allowed": not reasons,
     }
 
 
@@ -51,17 +110,43 @@ def warning(method: str, argmax: Mapping[str, Any], argmax_policy: str) -> str |
     return f"{_changed(method, argmax)}; argmax_policy 'warn' allows it."
 
 
-def rejection(results: Mapping[str, Mapping[str, Any]], argmax_policy: str) -> list[str] | None:
-    """Why the policy rejects a version whose candidates are ``results`` (method ->
-    :func:`evaluate`'s answer): one sentence per candidate, or None if one is allowed."""
+def _worse(method: str, nll: Mapping[str, Any]) -> str:
+    before, after, se = nll["before_loss"], nll["after_loss"], nll["standard_error"]
+    return (
+        f"{method} calibration made the held-out NLL worse than the uncalibrated scores': "
+        f"{after:.4g} against {before:.4g} nats on {nll['n']} held-out rows "
+        f"(+{nll['difference']:.3g}, {nll['difference'] / se:.3g} standard errors), beyond "
+        f"the tolerance of {NLL_RELATIVE_TOLERANCE:.0%} and {NLL_STANDARD_ERRORS:g} standard "
+        "errors; a calibrator that does not improve on the raw scores is never served (fit "
+        "or import other parameters, on rows they were not fitted on)."
+    )
+
+
+def rejection(
+    results: Mapping[str, Mapping[str, Any]], argmax_policy: str
+) -> dict[str, list[str] | None]:
+    """Why a version whose candidates are ``results`` (method -> :func:`evaluate`'s
+    answer) is rejected: its ``rejection`` (one sentence per candidate and reason) and
+    ``rejected_for`` (the reasons' codes, each once, in
+    :data:`~service.vocabulary.REJECTION_REASONS` order) columns; both None if one of
+    the candidates is allowed."""
     if any(r["allowed"] for r in results.values()):
-        return None
-    return [
-        f"{_changed(m, r['argmax'])}; argmax_policy {argmax_policy!r} allows no change of "
-        "predicted class (PATCH the model's argmax_policy to 'warn' or 'off' and refit "
-        "to accept it)."
-        for m, r in results.items()
-    ]
+        return {"rejection": None, "rejected_for": None}
+    sentences = []
+    for m, r in results.items():
+        if ARGMAX_CHANGED in r["rejected_for"]:
+            sentences.append(
+                f"{_changed(m, r['argmax'])}; argmax_policy {argmax_policy!r} allows no change "
+                "of predicted class (PATCH the model's argmax_policy to 'warn' or 'off' and "
+                "refit to accept it)."
+            )
+        if NLL_WORSE in r["rejected_for"]:
+            sentences.append(_worse(m, r["nll"]))
+    codes = {code for r in results.values() for code in r["rejected_for"]}
+    return {
+        "rejection": sentences,
+        "rejected_for": [code for code in REJECTION_REASONS if code in codes],
+    }
 
 
 def from_posted_params(params: Mapping[str, Any], num_classes: int) -> Calibrator:
@@ -75,7 +160,56 @@ def from_posted_params(params: Mapping[str, Any], num_classes: int) -> Calibrato
             f"params n_classes must be the model's number of classes, {num_classes}. "
             f"Got {k!r}."
         )
-    return calibrators.from_params(dict(params))
+    cal = calibrators.from_params(dict(params))
+    check_fit_info(cal.fit_info_)
+    return cal
+
+
+def _check_strings(value: Any, depth: int, path: str) -> None:
+    """Depth and strings of ``value`` (at ``path`` in fit_info), or InvalidInput."""
+    if isinstance(value, str):
+        try:  # the one rule of stored text (service.vocabulary)
+            check_text(value, f"params fit_info {path}", MAX_FIT_INFO_STRING)
+        except ValueError as exc:
+            raise InvalidInput(str(exc), limit=MAX_FIT_INFO_STRING) from None
+        return
+    if not isinstance(value, dict | list):
+        return
+    if depth >= MAX_FIT_INFO_DEPTH:
+        raise InvalidInput(
+            f"params fit_info nests objects and arrays at most {MAX_FIT_INFO_DEPTH} deep. "
+            f"Got deeper at {path}.",
+            limit=MAX_FIT_INFO_DEPTH,
+        )
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_strings(key, depth + 1, f"{path} (a key)")
+            _check_strings(item, depth + 1, f"{path}.{key[:40]}")
+    else:
+        for i, item in enumerate(value):
+            _check_strings(item, depth + 1, f"{path}[{i}]")
+
+
+def check_fit_info(fit_info: Mapping[str, Any]) -> None:
+    """Refuse (:class:`service.errors.InvalidInput`, a 422) the ``fit_info`` of posted
+    parameters unless it is small and plain: at most :data:`MAX_FIT_INFO_DEPTH` deep,
+    strings of at most :data:`MAX_FIT_INFO_STRING` characters without control or
+    bidirectional-override characters, numbers the stored JSON can hold (integers
+    within 64 bits), and :data:`MAX_FIT_INFO_BYTES` serialised. It is stored and
+    answered with the version: facts about a fit, not a place for payloads."""
+    try:  # the size first: it bounds the walk below
+        size = len(orjson.dumps(fit_info))
+    except orjson.JSONEncodeError as exc:  # an integer beyond 64 bits, or nesting past 255
+        _check_strings(dict(fit_info), 0, "fit_info")
+        raise InvalidInput(
+            f"params fit_info must be JSON the service can store. Got {exc}."
+        ) from None
+    if size > MAX_FIT_INFO_BYTES:
+        raise InvalidInput(
+            f"params fit_info takes at most {MAX_FIT_INFO_BYTES} bytes as JSON. Got {size}.",
+            limit=MAX_FIT_INFO_BYTES,
+        )
+    _check_strings(dict(fit_info), 0, "fit_info")
 
 
 def evaluate_params(
@@ -93,7 +227,7 @@ def evaluate_params(
     rows of ``scores``/``labels`` (the split of a fit with the same holdout and seed)
     and policed like a fitted one. The columns :func:`service.jobs.fitting.fit_job`
     returns (status succeeded or rejected, chosen_method, params, metrics, argmax,
-    warning, rejection), without the fit's own (candidates, fit_seconds)."""
+    warning, rejection, rejected_for), without the fit's own (candidates, fit_seconds)."""
     cal = from_posted_params(params, num_classes)
     _, hold_idx = split_indices(labels.shape[0], holdout, seed)
     x_hold, y_hold = np.asarray(scores[hold_idx]), labels[hold_idx]
@@ -106,5 +240,5 @@ def evaluate_params(
         "metrics_after": result["metrics"],
         "argmax": result["argmax"],
         "warning": warning(cal.method, result["argmax"], argmax_policy),
-        "rejection": rejection({cal.method: result}, argmax_policy),
+        **rejection({cal.method: result}, argmax_policy),
     }

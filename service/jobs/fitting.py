@@ -202,7 +202,7 @@ def fit_job(
 
     Returns the columns of the finished version: status (succeeded | rejected),
     chosen_method, params, metrics_before/after, argmax, candidates (auto only),
-    warning, rejection (why, when rejected) and fit_seconds.
+    warning, rejection and rejected_for (why, when rejected) and fit_seconds.
     """
     fit_idx, hold_idx = split_indices(labels.shape[0], holdout, seed)
     x_fit, y_fit = np.asarray(scores[fit_idx]), labels[fit_idx]
@@ -262,14 +262,16 @@ def fit_job(
         "argmax": best["argmax"],
         "candidates": (
             {
-                m: {k: r[k] for k in ("metrics", "argmax", "fit_seconds", "allowed")}
+                m: {
+                    k: r[k] for k in ("metrics", "argmax", "fit_seconds", "allowed", "rejected_for")
+                }
                 for m, r in results.items()
             }
             if method == AUTO
             else None
         ),
         "warning": warning,
-        "rejection": evaluation.rejection(results, argmax_policy),
+        **evaluation.rejection(results, argmax_policy),
         "fit_seconds": total,
     }
 

@@ -181,10 +181,18 @@ class CalibratorVersion(Base):
     worker: Mapped[str | None] = mapped_column(String(128))
     #: The job engine's id of this fit (PostgreSQL: procrastinate_jobs.id; None on SQLite).
     job_id: Mapped[int | None] = mapped_column(BigInteger)
-    #: Why the argmax policy rejected it (one sentence per reason), set with the outcome.
+    #: Why it was rejected (one sentence per reason), set with the outcome.
     rejection: Mapped[list[str] | None]
+    #: The reasons of a rejection, machine-readable (REJECTION_REASONS), set with the
+    #: outcome; None for a version not rejected (or rejected before the column existed:
+    #: by the argmax policy, the only reason then).
+    rejected_for: Mapped[list[str] | None]
     #: Where its params came from: a fit here, or posted parameters (VERSION_SOURCES).
     source: Mapped[str] = mapped_column(String(16), server_default="fit")
+    #: Bytes of its params as stored (:func:`json_bytes`; fit_info included): what the
+    #: version counts against its namespace's stored-bytes quota. Posted params count
+    #: from the version's creation, a fit's from its outcome (0 until then).
+    n_bytes: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
 
 class Alias(Base):
@@ -297,6 +305,11 @@ class IdempotencyKey(Base):
 def _json_dumps(obj: Any) -> str:
     # orjson: exact float round trip, numpy scalars/arrays, NaN -> null (valid JSON).
     return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY).decode()
+
+
+def json_bytes(obj: Any) -> int:
+    """Bytes of ``obj`` as a JSON column stores it (UTF-8)."""
+    return len(orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY))
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:

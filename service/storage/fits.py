@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.storage.db import CalibratorVersion, Dataset, Model, utcnow
+from service.storage.db import CalibratorVersion, Dataset, Model, json_bytes, utcnow
 from service.vocabulary import FROM_PARAMS, UNFINISHED
 
 
@@ -92,8 +92,11 @@ def record_progress(sessions: sessionmaker, version_id: int, attempt: int, progr
 
 
 def finish(sessions: sessionmaker, version_id: int, attempt: int, **columns: Any) -> bool:
-    """Write attempt ``attempt``'s outcome (all columns in one transaction); False if
-    that attempt no longer owns the version (cancelled, handed back, retried)."""
+    """Write attempt ``attempt``'s outcome (all columns in one transaction, ``n_bytes``
+    the size of its ``params``); False if that attempt no longer owns the version
+    (cancelled, handed back, retried)."""
+    if columns.get("params") is not None:
+        columns["n_bytes"] = json_bytes(columns["params"])
     with sessions() as s, s.begin():
         res = s.execute(
             update(CalibratorVersion)

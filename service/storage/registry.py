@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -45,12 +45,14 @@ from service.storage.db import (
     Dataset,
     FeedbackBin,
     Model,
+    json_bytes,
     utcnow,
 )
 from service.storage.pages import PageRequest, paged
 from service.storage.usage import Quotas
 from service.vocabulary import (
     ALIAS_PATTERN,
+    ARGMAX_CHANGED,
     DEFAULT_ALIAS,
     FROM_PARAMS,
     NAME_PATTERN,
@@ -252,6 +254,7 @@ def create_version(
     options: dict[str, Any],
     enqueue: Callable[[Session, CalibratorVersion], None] | None = None,
     params: dict[str, Any] | None = None,
+    quotas: Quotas | None = None,
 ) -> CalibratorVersion:
     """A queued version with the next number of this model (atomic UPDATE ... RETURNING).
 
@@ -259,8 +262,19 @@ def create_version(
     the job queue writes its job in the same transaction (:mod:`service.jobs.engine`).
     With ``params`` (posted ``to_params`` JSON, checked by the caller), a version from
     parameters (source :data:`~service.vocabulary.FROM_PARAMS`): its job evaluates them
-    instead of fitting, and its outcome replaces them with the canonical ones.
+    instead of fitting, and its outcome replaces them with the canonical ones; their
+    bytes count against the namespace's quota from now on. With ``quotas``, the
+    ``versions`` and ``stored_bytes`` quotas (:func:`service.storage.usage.check_version`)
+    are checked under the namespace's lock, in the transaction that inserts the row.
     """
+    n_bytes = json_bytes(params) if params is not None else 0
+    if quotas is not None:
+        try:
+            usage.lock(session, model.namespace)
+            usage.check_version(session, model, n_bytes, quotas)
+        except BaseException:
+            session.rollback()
+            raise
     after = session.execute(
         update(Model)
         .where(Model.id == model.id)
@@ -283,7 +297,7 @@ def create_version(
         progress=0.0,
     )
     if params is not None:
-        row.params, row.source = params, FROM_PARAMS
+        row.params, row.source, row.n_bytes = params, FROM_PARAMS, n_bytes
     session.add(row)
     try:
         session.flush()
@@ -323,7 +337,14 @@ def find_version(session: Session, model: Model, version: int) -> CalibratorVers
 
 
 def check_servable(row: CalibratorVersion, model: Model) -> None:
-    """409 unless ``row`` may be served: succeeded (a rejected fit carries its argmax report)."""
+    """409 unless ``row`` may be served: succeeded (a version rejected by the argmax policy
+    carries its argmax report; one rejected for its held-out NLL, its reason)."""
+    if row.status == "rejected" and ARGMAX_CHANGED not in (row.rejected_for or [ARGMAX_CHANGED]):
+        raise NotReady(
+            f"Version {row.version} of {model.name!r} is rejected: "
+            f"{' '.join(row.rejection or [])}",
+            version_status=row.status,
+        )
     if row.status == "rejected":
         raise ArgmaxChanged(
             f"Version {row.version} of {model.name!r} changed the predicted class of "
@@ -430,8 +451,8 @@ def resolve_served(
 @dataclass(frozen=True)
 class Deleted:
     """What one delete removed: dataset ids, version numbers (and their row ids, for the
-    serving caches), alias names, and the bytes of the deleted datasets, released from the
-    namespace's stored-bytes quota (whether their files were shared or not)."""
+    serving caches), alias names, and the bytes of the deleted datasets and versions,
+    released from the namespace's stored-bytes quota (whether files were shared or not)."""
 
     model: str
     datasets: list[int] = field(default_factory=list)
@@ -521,7 +542,12 @@ def delete_version(session: Session, model: Model, row: CalibratorVersion) -> De
         session.rollback()
         _refuse_aliased(what, model, _aliases_of(session, [row.id]))
         raise _changed(what, model) from None
-    return Deleted(model=model.name, versions=[row.version], version_ids=[row.id])
+    return Deleted(
+        model=model.name,
+        versions=[row.version],
+        version_ids=[row.id],
+        stored_bytes_released=row.n_bytes,
+    )
 
 
 def _versions_of(session: Session, *where) -> list[tuple[int, int, str]]:
@@ -532,6 +558,19 @@ def _versions_of(session: Session, *where) -> list[tuple[int, int, str]]:
         .order_by(CalibratorVersion.version)
     )
     return [(i, v, s) for i, v, s in rows]
+
+
+def _bytes_of(session: Session, ids: list[int]) -> int:
+    """The stored bytes of the versions ``ids``."""
+    if not ids:
+        return 0
+    return int(
+        session.scalar(
+            select(func.coalesce(func.sum(CalibratorVersion.n_bytes), 0)).where(
+                CalibratorVersion.id.in_(ids)
+            )
+        )
+    )
 
 
 def _delete_versions(session: Session, ids: list[int]) -> int:
@@ -567,6 +606,7 @@ def delete_dataset(
         _refuse_unfinished(what, model, [(v, s) for _, v, s in versions if s in UNFINISHED])
         _refuse_aliased(what, model, _aliases_of(session, [i for i, _, _ in versions]))
         ids = [i for i, _, _ in versions]
+        released = dataset.n_bytes + _bytes_of(session, ids)
         try:
             if _delete_versions(session, ids) != len(ids):
                 raise _Changed
@@ -586,7 +626,7 @@ def delete_dataset(
             datasets=[dataset.id],
             versions=[v for _, v, _ in versions],
             version_ids=ids,
-            stored_bytes_released=dataset.n_bytes,
+            stored_bytes_released=released,
         )
     raise AssertionError("unreachable")
 
@@ -641,6 +681,7 @@ def delete_model(session: Session, model: Model, arrays: ArrayStore) -> Deleted:
             .order_by(Dataset.id)
         ).all()
         ids = [i for i, _, _ in versions]
+        released = sum(d.n_bytes for d in datasets) + _bytes_of(session, ids)
         _delete_versions(session, ids)
         session.execute(delete(Dataset).where(Dataset.model_id == model.id))
         session.execute(delete(Model).where(Model.id == model.id))
@@ -655,5 +696,5 @@ def delete_model(session: Session, model: Model, arrays: ArrayStore) -> Deleted:
         datasets=[d.id for d in datasets],
         versions=[v for _, v, _ in versions],
         version_ids=ids,
-        stored_bytes_released=sum(d.n_bytes for d in datasets),
+        stored_bytes_released=released,
     )

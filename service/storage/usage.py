@@ -1,30 +1,38 @@
 """Per-namespace quotas: what a namespace holds, and the checks before anything is written.
 
-Four quotas, the same for every namespace (:class:`Quotas`, from the settings):
+Five quotas, the same for every namespace (:class:`Quotas`, from the settings):
 
 ========================  ==================================  ==============================
 quota                     counts                              refused with
 ========================  ==================================  ==============================
 ``stored_bytes``          bytes of the .npy files of the      409 ``quota-exceeded``; 413
                           namespace's datasets (each dataset  ``request-over-quota`` for one
-                          in full, even if it shares a file)  dataset larger than the quota
+                          in full, even if it shares a file)  dataset or import larger than
+                          and of its versions' params as      the quota
+                          stored JSON (``n_bytes`` columns)
 ``datasets``              datasets of the namespace           409 ``quota-exceeded``
 ``models``                models of the namespace             409 ``quota-exceeded``
+``versions``              calibrator versions of one model    409 ``quota-exceeded``
 ``dataset_rows``          rows of one dataset                 413 ``request-over-quota``
 ========================  ==================================  ==============================
+
+A version's params are counted from its creation when they are posted (an import: the
+check refuses what would pass the quota), from its outcome for a fit (their size is
+not known before): a fit can take a namespace past ``stored_bytes`` by its own params,
+and then no version is created there (fit or import) until something is deleted.
 
 Each refusal names the quota, its setting, its limit, the namespace's usage and what
 the request would add (:class:`service.errors.QuotaExceeded`).
 
-Atomicity. The usage is counted from ``models`` and ``datasets`` (no counter to
-drift). A writer first takes the namespace's row of ``namespaces`` with an upsert
-(:func:`lock`): on PostgreSQL the row lock is held to the end of the transaction, and
-a waiting writer counts again after it (READ COMMITTED gives each statement a new
-snapshot); on SQLite the upsert takes the database's write lock, so the count that
-follows sees every committed write and no other writer can commit before this one.
-Then count, compare, insert, commit: two uploads that each fit alone, but not
-together, cannot both pass. The check is also made once without the lock, before
-any array file is written, so a refused upload usually writes nothing at all.
+Atomicity. The usage is counted from ``models``, ``datasets`` and
+``calibrator_versions`` (no counter to drift). A writer first takes the namespace's row
+of ``namespaces`` with an upsert (:func:`lock`): on PostgreSQL the row lock is held to
+the end of the transaction, and a waiting writer counts again after it (READ COMMITTED
+gives each statement a new snapshot); on SQLite the upsert takes the database's write
+lock, so the count that follows sees every committed write and no other writer can
+commit before this one. Then count, compare, insert, commit: two uploads that each fit
+alone, but not together, cannot both pass. The check is also made once without the lock,
+before any array file is written, so a refused upload usually writes nothing at all.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from sqlalchemy.orm import Session
 
 from service.errors import QuotaExceeded, RequestOverQuota
 from service.settings import Settings
-from service.storage.db import Dataset, Model, Namespace, utcnow
+from service.storage.db import CalibratorVersion, Dataset, Model, Namespace, utcnow
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,7 @@ class Quotas:
     datasets: int
     models: int
     dataset_rows: int
+    versions: int
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Quotas:
@@ -56,6 +65,7 @@ class Quotas:
             datasets=settings.quota_datasets,
             models=settings.quota_models,
             dataset_rows=settings.max_dataset_rows,
+            versions=settings.quota_versions,
         )
 
 
@@ -65,6 +75,7 @@ SETTINGS = {
     "datasets": "WELLTEMPERED_QUOTA_DATASETS",
     "models": "WELLTEMPERED_QUOTA_MODELS",
     "dataset_rows": "WELLTEMPERED_MAX_DATASET_ROWS",
+    "versions": "WELLTEMPERED_QUOTA_VERSIONS",
 }
 
 
@@ -91,14 +102,22 @@ def lock(session: Session, namespace: str) -> None:
 
 
 def usage(session: Session, namespace: str) -> Usage:
-    """The namespace's stored bytes, datasets and models, counted from the tables."""
+    """The namespace's stored bytes (datasets and versions), datasets and models, counted
+    from the tables."""
     datasets, stored = session.execute(
         select(func.count(Dataset.id), func.coalesce(func.sum(Dataset.n_bytes), 0))
         .join(Model, Model.id == Dataset.model_id)
         .where(Model.namespace == namespace)
     ).one()
+    params = session.scalar(
+        select(func.coalesce(func.sum(CalibratorVersion.n_bytes), 0))
+        .join(Model, Model.id == CalibratorVersion.model_id)
+        .where(Model.namespace == namespace)
+    )
     models = session.scalar(select(func.count(Model.id)).where(Model.namespace == namespace))
-    return Usage(stored_bytes=int(stored), datasets=int(datasets), models=int(models))
+    return Usage(
+        stored_bytes=int(stored) + int(params), datasets=int(datasets), models=int(models)
+    )
 
 
 def _members(quota: str, limit: int, used: int | None, requested: int) -> dict:
@@ -143,11 +162,16 @@ def check_dataset(
             f"{SETTINGS['datasets']}) is {quotas.datasets}: delete one first.",
             **_members("datasets", quotas.datasets, now.datasets, 1),
         )
+    _check_stored(namespace, now, n_bytes, quotas, "this dataset")
+
+
+def _check_stored(namespace: str, now: Usage, n_bytes: int, quotas: Quotas, what: str) -> None:
     if now.stored_bytes + n_bytes > quotas.stored_bytes:
         raise QuotaExceeded(
-            f"Namespace {namespace!r} stores {now.stored_bytes} bytes of arrays; this dataset "
-            f"adds {n_bytes}, past its quota (stored_bytes, {SETTINGS['stored_bytes']}) of "
-            f"{quotas.stored_bytes}: delete datasets first.",
+            f"Namespace {namespace!r} stores {now.stored_bytes} bytes of arrays and calibrator "
+            f"parameters; {what} adds {n_bytes}, past its quota (stored_bytes, "
+            f"{SETTINGS['stored_bytes']}) of {quotas.stored_bytes}: delete datasets or "
+            "versions first.",
             **_members("stored_bytes", quotas.stored_bytes, now.stored_bytes, n_bytes),
         )
 
@@ -161,3 +185,29 @@ def check_model(session: Session, namespace: str, quotas: Quotas) -> None:
             f"{SETTINGS['models']}) is {quotas.models}: delete one first.",
             **_members("models", quotas.models, now.models, 1),
         )
+
+
+def check_version(session: Session, model: Model, n_bytes: int, quotas: Quotas) -> None:
+    """Refuse a new version of ``model`` whose params take ``n_bytes`` (0 for a fit: its
+    params are counted at its outcome): 409 when the model holds ``versions`` already or
+    the namespace has no room for the bytes (``stored_bytes``), 413 when no namespace
+    could hold them."""
+    namespace = model.namespace
+    held = session.scalar(
+        select(func.count(CalibratorVersion.id)).where(CalibratorVersion.model_id == model.id)
+    )
+    if held + 1 > quotas.versions:
+        raise QuotaExceeded(
+            f"Model {model.name!r} holds {held} calibrator versions, its quota (versions, "
+            f"{SETTINGS['versions']}) is {quotas.versions}: delete one first.",
+            **_members("versions", quotas.versions, held, 1),
+        )
+    now = usage(session, namespace)
+    if n_bytes > quotas.stored_bytes:
+        raise RequestOverQuota(
+            f"These parameters take {n_bytes} bytes, more than namespace {namespace!r} may "
+            f"store at all ({quotas.stored_bytes} bytes, quota stored_bytes, "
+            f"{SETTINGS['stored_bytes']}).",
+            **_members("stored_bytes", quotas.stored_bytes, now.stored_bytes, n_bytes),
+        )
+    _check_stored(namespace, now, n_bytes, quotas, "this version")

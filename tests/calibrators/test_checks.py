@@ -1,5 +1,7 @@
 """calibrators.checks.argmax_report: crafted ranks, ties, an identity, a loop
-oracle on hypothesis inputs, and column permutations of the shared CIFAR outputs."""
+oracle on hypothesis inputs, and column permutations of the shared CIFAR outputs.
+calibrators.checks.nll_report: the metrics' NLL on both sides, a per-row oracle,
+chunking, and its refusals."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from calibrators import numerics
-from calibrators.checks import RANK_BUCKETS, argmax_report
+import calibrators
+from calibrators import metrics, numerics
+from calibrators.checks import RANK_BUCKETS, argmax_report, nll_report
 from calibrators.validation import CalibrationInputError
 
 
@@ -182,3 +185,75 @@ def test_thousand_classes_in_bounded_memory():
     # each input is 40 MB; comparing all changed rows at once would gather 40 MB
     # of float32 scores and 10 MB of bools on top of the validation's masks
     assert peak < probs.nbytes, f"peak {peak / 2**20:.1f} MiB"
+
+
+# ---------------------------------------------------------------------------
+# nll_report
+
+
+def _nll_oracle(before, after, labels, kind):
+    """Per-row differences by the documented definition, one row at a time."""
+    rows = []
+    for b, a, y in zip(np.asarray(before), np.asarray(after), labels, strict=True):
+        p = b if kind == "probabilities" else _softmax([b])[0]
+        rows.append(-np.log(max(a[y], 2.0**-149)) + np.log(max(p[y], 2.0**-149)))
+    d = np.array(rows)
+    return d.mean(), d.std(ddof=1) / np.sqrt(d.size)
+
+
+@pytest.mark.parametrize("kind", ["logits", "probabilities"])
+def test_nll_report_is_the_metrics_nll_on_both_sides(kind):
+    rng = np.random.default_rng(3)
+    z = rng.normal(size=(37, 5)) * 3  # K >= 3, N != K
+    y = rng.integers(0, 5, 37)
+    before = z if kind == "logits" else _softmax(z)
+    cal = calibrators.create("vector").fit(z, y)
+    after = cal.predict_proba(z)
+    out = nll_report(before, after, y, kind=kind)
+    assert out["n"] == 37
+    assert out["before_loss"] == pytest.approx(metrics.scores_report(before, y, kind)["nll"])
+    assert out["after_loss"] == pytest.approx(metrics.nll_loss(after, y), rel=1e-12)
+    mean, se = _nll_oracle(before, after, y, kind)
+    assert out["difference"] == pytest.approx(mean, rel=1e-9, abs=1e-12)
+    assert out["standard_error"] == pytest.approx(se, rel=1e-9)
+    assert out["difference"] < 0  # fitted on these rows: better on them
+    json.dumps(out)
+
+
+def test_nll_report_of_the_identity_is_zero(cifar100):
+    probs, labels = cifar100.test
+    out = nll_report(probs, probs.astype(np.float64), labels, kind="probabilities")
+    assert out["difference"] == 0.0 and out["standard_error"] == 0.0
+
+
+def test_nll_report_of_one_hot_probabilities_is_far_worse():
+    rng = np.random.default_rng(0)
+    z = rng.normal(size=(200, 4))
+    y = np.where(rng.random(200) < 0.7, z.argmax(axis=1), rng.integers(0, 4, 200))
+    one_hot = np.eye(4)[z.argmax(axis=1)]
+    out = nll_report(z, one_hot, y)
+    assert out["difference"] > 5 * out["standard_error"] > 0
+    assert nll_report(z[:1], one_hot[:1], y[:1])["standard_error"] is None
+
+
+def test_chunked_nll_report_equals_unchunked(monkeypatch, cifar100):
+    probs, labels = cifar100.probs[:700], cifar100.labels[:700]
+    after = _softmax(np.log(probs) / 1.7)
+    whole = nll_report(probs, after, labels, kind="probabilities")
+    monkeypatch.setattr(numerics, "CHUNK_ELEMENTS", 350)  # 3 rows of 100 per chunk
+    chunked = nll_report(probs, after, labels, kind="probabilities")
+    assert chunked == pytest.approx(whole, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("after", "labels", "match"),
+    [
+        ([[0.2, 0.3, 0.5], [0.2, 0.3, 0.5]], [0], "shape of scores_before"),
+        ([[0.2, 0.3, 0.5]], [3], "labels"),
+        ([[0.2, 0.3, 0.5]], [0, 1], "labels"),
+        ([[0.2, 0.3, 0.6]], [0], "sum to 1"),
+    ],
+)
+def test_nll_report_refuses_bad_input(after, labels, match):
+    with pytest.raises(CalibrationInputError, match=match):
+        nll_report([[1.0, 2.0, 3.0]], after, labels)

@@ -102,3 +102,39 @@ def test_upgrading_a_populated_database_keeps_every_row(empty_url):
         engine.dispose()
     assert counts == [1, 1, 1, 1]
     assert n_bytes == 256 + 10 * 8 + 10 * 3 * 4  # estimated by 20261203_0004
+
+
+def test_version_bytes_are_backfilled_from_the_stored_params(empty_url):
+    """20261204_0008: an existing version counts the bytes of its stored params JSON
+    (UTF-8), a version without params 0."""
+    migrate.upgrade(empty_url, "20261203_0100")
+    params = '{"method":"temperature","weight":0.5,"fit_info":{"note":"é"}}'
+    engine = make_engine(empty_url)
+    try:
+        with engine.begin() as conn:
+            for sql in (
+                "INSERT INTO models (id, name, num_classes, argmax_policy, next_version, "
+                "created_at) VALUES (1, 'm', 3, 'require', 3, '2026-01-01')",
+                "INSERT INTO datasets (id, model_id, sha256, kind, n_rows, n_classes, dtype, "
+                "scores_sha256, labels_sha256, metrics, created_at) VALUES (1, 1, 'a', "
+                "'logits', 10, 3, 'float32', 'b', 'c', '{}', '2026-01-01')",
+            ):
+                conn.execute(text(sql))
+            for version, value in ((1, params), (2, None)):
+                conn.execute(
+                    text(
+                        "INSERT INTO calibrator_versions (id, model_id, version, dataset_id, "
+                        "method, holdout, seed, options, status, progress, created_at, "
+                        "params) VALUES (:v, 1, :v, 1, 'temperature', 0.2, 0, '{}', "
+                        "'succeeded', 1.0, '2026-01-01', :p)"
+                    ),
+                    {"v": version, "p": value},
+                )
+        migrate.upgrade(empty_url)
+        with engine.connect() as conn:
+            n_bytes = conn.execute(
+                text("SELECT n_bytes FROM calibrator_versions ORDER BY version")
+            ).scalars().all()
+    finally:
+        engine.dispose()
+    assert n_bytes == [len(params.encode()), 0]

@@ -8,9 +8,11 @@ import threading
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 
+import orjson
 import pytest
 from fastapi.testclient import TestClient
 
+import calibrators
 from service.api.app import create_app
 from service.settings import Settings
 from service.storage import usage
@@ -20,6 +22,9 @@ from tests.security import payloads as pl
 from tests.service.helpers import (
     assert_problem,
     create_model,
+    fit,
+    hold_queue,
+    import_params,
     logits_data,
     make_settings,
     npz,
@@ -29,6 +34,8 @@ from tests.service.helpers import (
 #: Bytes of the .npy files of a logits_data(N_ROWS, 4) dataset (float64 scores, int64
 #: labels, a 128-byte header each).
 N_ROWS = 100
+VERSIONS = "/v1/models/m/calibrators"
+IMPORT = f"{VERSIONS}/import"
 DATASET_BYTES = 2 * 128 + N_ROWS * 4 * 8 + N_ROWS * 8
 
 
@@ -164,6 +171,125 @@ def test_default_quotas_are_finite_and_hold_the_largest_upload():
     assert s.max_body_bytes <= s.quota_stored_bytes <= 4 * s.max_body_bytes
     assert s.max_dataset_rows <= 1_000_000
     assert s.quota_datasets <= 1_000 and s.quota_models <= 1_000
+    assert s.quota_versions <= 1_000
+
+
+# ---------------------------------------------------------------------------
+# calibrator versions: their params count in stored_bytes; versions per model
+
+
+def _params(fit_info_bytes: int = 0) -> dict:
+    """Vector params for K = 4 with a fit_info of about ``fit_info_bytes`` bytes."""
+    params = calibrators.create("vector").fit(*logits_data(N_ROWS, 4)).to_params()
+    params["fit_info"] = {f"k{i}": "x" * 1000 for i in range(fit_info_bytes // 1008)}
+    return params
+
+
+def _stored(c: TestClient) -> int:
+    with c.app.state.welltempered.sessions() as s:
+        return usage.usage(s, DEFAULT_NAMESPACE).stored_bytes
+
+
+def test_versions_count_in_stored_bytes(database_url, tmp_path):
+    """An import's params count from its creation, a fit's from its outcome; each is
+    released by its delete. The import that would pass the quota is a 409."""
+    params = _params(fit_info_bytes=30_000)
+    posted = _bytes(calibrators.from_params(params).to_params())
+    limit = DATASET_BYTES + posted + posted // 2
+    with quota_client(database_url, tmp_path, quota_stored_bytes=limit) as c:
+        create_model(c, "m", 4, argmax_policy="off")
+        ds = upload(c, "m", *logits_data(N_ROWS, 4))["id"]
+        assert _stored(c) == DATASET_BYTES
+        hold_queue(c)
+        r = c.post(IMPORT, json={"dataset_id": ds, "params": params})
+        assert r.status_code == 202, r.text
+        imported = r.json()["version"]
+        assert _stored(c) == DATASET_BYTES + posted
+        r = c.post(IMPORT, json={"dataset_id": ds, "params": params})
+        quota_problem(r, 409, "stored_bytes", limit, DATASET_BYTES + posted, posted)
+        assert [v["version"] for v in c.get(VERSIONS).json()["calibrators"]] == [imported]
+        c.post(f"{VERSIONS}/{imported}/cancel")
+        r = c.delete(f"{VERSIONS}/{imported}")
+        assert r.json()["stored_bytes_released"] == posted, r.text
+        assert _stored(c) == DATASET_BYTES
+    with quota_client(database_url, tmp_path, quota_stored_bytes=limit) as c:
+        fitted = _bytes(fit(c, "m", ds, "vector")["params"])
+        assert _stored(c) == DATASET_BYTES + fitted
+        evaluated = _bytes(import_params(c, "m", ds, params)["params"])
+        assert _stored(c) == DATASET_BYTES + fitted + evaluated
+        # the dataset's cascade releases its versions' bytes with its own
+        r = c.delete(f"/v1/models/m/datasets/{ds}?cascade=true")
+        assert r.json()["stored_bytes_released"] == DATASET_BYTES + fitted + evaluated
+        assert _stored(c) == 0
+
+
+def _bytes(params: dict) -> int:
+    return len(orjson.dumps(params))
+
+
+def test_params_larger_than_the_whole_quota_are_a_413(database_url, tmp_path):
+    params = _params(fit_info_bytes=30_000)
+    limit = DATASET_BYTES + 1000
+    with quota_client(database_url, tmp_path, quota_stored_bytes=limit) as c:
+        create_model(c, "m", 4)
+        ds = upload(c, "m", *logits_data(N_ROWS, 4))["id"]
+        r = c.post(IMPORT, json={"dataset_id": ds, "params": params})
+        requested = _bytes(calibrators.from_params(params).to_params())
+        quota_problem(r, 413, "stored_bytes", limit, DATASET_BYTES, requested)
+        assert c.get(VERSIONS).json()["calibrators"] == []
+
+
+def test_a_namespace_over_stored_bytes_gets_no_new_version(database_url, tmp_path):
+    """A fit's params are counted at its outcome and may take the namespace past the
+    quota; then no version is created there (fit or import) until something is deleted."""
+    with quota_client(database_url, tmp_path, quota_stored_bytes=DATASET_BYTES + 10) as c:
+        create_model(c, "m", 4)
+        ds = upload(c, "m", *logits_data(N_ROWS, 4))["id"]
+        v = fit(c, "m", ds, "temperature")
+        over = DATASET_BYTES + len(orjson.dumps(v["params"]))
+        r = c.post(VERSIONS, json={"dataset_id": ds, "method": "temperature"})
+        quota_problem(r, 409, "stored_bytes", DATASET_BYTES + 10, over, 0)
+        assert c.delete(f"{VERSIONS}/{v['version']}").status_code == 200
+        assert fit(c, "m", ds, "temperature")["status"] == "succeeded"
+
+
+def test_versions_quota(database_url, tmp_path):
+    """Versions per model, fitted and imported, whatever their status: a 409 naming the
+    quota; another model has its own; a delete makes room."""
+    with quota_client(database_url, tmp_path, quota_versions=2) as c:
+        create_model(c, "m", 4, argmax_policy="off")
+        ds = upload(c, "m", *logits_data(N_ROWS, 4))["id"]
+        first = fit(c, "m", ds, "temperature")
+        import_params(c, "m", ds, _params())
+        for r in (
+            c.post(VERSIONS, json={"dataset_id": ds, "method": "temperature"}),
+            c.post(IMPORT, json={"dataset_id": ds, "params": _params()}),
+        ):
+            p = quota_problem(r, 409, "versions", 2, 2, 1)
+            assert "'m'" in p["detail"]
+        assert len(c.get(VERSIONS).json()["calibrators"]) == 2
+        create_model(c, "other", 4)
+        other = upload(c, "other", *logits_data(N_ROWS, 4))["id"]
+        assert fit(c, "other", other, "temperature")["status"] == "succeeded"
+        assert c.delete(f"{VERSIONS}/{first['version']}").status_code == 200
+        assert fit(c, "m", ds, "temperature")["version"] == 3
+
+
+def test_concurrent_imports_cannot_overrun_the_versions_quota(database_url, tmp_path):
+    with quota_client(database_url, tmp_path, quota_versions=3) as c:
+        create_model(c, "m", 4, argmax_policy="off")
+        ds = upload(c, "m", *logits_data(N_ROWS, 4))["id"]
+        hold_queue(c)
+        params = _params()
+        with ThreadPoolExecutor(8) as pool:
+            codes = list(
+                pool.map(
+                    lambda _: c.post(IMPORT, json={"dataset_id": ds, "params": params}).status_code,
+                    range(8),
+                )
+            )
+        assert sorted(codes) == [202] * 3 + [409] * 5, codes
+        assert len(c.get(VERSIONS).json()["calibrators"]) == 3
 
 
 def _npz(n: int) -> bytes:

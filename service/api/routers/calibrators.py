@@ -32,6 +32,7 @@ from service.server.budget import declare
 from service.serving.inference import onnx_bytes
 from service.storage import fits, registry
 from service.storage.db import CalibratorVersion, Dataset, Model
+from service.storage.usage import Quotas
 from service.vocabulary import FITTED
 
 router = APIRouter(prefix="/v1/models/{model}/calibrators", tags=["calibrators"])
@@ -60,6 +61,7 @@ def version_out(row: CalibratorVersion, model: Model) -> VersionOut:
         candidates=row.candidates if fitted else None,
         warning=row.warning,
         rejection=row.rejection,
+        rejected_for=row.rejected_for,
         error=row.error,
         source=row.source,
         fit_seconds=row.fit_seconds,
@@ -104,7 +106,8 @@ def _enqueue(
     response: Response,
     **version: Any,
 ) -> FitAccepted:
-    """A queued version of ``model`` (429 when the fit queue is full), its job submitted."""
+    """A queued version of ``model`` (429 when the fit queue is full; 409/413 past the
+    ``versions`` or ``stored_bytes`` quota), its job submitted."""
     limits.check_fit_queue(
         session,
         model.namespace,
@@ -117,6 +120,7 @@ def _enqueue(
         model,
         dataset,
         enqueue=lambda s, v: queue.enqueue(s, v, model.namespace),
+        quotas=Quotas.from_settings(state.settings),
         **version,
     )
     queue.submitted(row.id, model.namespace)
