@@ -146,9 +146,12 @@ def replayed(row: IdempotencyKey) -> JSONResponse:
     )
 
 
-def _release(state: AppState, attempt: idempotency.Attempt) -> None:
-    # A session of its own: the request's may be broken by the failure being handled.
+def _release(state: AppState, request_session: Session, attempt: idempotency.Attempt) -> None:
+    # The request's transaction first: it may hold the key's row (an answer stored before
+    # a failed commit), which the release would wait for. Then a session of its own: the
+    # request's may be broken by the failure being handled.
     try:
+        request_session.rollback()
         with state.sessions() as session:
             idempotency.release(session, attempt)
     except Exception as exc:
@@ -192,10 +195,10 @@ def idempotent(body: Callable[..., Any]) -> Any:
         try:
             yield claimed
         except BaseException:
-            _release(state, found)
+            _release(state, session, found)
             raise
         if not claimed.stored:  # answered without storing (a handler's bug): free the key
-            _release(state, found)
+            _release(state, session, found)
 
     return Annotated[Claim, Depends(claim)]
 
