@@ -346,3 +346,29 @@ def test_every_unsafe_route_documents_the_header(client):
         header = [p for p in params if (p["in"], p["name"]) == ("header", "Idempotency-Key")]
         assert len(header) == 1, path
         assert "422" in header[0]["description"] and "409" in header[0]["description"]
+
+
+def test_a_key_stored_before_fingerprints_is_judged_by_route_and_model(ready):
+    """Rows migrated from before fingerprints (feedback answers, fingerprint NULL) are
+    replayed for a feedback post to the same model, as they were; anything else is a 422."""
+    client, d = ready
+    with sessions(client)() as s:
+        model = s.scalar(select(Model).where(Model.name == "m"))
+        s.add(
+            IdempotencyKey(
+                namespace=model.namespace,
+                key="legacy",
+                model_id=model.id,
+                route="POST /v1/models/{model}/feedback",
+                state="done",
+                status_code=200,
+                response={"rows": 5},
+                created_at=utcnow(),
+            )
+        )
+        s.commit()
+    before = live_rows(client)
+    r = post(client, f"{MODEL}/feedback", feedback_json(d, 0), "legacy")
+    assert r.json() == {"rows": 5} and r.headers["idempotent-replayed"] == "true"
+    assert live_rows(client) == before
+    assert_problem(post(client, f"{MODEL}/datasets", dataset_json(d, 0), "legacy"), 422)
