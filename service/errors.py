@@ -92,6 +92,20 @@ class TooManyRequests(ServiceError):
         self.retry_after = retry_after
 
 
+class IdempotencyKeyReused(ServiceError):
+    """An ``Idempotency-Key`` already used for a different request (another route, model,
+    query or body) within its lifetime: nothing was done. ``extra``: ``idempotency_key``."""
+
+
+class IdempotencyKeyInFlight(Conflict):
+    """The first request with this ``Idempotency-Key`` is still being processed: retry the
+    same request after ``retry_after`` whole seconds. ``extra``: ``idempotency_key``."""
+
+    def __init__(self, detail: str, *, retry_after: int, **extra: Any):
+        super().__init__(detail, **extra)
+        self.retry_after = retry_after
+
+
 class InUse(Conflict):
     """A delete refused because something still needs the object: an alias points at a
     version, a fit is queued or running, a version was fitted on a dataset. ``extra``

@@ -301,8 +301,17 @@ class Settings(BaseSettings):
     idempotency_key_seconds: float = Field(
         86_400.0,
         gt=0,
-        description="How long a feedback post's Idempotency-Key is remembered: a retry with "
-        "the same key within this time gets the first answer and is not counted again.",
+        description="How long an Idempotency-Key is remembered (feedback, dataset uploads, "
+        "fits, imports): a retry of the same request with the key within this time gets "
+        "the first answer and is not applied again.",
+    )
+    idempotency_lease_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="How long a request holding an Idempotency-Key counts as in progress "
+        "after its body was read: a request with the key meanwhile is a 409; after it, the "
+        "first is presumed lost and a retry takes the key over (the first, if it still "
+        "ends, is rolled back).",
     )
 
     @property

@@ -30,6 +30,7 @@ __all__ = [
     "DURATION_UNITS",
     "FITTED",
     "FROM_PARAMS",
+    "IDEMPOTENCY_STATES",
     "KEY_STATES",
     "KINDS",
     "MAX_CLASS_NAMES_BYTES",
@@ -104,6 +105,11 @@ METRICS_SCOPE = "metrics"
 #: Every API key scope (the ``api_keys.scope`` CHECK constraint).
 SCOPES = (*TENANT_SCOPES, METRICS_SCOPE)
 KEY_STATES = ("active", "expired", "revoked")
+
+#: An ``Idempotency-Key``'s row: its first request still being processed, or done (its
+#: answer stored, committed with the request's write).
+IN_FLIGHT, DONE = "in_flight", "done"
+IDEMPOTENCY_STATES = (IN_FLIGHT, DONE)
 
 #: The alias predict, feedback and monitoring use when the request names no version.
 DEFAULT_ALIAS = "production"

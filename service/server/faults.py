@@ -41,7 +41,8 @@ _DETAIL = {
     "answer was complete: read the resource to see it rather than repeating the change.",
     "unknown": "The database connection failed while the change was being committed: it "
     "may or may not have been applied. Retry with the same Idempotency-Key where the "
-    "route takes one (feedback); otherwise read the resource before repeating the change.",
+    "route takes one (feedback, dataset uploads, fits, imports); otherwise read the "
+    "resource before repeating the change.",
 }
 
 

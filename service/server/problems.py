@@ -31,6 +31,8 @@ from service.errors import (
     DatabaseUnavailable,
     FitTooLarge,
     Forbidden,
+    IdempotencyKeyInFlight,
+    IdempotencyKeyReused,
     InUse,
     InvalidInput,
     MalformedBody,
@@ -95,6 +97,17 @@ PROBLEM_TYPES: dict[type[Exception], ProblemType] = {
     CalibrationInputError: INVALID_INPUT,
     TooManyRequests: ProblemType(429, "too-many-requests", "Too many requests", _retry_after),
     InUse: ProblemType(409, "in-use", "Still in use"),
+    # draft-ietf-httpapi-idempotency-key-header, "Error Scenarios": 422 for a key reused
+    # with another request, 409 while the first request with the key is being processed.
+    IdempotencyKeyReused: ProblemType(
+        422, "idempotency-key-reused", "Idempotency-Key is already used"
+    ),
+    IdempotencyKeyInFlight: ProblemType(
+        409,
+        "idempotency-key-in-flight",
+        "A request is outstanding for this Idempotency-Key",
+        _retry_after,
+    ),
     QuotaExceeded: ProblemType(409, "quota-exceeded", "Namespace quota exceeded"),
     RequestOverQuota: ProblemType(413, "request-over-quota", "Request larger than a quota"),
     RequestTimeout: ProblemType(408, "request-timeout", "Request timeout"),

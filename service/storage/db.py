@@ -42,7 +42,14 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from service.storage.retry import track_writes
-from service.vocabulary import ARGMAX_POLICIES, DEFAULT_NAMESPACE, KINDS, SCOPES, STATUSES
+from service.vocabulary import (
+    ARGMAX_POLICIES,
+    DEFAULT_NAMESPACE,
+    IDEMPOTENCY_STATES,
+    KINDS,
+    SCOPES,
+    STATUSES,
+)
 
 #: Deterministic constraint names, so migrations can refer to them (and SQLite
 #: batch mode can recreate tables) on every backend.
@@ -285,20 +292,35 @@ class ArrayFile(Base):
 
 
 class IdempotencyKey(Base):
-    """A write made under an ``Idempotency-Key`` header, and the answer it got.
+    """A request made under an ``Idempotency-Key`` header: what it was, and its answer.
 
-    Inserted in the transaction of the write itself, so the key exists exactly when
-    the write was applied: a retry with the same key (after a timeout, or a 503 whose
-    ``applied`` is ``unknown``) gets the stored answer instead of applying it twice.
-    Keys are per namespace and expire (:mod:`service.storage.idempotency`).
+    Committed ``in_flight`` (with ``attempt``, the token of the request holding it)
+    before the write starts, so a concurrent retry sees it; set ``done`` with its
+    answer in the transaction of the write itself, so the answer exists exactly when
+    the write was applied. ``fingerprint`` is the sha256 of the request (route, path
+    and query parameters, body digest): a retry with the same key and fingerprint gets
+    the stored answer, another request with the key is refused. Rows from before
+    fingerprints have none (feedback posts, judged by route and model). Keys are per
+    namespace and expire (:mod:`service.storage.idempotency`).
     """
 
     __tablename__ = "idempotency_keys"
+    __table_args__ = (CheckConstraint(_in("state", IDEMPOTENCY_STATES), name="state"),)
 
     namespace: Mapped[str] = mapped_column(String(64), primary_key=True)
     key: Mapped[str] = mapped_column(String(255), primary_key=True)
     model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
-    response: Mapped[dict[str, Any]]
+    #: The method and route template, ``POST /v1/models/{model}/datasets``.
+    route: Mapped[str] = mapped_column(String(255))
+    fingerprint: Mapped[str | None] = mapped_column(String(64))
+    state: Mapped[str] = mapped_column(String(16))
+    attempt: Mapped[str | None] = mapped_column(String(32))
+    #: The answer: status, JSON body and the headers a replay repeats (``Location``);
+    #: None while in flight.
+    status_code: Mapped[int | None]
+    response: Mapped[dict[str, Any] | None]
+    headers: Mapped[dict[str, Any] | None]
+    #: When the row was claimed (or taken over): its lease and its lifetime start here.
     created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
 
 

@@ -159,6 +159,7 @@ def add_dataset(
     labels: np.ndarray,
     kind: str,
     quotas: Quotas | None = None,
+    before_commit: Callable[[Session, Dataset], None] | None = None,
 ) -> tuple[Dataset, bool]:
     """Store validated arrays (files first, fsynced), then commit the row; dedupe by content.
 
@@ -167,6 +168,8 @@ def add_dataset(
     ``quotas``, the namespace's quotas (:mod:`service.storage.usage`) are checked
     before the files are written, and again under the namespace's lock in the
     transaction that inserts the row; a refusal there releases the files it wrote.
+    ``before_commit(session, dataset)`` runs after a new row is flushed, in its
+    transaction (an idempotency key's answer commits with it).
     """
     scores_sha, scores_bytes = arrays.digest(scores)
     labels_sha, labels_bytes = arrays.digest(labels)
@@ -201,6 +204,9 @@ def add_dataset(
             usage.check_dataset(session, model.namespace, rows, n_bytes, quotas)
         array_refs.hold(session, arrays, files)
         session.add(dataset)
+        if before_commit is not None:
+            session.flush()
+            before_commit(session, dataset)
         session.commit()
     except IntegrityError:  # the same content uploaded concurrently, or the model deleted
         session.rollback()

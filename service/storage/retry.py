@@ -131,6 +131,26 @@ class recording:
         _current.reset(self._token)
 
 
+class unrecorded:
+    """Transactions in this block are not the request's change, and stay out of its
+    :class:`WriteLog`: the bookkeeping of an ``Idempotency-Key`` (its in-flight row,
+    committed before the write, deleted after a failure) must not turn the ``applied``
+    of a failed write into ``"yes"``.
+
+    >>> with recording() as writes, unrecorded():
+    ...     _current.get() is None
+    True
+    """
+
+    __slots__ = ("_token",)
+
+    def __enter__(self) -> None:
+        self._token = _current.set(None)
+
+    def __exit__(self, *exc_info) -> None:
+        _current.reset(self._token)
+
+
 def _on_begin(conn) -> None:
     writes = _current.get()
     if writes is None:

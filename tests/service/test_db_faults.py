@@ -202,7 +202,8 @@ def test_feedback_with_an_idempotency_key_is_counted_once(client, served):
     assert client.get(f"{MODEL}/monitoring").json()["live"]["n"] == 40
     create_model(client, "other", k=3)
     r = client.post("/v1/models/other/feedback", json=served, headers=key)
-    assert_problem(r, 409, "another model")
+    body = assert_problem(r, 422, "post-0001")  # another model: another request
+    assert body["type"] == "/problems/idempotency-key-reused"
     for bad in ("", "a" * 256, "has space"):
         r = client.post(f"{MODEL}/feedback", json=served, headers={"Idempotency-Key": bad})
         assert r.status_code == 422, (bad, r.text)

@@ -333,5 +333,5 @@ def test_feedback_formats_are_documented(client):
         ("query", "dtype"),
         ("header", "Idempotency-Key"),
     }
-    assert "not counted twice" in params["header", "Idempotency-Key"]["description"]
+    assert "not applied twice" in params["header", "Idempotency-Key"]["description"]
     assert {"400", "413", "415", "422"} <= set(op["responses"])

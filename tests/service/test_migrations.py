@@ -138,3 +138,46 @@ def test_version_bytes_are_backfilled_from_the_stored_params(empty_url):
     finally:
         engine.dispose()
     assert n_bytes == [len(params.encode()), 0]
+
+
+def test_idempotency_keys_from_before_fingerprints_stay_feedback_answers(empty_url):
+    """20261204_0010: a key stored before fingerprints is a feedback post, done,
+    answered 200, without a fingerprint; downgrading keeps only such rows."""
+    migrate.upgrade(empty_url, "20261203_0100")
+    engine = make_engine(empty_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO models (id, name, num_classes, argmax_policy, next_version, "
+                    "created_at) VALUES (1, 'm', 3, 'require', 1, '2026-01-01')"
+                )
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO idempotency_keys (namespace, key, model_id, response, "
+                    "created_at) VALUES ('default', 'old', 1, '{\"rows\": 5}', '2026-01-01')"
+                )
+            )
+        migrate.upgrade(empty_url)
+        with engine.begin() as conn:
+            row = conn.execute(
+                text(
+                    "SELECT route, fingerprint, state, status_code FROM idempotency_keys "
+                    "WHERE key = 'old'"
+                )
+            ).one()
+            conn.execute(
+                text(
+                    "INSERT INTO idempotency_keys (namespace, key, model_id, route, state, "
+                    "created_at) VALUES ('default', 'new', 1, "
+                    "'POST /v1/models/{model}/datasets', 'in_flight', '2026-01-01')"
+                )
+            )
+        command.downgrade(migrate.alembic_config(empty_url), "20261203_0100")
+        with engine.connect() as conn:
+            keys = conn.execute(text("SELECT key FROM idempotency_keys")).scalars().all()
+    finally:
+        engine.dispose()
+    assert tuple(row) == ("POST /v1/models/{model}/feedback", None, "done", 200)
+    assert keys == ["old"]

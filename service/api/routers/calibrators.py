@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from calibrators.holdout import split_indices
 from service.api.deps import AppState, ModelDep, SessionDep, StateDep, VersionDep
+from service.api.idempotent import Claim, IdempotentJson
 from service.api.openapi import BINARY, OCTET_STREAM
 from service.api.pagination import Page, pages
 from service.api.schemas import (
@@ -76,9 +77,16 @@ def version_out(row: CalibratorVersion, model: Model) -> VersionOut:
 @declare(budget.WRITE)
 @router.post("", status_code=202, response_model=FitAccepted, dependencies=[Depends(require_json)])
 def start_fit(
-    body: FitRequest, model: ModelDep, session: SessionDep, state: StateDep, response: Response
+    body: FitRequest,
+    model: ModelDep,
+    session: SessionDep,
+    state: StateDep,
+    response: Response,
+    claim: IdempotentJson,
 ) -> FitAccepted:
     """Queue a fit; it runs in the background. Poll the status URL."""
+    if claim.replay is not None:
+        return claim.replay
     dataset = registry.find_dataset(session, model, body.dataset_id)
     split_indices(dataset.n_rows, body.holdout, body.seed)  # 422 now if a part would be empty
     check_fit_request(body.method, body.options)  # 422 now for unknown options
@@ -93,8 +101,8 @@ def start_fit(
         budget=state.fits.config.memory_budget,
     )
     return _enqueue(
-        model, dataset, session, state, response, method=body.method, holdout=body.holdout,
-        seed=body.seed, options=body.options,
+        model, dataset, session, state, response, claim, method=body.method,
+        holdout=body.holdout, seed=body.seed, options=body.options,
     )
 
 
@@ -104,10 +112,12 @@ def _enqueue(
     session: Session,
     state: AppState,
     response: Response,
+    claim: Claim,
     **version: Any,
 ) -> FitAccepted:
     """A queued version of ``model`` (429 when the fit queue is full; 409/413 past the
-    ``versions`` or ``stored_bytes`` quota), its job submitted."""
+    ``versions`` or ``stored_bytes`` quota), its job submitted; the answer stored under
+    the request's Idempotency-Key with the job's row."""
     limits.check_fit_queue(
         session,
         model.namespace,
@@ -115,18 +125,28 @@ def _enqueue(
         state.settings.max_queued_fits,
     )
     queue = state.fits.queue
+
+    def accepted(v: CalibratorVersion) -> FitAccepted:
+        url = version_url(model, v.version)
+        return FitAccepted(model=model.name, version=v.version, status="queued", status_url=url)
+
+    def enqueue(s: Session, v: CalibratorVersion) -> None:
+        queue.enqueue(s, v, model.namespace)
+        answer = accepted(v)  # stored with the job's row
+        claim.store(s, answer, status_code=202, headers={"Location": answer.status_url})
+
     row = registry.create_version(
         session,
         model,
         dataset,
-        enqueue=lambda s, v: queue.enqueue(s, v, model.namespace),
+        enqueue=enqueue,
         quotas=Quotas.from_settings(state.settings),
         **version,
     )
     queue.submitted(row.id, model.namespace)
-    url = version_url(model, row.version)
-    response.headers["Location"] = url
-    return FitAccepted(model=model.name, version=row.version, status="queued", status_url=url)
+    answer = accepted(row)
+    response.headers["Location"] = answer.status_url
+    return answer
 
 
 @declare(budget.Budget("write", body="max_json_bytes", decoded="max_json_bytes"))
@@ -134,7 +154,12 @@ def _enqueue(
     "/import", status_code=202, response_model=FitAccepted, dependencies=[Depends(require_json)]
 )
 def import_params(
-    body: ParamsImport, model: ModelDep, session: SessionDep, state: StateDep, response: Response
+    body: ParamsImport,
+    model: ModelDep,
+    session: SessionDep,
+    state: StateDep,
+    response: Response,
+    claim: IdempotentJson,
 ) -> FitAccepted:
     """Queue a version from a calibrator fitted elsewhere (its to_params() JSON): its job
     evaluates it on the dataset's hold-out rows and polices it by the model's argmax
@@ -142,6 +167,8 @@ def import_params(
 
     In the fit queue, like a fit: the evaluation of a large hold-out takes a fit
     worker's memory and time, which the fit budget and the queue's limits bound."""
+    if claim.replay is not None:
+        return claim.replay
     dataset = registry.find_dataset(session, model, body.dataset_id)
     split_indices(dataset.n_rows, body.holdout, body.seed)  # 422 if a part would be empty
     cal = evaluation.from_posted_params(body.params, model.num_classes)  # 422 now
@@ -154,8 +181,8 @@ def import_params(
         budget=state.fits.config.memory_budget,
     )
     return _enqueue(
-        model, dataset, session, state, response, method=cal.method, holdout=body.holdout,
-        seed=body.seed, options={}, params=cal.to_params(),
+        model, dataset, session, state, response, claim, method=cal.method,
+        holdout=body.holdout, seed=body.seed, options={}, params=cal.to_params(),
     )
 
 

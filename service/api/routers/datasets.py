@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request, Response
+from sqlalchemy.orm import Session
 
 from service.api.codecs import json_body, npz, rules
 from service.api.deps import (
@@ -18,6 +19,7 @@ from service.api.deps import (
     SessionDep,
     StateDep,
 )
+from service.api.idempotent import idempotent
 from service.api.openapi import LABELS, SCORE_PROPERTIES
 from service.api.pagination import Page, pages
 from service.api.schemas import DatasetList, DatasetOut, DeletedOut
@@ -47,6 +49,7 @@ async def receive_upload(
 
 
 UploadDep = Annotated[Upload, Depends(receive_upload)]
+IdempotentUpload = idempotent(receive_upload)
 
 _UPLOAD_DOC = {
     "requestBody": {
@@ -112,20 +115,37 @@ def upload_dataset(
     state: StateDep,
     quotas: QuotasDep,
     response: Response,
+    claim: IdempotentUpload,
     kind: KindQuery = None,
     dtype: DtypeQuery = None,
 ) -> DatasetOut:
+    """Store labelled scores: 201 with the new dataset, or 200 with the dataset that has
+    the same content. With an ``Idempotency-Key``, a retry gets the first answer."""
+    if claim.replay is not None:
+        return claim.replay
     bounds = rules.bounds(state.settings, "dataset", model.num_classes, model.name, dtype)
     if upload.json is not None:
         data, _ = json_body.labelled_from_json(upload.json, bounds, kind)
     else:
         data = npz.labelled_from_npz(upload.npz, bounds, kind)
+
+    def answer(s: Session, dataset: Dataset, status_code: int) -> DatasetOut:
+        out = dataset_out(dataset, model)
+        location = {"Location": f"/v1/models/{model.name}/datasets/{dataset.id}"}
+        claim.store(s, out, status_code=status_code, headers=location)
+        response.status_code = status_code
+        response.headers.update(location)
+        return out
+
     dataset, created = registry.add_dataset(
-        session, model, state.arrays, data.scores, data.labels, data.kind, quotas
+        session, model, state.arrays, data.scores, data.labels, data.kind, quotas,
+        before_commit=lambda s, d: answer(s, d, 201),
     )
-    response.status_code = 201 if created else 200
-    response.headers["Location"] = f"/v1/models/{model.name}/datasets/{dataset.id}"
-    return dataset_out(dataset, model)
+    if created:
+        return dataset_out(dataset, model)
+    out = answer(session, dataset, 200)  # nothing was written: the key commits alone
+    session.commit()
+    return out
 
 
 @declare(budget.READ_LARGE)

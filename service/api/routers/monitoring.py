@@ -11,13 +11,14 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import numpy as np
-from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 
 from service.api.codecs import json_body, npz, rules
 from service.api.deps import DtypeQuery, KindQuery, ModelDep, SessionDep, StateDep, VersionDep
+from service.api.idempotent import idempotent
 from service.api.openapi import BINARY, LABELS, OCTET_STREAM, SCORE_PROPERTIES
 from service.api.uploads import NPZ_TYPES, Upload, labelled_body
-from service.errors import Conflict, InvalidInput
+from service.errors import InvalidInput
 from service.observe import metrics as obs
 from service.observe import monitoring
 from service.observe.svg import CONTENT_TYPE as SVG
@@ -26,8 +27,8 @@ from service.security import limits
 from service.server import budget
 from service.server.budget import declare
 from service.serving import inference
-from service.storage import idempotency, registry
-from service.storage.db import CalibratorVersion, IdempotencyKey, Model
+from service.storage import registry
+from service.storage.db import CalibratorVersion
 from service.storage.retry import retry_read
 from service.vocabulary import DEFAULT_ALIAS, MAX_ID
 
@@ -139,6 +140,7 @@ async def feedback_body(
 
 
 FeedbackBodyDep = Annotated[Upload, Depends(feedback_body)]
+IdempotentFeedback = idempotent(feedback_body)
 
 
 def parse_feedback(
@@ -209,34 +211,6 @@ _FEEDBACK_DOC = {
 }
 
 
-IdempotencyKeyHeader = Annotated[
-    str | None,
-    Header(
-        alias="Idempotency-Key",
-        min_length=1,
-        max_length=255,
-        pattern=r"^[\x21-\x7e]+$",
-        description="Any string unique to this post (a UUID). A retry with the same key "
-        "within WELLTEMPERED_IDEMPOTENCY_KEY_SECONDS gets the first answer again (with "
-        "Idempotent-Replayed: true) and its rows are not counted twice: retry with it after "
-        "a timeout or a 503 whose 'applied' is 'unknown'.",
-    ),
-]
-
-
-def replayed(prior: IdempotencyKey | None, model: Model, response: Response) -> dict[str, Any]:
-    """The stored answer of an earlier post with the same Idempotency-Key."""
-    if prior is None:  # the concurrent post that held the key rolled back
-        raise Conflict("A post with the same Idempotency-Key was in progress: retry it.")
-    if prior.model_id != model.id:
-        raise Conflict(
-            "This Idempotency-Key was used for feedback to another model of the namespace: "
-            "use a new key for each post."
-        )
-    response.headers["Idempotent-Replayed"] = "true"
-    return prior.response
-
-
 @declare(budget.FEEDBACK)
 @router.post(f"{_MODEL}/feedback", openapi_extra=_FEEDBACK_DOC)
 def post_feedback(
@@ -244,24 +218,21 @@ def post_feedback(
     session: SessionDep,
     state: StateDep,
     body: FeedbackBodyDep,
-    response: Response,
+    claim: IdempotentFeedback,
     version: FeedbackVersionQuery = None,
     kind: KindQuery = None,
     dtype: DtypeQuery = None,
-    idempotency_key: IdempotencyKeyHeader = None,
 ) -> dict[str, Any]:
     """Labels for rows served earlier: calibrated by the version that served them (default:
     the default alias), folded into the time-bucketed reliability statistics.
 
     The body is JSON or a .npz (the arrays a dataset upload accepts); at most
     ``max_feedback_rows`` rows, else 413 and nothing is recorded. With an
-    ``Idempotency-Key``, a post is counted once however often it is retried."""
+    ``Idempotency-Key``, a post is counted once however often it is retried
+    (:mod:`service.api.idempotent`)."""
+    if claim.replay is not None:
+        return claim.replay
     settings = state.settings
-    ttl = settings.idempotency_key_seconds
-    if idempotency_key is not None:
-        prior = idempotency.find(session, model.namespace, idempotency_key, ttl)
-        if prior is not None:
-            return replayed(prior, model, response)
     bounds = rules.bounds(settings, "feedback", model.num_classes, model.name, dtype)
     labelled, version = feedback_rows(body, bounds, version, kind)
     n = int(labelled.labels.shape[0])
@@ -286,12 +257,8 @@ def post_feedback(
         "bucket_start": bucket,
         "bucket_seconds": settings.feedback_bucket_seconds,
     }
-    if idempotency_key is not None:
-        # In the transaction record_feedback commits: the key exists iff the rows count.
-        if not idempotency.claim(session, model.namespace, idempotency_key, model.id, answer, ttl):
-            session.rollback()
-            prior = idempotency.find(session, model.namespace, idempotency_key, ttl)
-            return replayed(prior, model, response)
+    # In the transaction record_feedback commits: the answer is stored iff the rows count.
+    claim.store(session, answer)
     monitoring.record_feedback(session, row.id, stats, bucket)
     state.metrics.observe_feedback(model.namespace, model.name, row.version, n)
     return answer
