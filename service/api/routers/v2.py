@@ -112,6 +112,8 @@ TOP_K_ONLY = (*TOP_K_OUTPUTS, "top_k_names")
 DEFAULT_OUTPUTS = tuple(name for name in OUTPUT_DATATYPES if name in OUTPUTS)
 TOP_K_DEFAULT_OUTPUTS = (*(n for n in DEFAULT_OUTPUTS if n != "probabilities"), *TOP_K_OUTPUTS)
 
+#: Digits of the largest number a header or a path may give (a byte count, a version).
+_MAX_DIGITS = len(str(2**63))
 _REQUEST_FIELDS = {"id", "parameters", "inputs", "outputs"}
 _INPUT_FIELDS = {"name", "shape", "datatype", "parameters", "data"}
 _OUTPUT_FIELDS = {"name", "parameters"}
@@ -175,6 +177,8 @@ def header_length(request: Request) -> int | None:
     value = value.strip()
     if not (value.isascii() and value.isdigit()):
         raise MalformedBody(f"{HEADER_LENGTH} must be a number of bytes. Got {value!r}.")
+    if len(value) > _MAX_DIGITS:  # int() refuses over 4,300 digits: never parse so many
+        raise ContentTooLarge(f"{HEADER_LENGTH} is over any limit ({len(value)} digits).")
     return int(value)
 
 
@@ -454,7 +458,8 @@ def version_number(text: str | None) -> int | None:
     """A path's version as a calibrator version number (404 for anything else)."""
     if text is None:
         return None
-    if text.isascii() and text.isdigit() and text[0] != "0" and int(text) <= MAX_ID:
+    if (text.isascii() and text.isdigit() and text[0] != "0" and len(text) <= _MAX_DIGITS
+            and int(text) <= MAX_ID):
         return int(text)
     raise NotFound(f"No version {text!r}: versions are calibrator version numbers (1, 2, ...).")
 
