@@ -20,14 +20,16 @@ CONSTANT`` of anonymous RSS at its peak, ``carried`` being the bytes the request
 legitimately carries once decoded, capped by its route's limit.
 
 CONSTANT is 64 MiB: what a request may cost whatever it carries. Measured on this
-code, the cases that carry nothing grow the server by about 0-2 MiB, the accepted
-scores requests (a 1,000 x 10 predict with ``top_k`` = 10 and 40 KB names, ONNX
-Runtime's arena for a batch, numpy's temporaries, orjson's answer buffer) by under
-20 MiB past twice what they carry; the first of them in the process can add
-glibc arenas of a new thread (64 MiB of address space each, of which a few MiB
-touched). 64 MiB is that with room, and still far below what any hole found so far
-cost (a 1 GiB inflation, a 2.98 GB answer): tests/security/test_memory.py uses the
-same constant.
+code (the table the test prints), the requests that carry nothing grow the server by
+0-3 MiB; the largest growths past twice what a request carries are a 5 MB list of
+models (+15 MiB: the rows, their pydantic models and orjson's buffer) and a 3.4 MiB
+.npz upload (+13.5 MiB, 6.7 MiB past twice its size: zipfile's and numpy's buffers,
+the validated copy of the labels, the store's hash); an accepted predict or infer
+with the names of a 1 MB answer, under 1 MiB. Beyond these, a request may meet one
+of the process's first costs (ONNX Runtime's arena for a new batch size, a glibc
+arena of a new thread: 64 MiB of address space, a few MiB touched). 64 MiB, as in
+test_memory.py, is room for those on another machine, while the costs of holes stay
+far above it (a 1 GiB inflation; a 32 MiB header, +95 to +122 MiB).
 """
 
 from __future__ import annotations
