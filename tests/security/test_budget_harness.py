@@ -10,9 +10,11 @@ that change or delete things. For every operation of the document: a body of its
 limit + 1 declared and sent, 1 GiB declared and 1 MiB sent, its limit + 1 chunked,
 bombs (gzip, deflate) inflating to 8 times its decoded limit where it takes encodings
 and a gzip body where it does not, ``br``, its valid body under the wrong Content-Type,
-each string of its JSON body filling the body, each parameter (path, query, header) of
-a million characters, and for the scores routes their largest declared shapes (rows at
-the row limit, ``top_k`` = K, every output, the names).
+each string of its JSON body filling the body, each path and query parameter of
+60,000 characters (the URL's limit is 65,535 bytes) and header parameter of 1 MiB, and
+for the scores routes their largest declared shapes (rows at the row limit, ``top_k`` =
+K, every output, the names); once, before any route, a request line and a header value
+of 32 MiB.
 
 Each request must get an answer below 500 (the expected status where there is one),
 of at most its ``answer_bytes``, and cost the server at most ``2 * carried +
