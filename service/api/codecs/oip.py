@@ -13,7 +13,7 @@ import numpy as np
 import orjson
 
 from service.api.codecs import answers, json_body, npy, rules
-from service.errors import InvalidInput, MalformedBody
+from service.errors import ContentTooLarge, InvalidInput, MalformedBody
 from service.serving.inference import OUTPUTS, TOP_K_OUTPUTS, check_top_k
 from service.vocabulary import KINDS
 
@@ -50,6 +50,9 @@ TOP_K_ONLY = (*TOP_K_OUTPUTS, "top_k_names")
 DEFAULT_OUTPUTS = tuple(name for name in OUTPUT_DATATYPES if name in OUTPUTS)
 TOP_K_DEFAULT_OUTPUTS = (*(n for n in DEFAULT_OUTPUTS if n != "probabilities"), *TOP_K_OUTPUTS)
 
+#: Digits of the largest number a header or a path may give (a byte count, a version):
+#: int() refuses over 4,300, so never parse more.
+MAX_DIGITS = len(str(2**63))
 _REQUEST_FIELDS = {"id", "parameters", "inputs", "outputs"}
 _INPUT_FIELDS = {"name", "shape", "datatype", "parameters", "data"}
 _OUTPUT_FIELDS = {"name", "parameters"}
@@ -112,6 +115,8 @@ def header_length(value: str | None) -> int | None:
     value = value.strip()
     if not (value.isascii() and value.isdigit()):
         raise MalformedBody(f"{HEADER_LENGTH} must be a number of bytes. Got {value!r}.")
+    if len(value) > MAX_DIGITS:
+        raise ContentTooLarge(f"{HEADER_LENGTH} is over any limit ({len(value)} digits).")
     return int(value)
 
 

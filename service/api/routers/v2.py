@@ -100,7 +100,8 @@ def version_number(text: str | None) -> int | None:
     """A path's version as a calibrator version number (404 for anything else)."""
     if text is None:
         return None
-    if text.isascii() and text.isdigit() and text[0] != "0" and int(text) <= MAX_ID:
+    if (text.isascii() and text.isdigit() and text[0] != "0" and len(text) <= oip.MAX_DIGITS
+            and int(text) <= MAX_ID):
         return int(text)
     raise NotFound(f"No version {text!r}: versions are calibrator version numbers (1, 2, ...).")
 
