@@ -123,7 +123,11 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
     app.add_middleware(DatabaseFaultMiddleware)
     # Every route's body, encoding and answer limits (service.server.budget); a route that
     # declares none is refused below, when the routers are in.
-    app.add_middleware(budget.BudgetMiddleware, default=budget.UNROUTED.resolve(settings))
+    app.add_middleware(
+        budget.BudgetMiddleware,
+        default=budget.UNROUTED.resolve(settings),
+        routes=lambda: app.routes,
+    )
     app.add_middleware(
         BodyTimeoutMiddleware,
         idle=settings.body_timeout_seconds,

@@ -1,7 +1,8 @@
 """Cursor pagination of every list route (RFC 8288 ``Link: rel="next"``).
 
 ``GET`` of a list takes ``?limit=`` (1 to :data:`MAX_LIMIT`, default
-:data:`DEFAULT_LIMIT`) and ``?cursor=``, the opaque ``next_cursor`` of the previous
+:data:`DEFAULT_LIMIT`; a page also ends early once its answer would pass the route's
+answer budget) and ``?cursor=``, the opaque ``next_cursor`` of the previous
 page. The body carries ``next_cursor`` (null on the last page) and the response a
 ``Link: <...>; rel="next"`` header with the same query plus that cursor. Rows come
 in the order of their key (:mod:`service.storage.pages`): a page never repeats or
@@ -24,7 +25,7 @@ from typing import Annotated, Any, TypeVar
 
 import orjson
 from fastapi import Query, Request, Response
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from service.errors import InvalidInput
 from service.storage.pages import PageRequest
@@ -32,6 +33,8 @@ from service.vocabulary import ALIAS_PATTERN, MAX_ID
 
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
+#: A list's answer around its items: the list's key, next_cursor, brackets.
+PAGE_ENVELOPE_BYTES = 1024
 #: The longest cursor a list gives out is far shorter; longer is not one of ours.
 MAX_CURSOR_CHARS = 256
 
@@ -56,21 +59,39 @@ class Page:
     name: str
     request: PageRequest
     limit: int
+    #: The most bytes of the page's items as JSON (the route's answer budget, less
+    #: :data:`PAGE_ENVELOPE_BYTES`).
+    max_bytes: int | None = None
 
     def finish(
-        self, rows: Sequence[T], key: Callable[[T], int | str], request: Request,
+        self,
+        rows: Sequence[T],
+        key: Callable[[T], int | str],
+        request: Request,
         response: Response,
-    ) -> tuple[Sequence[T], str | None]:
-        """The rows of this page and the next page's cursor (None if this is the last);
-        sets the ``Link`` header. ``rows`` is what the paged query returned (one row
-        more than the limit when there is a next page)."""
-        if len(rows) <= self.limit:
-            return rows, None
-        rows = rows[: self.limit]
-        cursor = encode(self.name, key(rows[-1]))
+        out: Callable[[T], BaseModel],
+    ) -> tuple[list[BaseModel], str | None]:
+        """This page's items (``out`` of each row) and the next page's cursor (None if
+        this is the last); sets the ``Link`` header. ``rows`` is what the paged query
+        returned (one row more than the limit when there is a next page). A page ends
+        early, at a row boundary, once its items as JSON would pass :attr:`max_bytes`:
+        a page is bounded in bytes as well as in rows (at least one item a page)."""
+        more = len(rows) > self.limit
+        items: list[BaseModel] = []
+        total = 0
+        for row in rows[: self.limit]:
+            item = out(row)
+            total += len(item.model_dump_json()) + 1
+            if items and self.max_bytes is not None and total > self.max_bytes:
+                more = True
+                break
+            items.append(item)
+        if not more:
+            return items, None
+        cursor = encode(self.name, key(rows[len(items) - 1]))
         url = request.url.include_query_params(cursor=cursor, limit=self.limit)
         response.headers["Link"] = f'<{url.path}?{url.query}>; rel="next"'
-        return rows, cursor
+        return items, cursor
 
 
 def encode(name: str, after: int | str) -> str:
@@ -110,6 +131,7 @@ def pages(name: str, key_type: type = int) -> Callable[..., Page]:
     rows are keyed by ``key_type`` values (ids: int; alias names: str)."""
 
     def page(
+        request: Request,
         cursor: Annotated[
             str | None,
             Query(
@@ -123,6 +145,8 @@ def pages(name: str, key_type: type = int) -> Callable[..., Page]:
         ] = DEFAULT_LIMIT,
     ) -> Page:
         after = None if cursor is None else decode(name, key_type, cursor)
-        return Page(name, PageRequest(after=after, limit=limit), limit)
+        limits = getattr(request.scope.get("route"), "limits", None)  # the route's budget
+        max_bytes = None if limits is None else limits.answer - PAGE_ENVELOPE_BYTES
+        return Page(name, PageRequest(after=after, limit=limit), limit, max_bytes)
 
     return page

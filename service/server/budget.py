@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from starlette.requests import Request
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.errors import ContentTooLarge, MalformedBody, ServiceError, UnsupportedMediaType
@@ -251,20 +252,36 @@ class BudgetMiddleware:
     """Enforce the route's body, encoding and decoded limits while the body streams, and
     count its answer (module docstring). Nothing happens until the app reads its body."""
 
-    def __init__(self, app: ASGIApp, default: Limits):
+    def __init__(self, app: ASGIApp, default: Limits, routes: Callable[[], list] = list):
         self.app = app
-        self.default = default  # routes that declare none (never, once attach() ran)
+        self.default = default  # routes that match nothing
+        self.routes = routes  # the app's routes, once they are all in (after attach())
+        self._flat: list | None = None
+
+    def route_for(self, scope: Scope) -> Any:
+        """The route that will serve ``scope`` (None: a 404 or 405 is coming)."""
+        if self._flat is None:
+            self._flat = list(flatten(self.routes()))
+        for route in self._flat:
+            match, _ = route.matches(scope)
+            if match is Match.FULL:
+                return route
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         state = _Request(self, scope, receive, send)
+        body = False
         for key, value in scope["headers"]:
             if key == b"content-length":
                 state.declared = value
+                body = body or value != b"0"
             elif key == b"content-encoding":
                 state.encoding = value.strip().lower()
+            elif key == b"transfer-encoding":
+                body = True
         if state.encoding and state.encoding != b"identity":
             # The app sees the decoded body, whose length is unknown until it has arrived
             # (and a Request made before the first read caches its headers: strip now).
@@ -272,6 +289,18 @@ class BudgetMiddleware:
                 (k, v) for k, v in scope["headers"]
                 if k not in (b"content-encoding", b"content-length")
             ]
+        if body and "route" not in scope:
+            # Before routing (the short way routes first): a body the route cannot take
+            # is refused now, before its handler runs, whether or not it would read it.
+            route = self.route_for(scope)
+            if route is not None:
+                state.limits = route.limits
+                error = state.check_headers()
+                if error is None and route.limits.body == 0:  # chunked, to a bodiless route
+                    error = _too_large(0)
+                if error is not None:
+                    await state.refuse(error)
+                    return
         await self.app(scope, state.receive, state.send)
         state.check_sent()
 
@@ -314,7 +343,7 @@ class _Request:
                 self.sent, limits.answer,
             )
 
-    async def _refuse(self, error: ServiceError) -> Message:
+    async def refuse(self, error: ServiceError) -> Message:
         """Answer ``error`` now and tell the app the client left (raising instead would
         reach FastAPI's body parsing, which turns any error into a 400); once the answer
         has started, raise it."""
@@ -325,9 +354,10 @@ class _Request:
         self.refused = True
         return {"type": "http.disconnect"}
 
-    def _start(self) -> ServiceError | None:
-        """The route's limits, and the refusals known from the headers alone."""
-        limits = self.limits = limits_of(self.scope) or self.middleware.default
+    def check_headers(self) -> ServiceError | None:
+        """The refusals known from the headers alone (``limits`` known); the
+        ``Content-Encoding`` taken, if any, set up."""
+        limits = self.limits
         declared = self.declared
         if declared is not None and declared.isdigit() and int(declared) > limits.body:
             return _too_large(limits.body)
@@ -348,10 +378,11 @@ class _Request:
     async def receive(self) -> Message:
         if self.refused:
             return {"type": "http.disconnect"}
-        if self.limits is None:
-            error = self._start()
+        if self.limits is None:  # the first read: routing has happened
+            self.limits = limits_of(self.scope) or self.middleware.default
+            error = self.check_headers()
             if error is not None:
-                return await self._refuse(error)
+                return await self.refuse(error)
         limits = self.limits
         message = await self.receive_next()
         if message["type"] != "http.request":
@@ -359,11 +390,11 @@ class _Request:
         body = message.get("body", b"")
         self.raw += len(body)
         if self.raw > limits.body:
-            return await self._refuse(_too_large(limits.body))
+            return await self.refuse(_too_large(limits.body))
         narrowed = self.scope.get(_NARROWED)
         if self.inflater is None:
             if narrowed is not None and self.raw > narrowed:
-                return await self._refuse(_too_large(narrowed))
+                return await self.refuse(_too_large(narrowed))
             return message
         limit = limits.decoded if narrowed is None else min(narrowed, limits.decoded)
         parts = []
@@ -371,11 +402,11 @@ class _Request:
             for part in self.inflater.steps(body):
                 self.decoded += len(part)
                 if self.decoded > limit:
-                    return await self._refuse(_too_large(limit, "decoded request body"))
+                    return await self.refuse(_too_large(limit, "decoded request body"))
                 parts.append(part)
             if not message.get("more_body", False):
                 self.inflater.finish()
         except MalformedBody as exc:
-            return await self._refuse(exc)
+            return await self.refuse(exc)
         return {"type": "http.request", "body": b"".join(parts),
                 "more_body": message.get("more_body", False)}

@@ -28,7 +28,11 @@ Bodies (:class:`BodyTimeoutMiddleware`, ASGI)
     large upload at any reasonable rate earns all the time it needs. The refusal is
     a 408 problem with ``Connection: close``; the application is told the client
     left (so it removes its temp file), and whatever it answers after that is
-    dropped, as :class:`service.api.uploads.BodyLimitMiddleware` does for a 413.
+    dropped, as :class:`service.server.budget.BudgetMiddleware` does for a 413.
+
+Header size (:class:`GuardedHttpToolsProtocol`)
+    A request's line and headers may take at most :data:`MAX_HEAD_BYTES`; past it the
+    connection gets a 431 and is closed (h11 has its own bound, 16 KiB).
 
 A load balancer in front (HAProxy's ``timeout http-request``/``timeout client``,
 ``deploy/haproxy/haproxy.cfg``) does the same job before a connection reaches a
@@ -62,6 +66,20 @@ _REQUEST_TIMEOUT = (
     b"connection: close\r\n"
     b"content-length: 36\r\n\r\n"
     b"The request headers took too long.\r\n"
+)
+
+#: The most bytes a request's line and headers may take on the httptools protocol:
+#: llhttp hands them over in pieces that uvicorn and httptools join in memory, so
+#: without a bound a 32 MiB header cost the server 100 MiB before any route ran.
+#: Counted per read after parsing, in whole reads (one read is at most 256 KiB): a
+#: bound well above any real request's headers (h11's own bound is 16 KiB).
+MAX_HEAD_BYTES = 1 << 20
+_HEAD_TOO_LARGE = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+    b"content-type: text/plain; charset=utf-8\r\n"
+    b"connection: close\r\n"
+    b"content-length: 46\r\n\r\n"
+    b"The request line and headers are over 1 MiB.\r\n"
 )
 
 
@@ -224,10 +242,34 @@ class GuardedHttpToolsProtocol(_HeaderDeadline, JoinedWritesProtocol, HttpToolsP
     """
 
     _phase: str | None = None
+    #: Bytes read while this request's line and headers were incomplete.
+    _head_bytes = 0
+
+    def data_received(self, data: bytes) -> None:
+        if self._head_bytes < 0:  # answered 431: the rest is dropped unread
+            return
+        super().data_received(data)
+        if self._phase == "headers":  # still incomplete once this read was parsed
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+                self._refuse_head()
+
+    def _refuse_head(self) -> None:
+        """431, then a lingering close: what the client still sends is dropped for a
+        second (closing at once, with its bytes unread, would reset the connection
+        and lose the answer)."""
+        log.debug("answered 431 to %s: headers over %d bytes", self.client, MAX_HEAD_BYTES)
+        self._head_bytes = -1
+        self._disarm()
+        self.transport.write(_HEAD_TOO_LARGE)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(1.0, self.transport.close)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._phase = "headers"
+        self._head_bytes = 0
 
     def on_headers_complete(self) -> None:
         self._phase = "body"

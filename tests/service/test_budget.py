@@ -215,3 +215,25 @@ def test_answers_with_long_class_names_are_refused_before_the_work(tmp_path, dat
                    headers={"content-type": NPY, "accept": NPY})
         assert r.status_code == 200, r.text
         assert set(np.load(io.BytesIO(r.content))["name"].ravel()) <= set(names)
+
+
+def test_a_route_without_a_body_refuses_one_before_its_handler_runs(served):
+    """DELETE, GET and cancel declare no body: one sent to them (declared, chunked or
+    encoded) is refused before the handler runs (the DELETE with a body used to delete)."""
+    r = served.request("DELETE", "/v1/models/m", content=b"{}",
+                       headers={"content-type": "application/json"})
+    assert_problem(r, 413, "limit of 0 bytes")
+
+    def chunks():
+        yield b"{}"
+
+    r = served.request("DELETE", "/v1/models/m", content=chunks())
+    assert_problem(r, 413)
+    r = served.request("DELETE", "/v1/models/m", content=gzip.compress(b"{}"),
+                       headers={"content-encoding": "gzip"})
+    assert r.status_code in (413, 415), r.text
+    r = served.request("GET", "/v1/models/m", content=b"x" * 10)
+    assert_problem(r, 413)
+    assert served.get("/v1/models/m").status_code == 200  # still there
+    r = served.request("DELETE", "/v1/models/m", headers={"content-length": "0"})
+    assert r.status_code in (200, 409), r.text  # no body: the handler runs

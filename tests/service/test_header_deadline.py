@@ -120,3 +120,40 @@ def test_a_body_that_is_being_read_is_not_cut_off_by_the_header_deadline(parser)
 
     data, _ = asyncio.run(serve_one(parser, client))
     assert data.startswith(b"HTTP/1.1 200 ")
+
+
+def test_headers_over_their_bound_get_a_431_and_the_connection_closes():
+    """httptools: a request line or a header that keeps coming past MAX_HEAD_BYTES is
+    answered 431 and closed, instead of being joined in memory (a 32 MiB header cost
+    100 MiB before); headers just under the bound are answered."""
+    from service.server.timeouts import MAX_HEAD_BYTES
+
+    async def huge_header(reader, writer):
+        writer.write(b"GET / HTTP/1.1\r\nhost: x\r\nx-big: ")
+        sent = 0
+        while sent < 3 * MAX_HEAD_BYTES:
+            try:
+                writer.write(b"a" * 65536)
+                await writer.drain()
+            except ConnectionError:
+                break
+            sent += 65536
+        return await asyncio.wait_for(reader.read(), 5)
+
+    async def huge_line(reader, writer):
+        writer.write(b"GET /" + b"a" * (2 * MAX_HEAD_BYTES))
+        try:
+            await writer.drain()
+        except ConnectionError:
+            pass
+        return await asyncio.wait_for(reader.read(), 5)
+
+    async def under(reader, writer):
+        writer.write(b"GET / HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * (MAX_HEAD_BYTES // 2)
+                     + b"\r\ncontent-length: 0\r\n\r\n")
+        return await asyncio.wait_for(reader.readuntil(b"done"), 5)
+
+    for script in (huge_header, huge_line):
+        answer = asyncio.run(serve_one("httptools", script))
+        assert answer.startswith(b"HTTP/1.1 431 "), answer[:80]
+    assert asyncio.run(serve_one("httptools", under)).startswith(b"HTTP/1.1 200 ")

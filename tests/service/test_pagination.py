@@ -146,3 +146,28 @@ def test_the_default_limit(database_url, tmp_path):
         pages = walk(c, "/v1/models", "models")
         assert [len(p) for p in pages] == [DEFAULT_LIMIT, 1]
         assert pages[1][0]["name"] == f"m{DEFAULT_LIMIT}"
+
+
+def test_a_page_ends_early_at_its_answer_budget(tmp_path, database_url):
+    """A page is bounded in bytes too: GET /v1/models answers at most MAX_JSON_BYTES
+    (150 KiB here), so models with about 60 KiB of class names each come two a page
+    however large ?limit= is, and the listing still visits every model once."""
+    settings = make_settings(database_url, tmp_path, max_json_bytes=150 * 1024)
+    with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+        names = [f"{i:03d}" + "n" * 120 for i in range(480)]  # about 60 KiB
+        for i in range(5):
+            r = c.post("/v1/models", json={"name": f"m{i}", "num_classes": 480,
+                                           "class_names": names})
+            assert r.status_code == 201, r.text
+        seen, url, pages_seen = [], "/v1/models?limit=1000", 0
+        while url:
+            r = c.get(url)
+            assert r.status_code == 200, r.text
+            assert len(r.content) <= settings.max_json_bytes
+            body = r.json()
+            seen += [m["name"] for m in body["models"]]
+            pages_seen += 1
+            url = f"/v1/models?limit=1000&cursor={body['next_cursor']}" if body[
+                "next_cursor"] else None
+        assert seen == [f"m{i}" for i in range(5)]
+        assert pages_seen >= 3

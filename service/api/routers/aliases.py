@@ -54,8 +54,11 @@ def list_aliases(
 ) -> AliasList:
     """The model's aliases by name, a page at a time."""
     rows = registry.list_aliases(session, model, page.request)
-    rows, cursor = page.finish(rows, lambda row: row[0].alias, request, response)
-    return AliasList(aliases=[alias_out(a, model, v) for a, v in rows], next_cursor=cursor)
+    items, cursor = page.finish(
+        rows, lambda row: row[0].alias, request, response,
+        lambda row: alias_out(row[0], model, row[1]),
+    )
+    return AliasList(aliases=items, next_cursor=cursor)
 
 
 @declare(budget.READ)

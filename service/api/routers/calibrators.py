@@ -197,11 +197,11 @@ def list_versions(
 ) -> VersionList:
     """The model's versions by number, a page at a time."""
     rows = registry.list_versions(session, model, page.request)
-    rows, cursor = page.finish(rows, lambda v: v.version, request, response)
-    return VersionList(
-        calibrators=[VersionSummary.model_validate(v, from_attributes=True) for v in rows],
-        next_cursor=cursor,
+    items, cursor = page.finish(
+        rows, lambda v: v.version, request, response,
+        lambda v: VersionSummary.model_validate(v, from_attributes=True),
     )
+    return VersionList(calibrators=items, next_cursor=cursor)
 
 
 @declare(budget.READ_LARGE)

@@ -159,10 +159,11 @@ def list_datasets(
 ) -> DatasetList:
     """The model's datasets by id, a page at a time (without their metrics)."""
     rows = registry.list_datasets(session, model, page.request)
-    rows, cursor = page.finish(rows, lambda d: d.id, request, response)
-    return DatasetList(
-        datasets=[dataset_out(d, model, with_metrics=False) for d in rows], next_cursor=cursor
+    items, cursor = page.finish(
+        rows, lambda d: d.id, request, response,
+        lambda d: dataset_out(d, model, with_metrics=False),
     )
+    return DatasetList(datasets=items, next_cursor=cursor)
 
 
 @declare(budget.READ_LARGE)

@@ -55,8 +55,10 @@ def list_keys(
 ) -> KeyList:
     """The namespace's keys by id (revoked and expired ones too), a page at a time."""
     rows = key_rows.list_keys(session, principal.namespace, page.request)
-    rows, cursor = page.finish(rows, lambda r: r.id, request, response)
-    return KeyList(keys=[KeyOut(**key_out(r)) for r in rows], next_cursor=cursor)
+    items, cursor = page.finish(
+        rows, lambda r: r.id, request, response, lambda r: KeyOut(**key_out(r))
+    )
+    return KeyList(keys=items, next_cursor=cursor)
 
 
 @declare(budget.Budget("admin"))

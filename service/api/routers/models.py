@@ -60,8 +60,8 @@ def list_models(
 ) -> ModelList:
     """The namespace's models, oldest first, a page at a time."""
     rows = registry.list_models(session, principal.namespace, page.request)
-    rows, cursor = page.finish(rows, lambda m: m.id, request, response)
-    return ModelList(models=[model_out(m) for m in rows], next_cursor=cursor)
+    items, cursor = page.finish(rows, lambda m: m.id, request, response, model_out)
+    return ModelList(models=items, next_cursor=cursor)
 
 
 @declare(budget.WRITE)
