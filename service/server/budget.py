@@ -273,7 +273,7 @@ class BudgetMiddleware:
             await self.app(scope, receive, send)
             return
         state = _Request(self, scope, receive, send)
-        body = False
+        body = False  # a body comes (declared or chunked)
         for key, value in scope["headers"]:
             if key == b"content-length":
                 state.declared = value
@@ -282,22 +282,23 @@ class BudgetMiddleware:
                 state.encoding = value.strip().lower()
             elif key == b"transfer-encoding":
                 body = True
-        if state.encoding and state.encoding != b"identity":
+        encoded = bool(state.encoding) and state.encoding != b"identity"
+        if encoded:
             # The app sees the decoded body, whose length is unknown until it has arrived
             # (and a Request made before the first read caches its headers: strip now).
             scope["headers"] = [
                 (k, v) for k, v in scope["headers"]
                 if k not in (b"content-encoding", b"content-length")
             ]
-        if body and "route" not in scope:
-            # Before routing (the short way routes first): a body the route cannot take
-            # is refused now, before its handler runs, whether or not it would read it.
+        if (body or encoded) and "route" not in scope:
+            # Before routing (the short way routes first): a body or an encoding the route
+            # cannot take is refused now, before its handler runs, read or not.
             route = self.route_for(scope)
             if route is not None:
                 state.limits = route.limits
                 error = state.check_headers()
-                if error is None and route.limits.body == 0:  # chunked, to a bodiless route
-                    error = _too_large(0)
+                if error is None and body and route.limits.body == 0:
+                    error = _too_large(0)  # chunked, to a route without a body
                 if error is not None:
                     await state.refuse(error)
                     return

@@ -715,22 +715,23 @@ def test_auth_as_on_v1(database_url, tmp_path):
             ("GET", "/v2/models/m/ready"),
             ("POST", "/v2/models/m/infer"),
         ):
-            r = c.request(method, path, content=body, headers=headers)
+            sent = body if method == "POST" else None  # a GET takes no body (a 413)
+            r = c.request(method, path, content=sent, headers=headers)
             assert_error(r, 401, "API key")
             assert r.headers["www-authenticate"].startswith("Bearer")
             r = c.request(
-                method, path, content=body, headers={**headers, "Authorization": "Bearer wt_nope"}
+                method, path, content=sent, headers={**headers, "Authorization": "Bearer wt_nope"}
             )
             assert_error(r, 401, "unknown")
             ok = c.request(
                 method,
                 path,
-                content=body,
+                content=sent,
                 headers={**headers, "Authorization": f"Bearer {predict}"},
             )
             assert ok.status_code == 200, ok.text
             r = c.request(
-                method, path, content=body, headers={**headers, "Authorization": f"Bearer {other}"}
+                method, path, content=sent, headers={**headers, "Authorization": f"Bearer {other}"}
             )
             if path == "/v2":
                 assert r.status_code == 200

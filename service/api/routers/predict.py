@@ -19,8 +19,6 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.routing import Match, Route
-from starlette.types import Scope
 
 from service.api.auth import authorize
 from service.api.codecs import answers, json_body, npy, rules
@@ -32,7 +30,7 @@ from service.errors import UnsupportedMediaType
 from service.observe.metrics import ServiceMetrics
 from service.server import budget
 from service.server.budget import declare
-from service.server.hotpath import ServingApp
+from service.server.hotpath import add_hot_route
 from service.serving import inference
 from service.serving.inference import Served
 from service.serving.predict import calibrate
@@ -238,38 +236,6 @@ async def predict(request: Request) -> Response:
     if size <= state.settings.inline_predict_bytes:
         return respond(*args)
     return await anyio.to_thread.run_sync(respond, *args, limiter=state.predict_limiter)
-
-
-class _HotRoute(Route):
-    """A Starlette route that names itself in ``scope["route"]`` when it matches, as
-    FastAPI's routes do (FastAPI's router does not; the request metrics read it)."""
-
-    def matches(self, scope: Scope) -> tuple[Match, Scope]:
-        match, child = super().matches(scope)
-        if match is not Match.NONE:
-            child["route"] = self
-        return match, child
-
-
-def add_hot_route(app: FastAPI, path: str, endpoint, **documented) -> None:
-    """Serve POST ``path`` with ``endpoint(request) -> Response`` through a plain Starlette
-    route, ahead of every other route; FastAPI's route for it only documents it.
-
-    FastAPI's handler solves the endpoint's parameters, opens an exit stack and checks
-    the response, per request, even for an endpoint that takes the bare Request: about
-    a fifth of a 1 x 1,000 predict's time in the process (bench/README.md, "Serving
-    against peers"). Starlette's route calls the endpoint and sends its answer; errors
-    take the app's exception handlers either way. The documented route (``documented``
-    are :meth:`FastAPI.add_api_route`'s arguments) stays in the app for /openapi.json,
-    matched by no request, since the plain route matches first. On a
-    :class:`~service.server.hotpath.ServingApp` (the service's app), its POSTs skip
-    Starlette's and FastAPI's middleware layers as well.
-    """
-    app.add_api_route(path, endpoint, methods=["POST"], **documented)
-    route = _HotRoute(path, endpoint, methods=["POST"])
-    app.router.routes.insert(0, route)
-    if isinstance(app, ServingApp):  # and past Starlette's layers (service.server.hotpath)
-        app.add_hot_route(route)
 
 
 def install(app: FastAPI) -> None:

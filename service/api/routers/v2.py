@@ -53,7 +53,7 @@ from service.api.auth import PrincipalDep, authorize
 from service.api.codecs import answers, json_body, oip, rules
 from service.api.deps import StateDep, get_app_state
 from service.api.routers import health
-from service.api.routers.predict import VERSION_HEADER, add_hot_route
+from service.api.routers.predict import VERSION_HEADER
 from service.api.uploads import read_body
 from service.errors import (
     Conflict,
@@ -63,6 +63,7 @@ from service.errors import (
 from service.observe.metrics import ServiceMetrics
 from service.server import budget
 from service.server.budget import declare
+from service.server.hotpath import add_hot_route
 from service.server.problems import OIP_PREFIX, problem_response
 from service.serving.inference import TOP_K_OUTPUTS, Served, check_top_k
 from service.serving.predict import calibrate
