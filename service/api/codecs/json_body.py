@@ -32,26 +32,19 @@ from service.errors import ContentTooLarge, InvalidInput, MalformedJSON
 #: enough for any float64 written by json.dumps, indented or not.
 JSON_BYTES_PER_VALUE = 48
 
-
-JSON_BYTES_PER_VALUE = 48
 JSON_BYTES_PER_ROW = 64
 
-
-JSON_BYTES_PER_ROW = 64
 JSON_BYTES_CONSTANT = 64 * 1024
-
 
 #: JSON number arrays are parsed in groups of about this many bytes; bodies up to this
 #: size are parsed by orjson in one go (their Python objects are a constant).
 _JSON_GROUP_BYTES = 1 << 20
 
 
-
 def json_body_limit(bounds: Bounds, max_json_bytes: int) -> int:
     """Largest JSON body the rows and K of ``bounds`` can need (and the JSON limit)."""
     per_row = bounds.num_classes * JSON_BYTES_PER_VALUE + JSON_BYTES_PER_ROW
     return min(max_json_bytes, JSON_BYTES_CONSTANT + bounds.max_rows * per_row)
-
 
 
 def _count(body, byte: bytes, start: int = 0, end: int | None = None) -> int:
@@ -69,7 +62,6 @@ def _count(body, byte: bytes, start: int = 0, end: int | None = None) -> int:
     return total
 
 
-
 def _loads(body) -> Any:
     if isinstance(body, mmap.mmap):
         with memoryview(body) as view:
@@ -77,9 +69,7 @@ def _loads(body) -> Any:
     return orjson.loads(body)
 
 
-
 _NON_FINITE = (b"NaN", b"Infinity", b"-Infinity", b"nan", b"inf", b"Inf", b"-inf", b"-NaN")
-
 
 
 def decode_json(body: bytes | bytearray | mmap.mmap) -> Any:
@@ -96,45 +86,25 @@ def decode_json(body: bytes | bytearray | mmap.mmap) -> Any:
         raise MalformedJSON(f"The body is not valid JSON: {exc}.") from None
 
 
-
 _WS = rb"[ \t\n\r]*"
 
-
-_WS = rb"[ \t\n\r]*"
 _OPEN = re.compile(_WS + rb"\{" + _WS)
 
-
-_OPEN = re.compile(_WS + rb"\{" + _WS)
 _KEY = re.compile(rb'"([A-Za-z_][A-Za-z0-9_]{0,63})"' + _WS + rb":" + _WS)
 
-
-_KEY = re.compile(rb'"([A-Za-z_][A-Za-z0-9_]{0,63})"' + _WS + rb":" + _WS)
 _AFTER_VALUE = re.compile(_WS + rb"([,}])" + _WS)
 
-
-_AFTER_VALUE = re.compile(_WS + rb"([,}])" + _WS)
 _INTEGER = re.compile(rb"-?(?:0|[1-9][0-9]{0,17})(?![0-9.eE])")
 
-
-_INTEGER = re.compile(rb"-?(?:0|[1-9][0-9]{0,17})(?![0-9.eE])")
 _NUMERIC = re.compile(rb"[-+0-9.eE,\[\] \t\n\r]*")
 
-
-_NUMERIC = re.compile(rb"[-+0-9.eE,\[\] \t\n\r]*")
 _ROWS_END = re.compile(rb"\]" + _WS + rb"\]")
 
-
-_ROWS_END = re.compile(rb"\]" + _WS + rb"\]")
 _SEPARATOR = re.compile(_WS + rb"," + _WS)
 
-
-_SEPARATOR = re.compile(_WS + rb"," + _WS)
 _SPACE = re.compile(_WS)
 
-
-_SPACE = re.compile(_WS)
 _LITERALS = re.compile(rb"true|false|null")
-
 
 
 def _may_hold_literals(body) -> bool:
@@ -153,7 +123,6 @@ def _may_hold_literals(body) -> bool:
     return _LITERALS.search(body) is not None
 
 
-
 def _numbers(text: bytes) -> np.ndarray | None:
     """``text``, a JSON array, as float64; None unless it parses to numbers of one shape."""
     try:
@@ -161,7 +130,6 @@ def _numbers(text: bytes) -> np.ndarray | None:
     except (orjson.JSONDecodeError, ValueError, TypeError):
         return None
     return arr
-
 
 
 def _array_2d(body, start: int, end: int, bounds: Bounds) -> np.ndarray | None:
@@ -192,7 +160,6 @@ def _array_2d(body, start: int, end: int, bounds: Bounds) -> np.ndarray | None:
     return out if filled == n else None
 
 
-
 def _array_1d(body, start: int, end: int, bounds: Bounds) -> np.ndarray | None:
     """The numbers between ``start`` and ``end`` (a 1-D array's ']'), in groups."""
     if body.find(b"[", start, end) >= 0:
@@ -214,7 +181,6 @@ def _array_1d(body, start: int, end: int, bounds: Bounds) -> np.ndarray | None:
     return out if filled == n else None
 
 
-
 def _array(body, pos: int, bounds: Bounds) -> tuple[np.ndarray, int] | None:
     """The number array whose '[' is at ``pos``, and the position after it; None unless it
     is a plain 1-D or 2-D array of numbers."""
@@ -234,7 +200,6 @@ def _array(body, pos: int, bounds: Bounds) -> tuple[np.ndarray, int] | None:
         return None
     arr = _array_1d(body, inner, close, bounds)
     return None if arr is None else (arr, close + 1)
-
 
 
 def plain_object(body, allowed: set[str], bounds: Bounds) -> dict[str, Any] | None:
@@ -274,7 +239,6 @@ def plain_object(body, allowed: set[str], bounds: Bounds) -> dict[str, Any] | No
             return out if pos == len(body) else None
 
 
-
 def _quotes_only_in_keys(body, keys: int) -> bool:
     """Whether ``body``, a JSON object of ``keys`` keys, has no ``"`` but its keys' own
     (two each): then none of its values holds a string. One ``memchr`` per quote.
@@ -288,7 +252,6 @@ def _quotes_only_in_keys(body, keys: int) -> bool:
         if at < 0:
             return True
     return False
-
 
 
 def _only_numbers(key: str, value: Any, scan: bool, no_strings: bool = False) -> Any:
@@ -321,7 +284,6 @@ def _only_numbers(key: str, value: Any, scan: bool, no_strings: bool = False) ->
     except (ValueError, TypeError):
         return value
     return arr.astype(np.float64, copy=False) if arr.dtype.kind in "fiu" else value
-
 
 
 def json_object(body: bytes | bytearray, allowed_keys: set[str], bounds: Bounds) -> dict:
@@ -357,7 +319,6 @@ def json_object(body: bytes | bytearray, allowed_keys: set[str], bounds: Bounds)
     return {k: _only_numbers(k, v, scan, plain) if k != "version" else v for k, v in obj.items()}
 
 
-
 def score_key(obj: dict, allowed: tuple[str, ...]) -> str:
     """The one key of ``allowed`` that ``obj`` holds (422 for none or several)."""
     present = [k for k in allowed if k in obj]
@@ -369,9 +330,7 @@ def score_key(obj: dict, allowed: tuple[str, ...]) -> str:
     return present[0]
 
 
-
 _JSON_FIX = "Send them under the key 'probabilities'."
-
 
 
 def _json_scores(obj: dict, bounds: Bounds, kind: str | None) -> tuple[np.ndarray, str, bool]:
@@ -387,7 +346,6 @@ def _json_scores(obj: dict, bounds: Bounds, kind: str | None) -> tuple[np.ndarra
     return scores, kind, explicit
 
 
-
 def scores_from_json(
     body: bytes | bytearray, bounds: Bounds, kind: str | None = None
 ) -> tuple[np.ndarray, str]:
@@ -396,7 +354,6 @@ def scores_from_json(
     scores, kind, explicit = _json_scores(obj, bounds, kind)
     check_not_probabilities(scores, kind, explicit, _JSON_FIX)
     return scores, kind
-
 
 
 def labelled_from_json(

@@ -34,20 +34,15 @@ from service.errors import InvalidInput, MalformedBody
 #: numpy refuses longer .npy headers too (``max_header_size``).
 MAX_NPY_HEADER = 10_000
 
-
 #: Bytes of a .npy before its data, at most (magic, version, length, header).
 NPY_PREFIX_MAX = 12 + MAX_NPY_HEADER
 
-
-NPY_PREFIX_MAX = 12 + MAX_NPY_HEADER
 _NPY_MAGIC = b"\x93NUMPY"
-
 
 #: .npy dtypes a body may hold: real floats and integers of at most 8 bytes, either
 #: byte order. float128, bool, complex, datetime, strings, objects and records are
 #: refused from the header. Integer scores must also be exact in float64 (the core's rule).
 NPY_DTYPES = re.compile(r"[<>|=]?(?:f[248]|[iu][1248])")
-
 
 #: What a refused .npy descr holds, by its type letter (for the message).
 _DTYPE_NAMES = {
@@ -66,10 +61,8 @@ _DTYPE_NAMES = {
     "u": " (not an integer size)",
 }
 
-
 #: Bytes of data a score in a .npy can take (the widest accepted dtype).
 MAX_ITEMSIZE = 8
-
 
 #: ``?dtype=`` of the binary bodies (:data:`service.vocabulary.SCORE_DTYPES`): scores
 #: numpy has no dtype for, sent as their raw 16-bit patterns. ``bfloat16``
@@ -78,10 +71,8 @@ MAX_ITEMSIZE = 8
 #: or ``|V2`` (what ``np.save`` writes for an ``ml_dtypes.bfloat16`` array).
 _BFLOAT16_DESCRS = re.compile(r"(?:[<=|]?[ui]2|[<|]V2)")
 
-
 #: dtypes the validation keeps without a copy.
 _UNCONVERTED = (np.dtype(np.float32), np.dtype(np.float64))
-
 
 
 @dataclass(frozen=True)
@@ -126,7 +117,6 @@ class NpyHeader:
             return self.decoded_nbytes * (2 if fortran else 1)
         kept = self.dtype in _UNCONVERTED and not fortran
         return self.nbytes + (0 if kept else self.decoded_nbytes)
-
 
 
 def parse_npy_header(
@@ -201,14 +191,12 @@ def parse_npy_header(
     return NpyHeader(shape, np.dtype(descr), fields["fortran_order"], offset)
 
 
-
 def _widen(src: np.ndarray, out: np.ndarray, bfloat16: bool) -> None:
     """float16 values, or bfloat16 bit patterns (uint16), into float32 ``out``, exactly."""
     if bfloat16:  # a bfloat16 is the high half of the float32 of the same value
         np.left_shift(src, 16, out=out.view(np.uint32), dtype=np.uint32)
     else:
         out[...] = src
-
 
 
 class NpyStream:
@@ -312,7 +300,6 @@ class NpyStream:
         return arr.reshape(header.shape)
 
 
-
 def check_scores_header(header: NpyHeader, bounds: Bounds, what: str) -> None:
     """Shape (N, K) with K the model's, N within the row limit, data within the byte limit."""
     shape = header.shape
@@ -330,18 +317,15 @@ def check_scores_header(header: NpyHeader, bounds: Bounds, what: str) -> None:
         raise too_many_bytes(what, header.memory, bounds.max_bytes)
 
 
-
 def npy_check(bounds: Bounds, what: str = "The .npy body") -> Callable[[NpyHeader], None]:
     """The header check of a .npy predict body."""
     return lambda header: check_scores_header(header, bounds, what)
-
 
 
 def npy_body_limit(bounds: Bounds, max_body_bytes: int) -> int:
     """Largest .npy body the rows and K of ``bounds`` can need (and the body limit)."""
     need = NPY_PREFIX_MAX + bounds.max_rows * bounds.num_classes * MAX_ITEMSIZE
     return min(max_body_bytes, need)
-
 
 
 def scores_from_npy(arr: np.ndarray, bounds: Bounds, kind: str | None) -> tuple[np.ndarray, str]:
@@ -354,12 +338,10 @@ def scores_from_npy(arr: np.ndarray, bounds: Bounds, kind: str | None) -> tuple[
     return scores, kind
 
 
-
 def npy_bytes(arr: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.save(buf, arr, allow_pickle=False)
     return buf.getvalue()
-
 
 
 def npy_header(arr: np.ndarray) -> bytes:
@@ -375,13 +357,11 @@ def npy_header(arr: np.ndarray) -> bytes:
     return head.getvalue()
 
 
-
 def npy_chunks(arr: np.ndarray) -> tuple[int, Iterator[bytes | memoryview]]:
     """``arr`` as a .npy file: its size, and its bytes as the header then views of the
     data of at most :data:`CHUNK_BYTES` bytes (no copy of the data: for big answers)."""
     arr = np.ascontiguousarray(arr)
     return byte_chunks(npy_header(arr), [arr])
-
 
 
 def byte_chunks(
@@ -403,7 +383,6 @@ def byte_chunks(
                 yield view[at : at + CHUNK_BYTES]
 
     return len(head) + sum(len(view) for view in data), chunks()
-
 
 
 def npy_view(arr: np.ndarray) -> memoryview:

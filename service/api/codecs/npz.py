@@ -37,17 +37,9 @@ from service.errors import InvalidInput, MalformedBody
 #: memory and builds an object per entry it finds there, whatever the count says).
 MAX_NPZ_MEMBERS = 64
 
-
-MAX_NPZ_MEMBERS = 64
 MAX_CENTRAL_DIRECTORY = 64 * 1024
 
-
-MAX_CENTRAL_DIRECTORY = 64 * 1024
 _ZIP_METHODS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflate"}
-
-
-_ZIP_METHODS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflate"}
-
 
 
 def _zip_directory(f, what: str) -> tuple[int, int]:
@@ -74,7 +66,6 @@ def _zip_directory(f, what: str) -> tuple[int, int]:
     return entries, size
 
 
-
 _ZIP_ERRORS = (
     ValueError,
     OSError,
@@ -87,7 +78,6 @@ _ZIP_ERRORS = (
     struct.error,
     OverflowError,
 )
-
 
 
 def _open_npz(path: Path, what: str) -> zipfile.ZipFile:
@@ -109,7 +99,6 @@ def _open_npz(path: Path, what: str) -> zipfile.ZipFile:
     return zf
 
 
-
 def _member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, what: str):
     if info.flag_bits & 0x41:  # traditional or strong encryption
         raise InvalidInput(f"{what} is encrypted; send the arrays unencrypted.")
@@ -124,7 +113,6 @@ def _member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, what: str):
         raise MalformedBody(f"{what} cannot be read: {shorten(exc)}.") from None
 
 
-
 def _read_member_header(fp, what: str, score_dtype: str | None = None) -> tuple[NpyHeader, bytes]:
     """The member's .npy header (inflating at most a few KiB past it), and the bytes read
     past it."""
@@ -137,7 +125,6 @@ def _read_member_header(fp, what: str, score_dtype: str | None = None) -> tuple[
     return header, bytes(head[header.offset :])
 
 
-
 def _check_member_size(info: zipfile.ZipInfo, header: NpyHeader, what: str) -> None:
     """400 unless the member's size in the zip is its header's plus the data it declares."""
     if info.file_size != header.offset + header.nbytes:
@@ -145,7 +132,6 @@ def _check_member_size(info: zipfile.ZipInfo, header: NpyHeader, what: str) -> N
             f"{what} is {info.file_size} bytes long once inflated, but its .npy header "
             f"declares {header.offset + header.nbytes}."
         )
-
 
 
 def _read_member_data(fp, header: NpyHeader, read: bytes, what: str) -> np.ndarray:
@@ -156,7 +142,6 @@ def _read_member_data(fp, header: NpyHeader, read: bytes, what: str) -> np.ndarr
     while chunk := fp.read(CHUNK_BYTES):
         stream.feed(chunk)
     return stream.finish()
-
 
 
 def labelled_from_npz(path: Path, bounds: Bounds, kind: str | None = None) -> Labelled:

@@ -27,20 +27,14 @@ from service.vocabulary import KINDS
 #: is the name used by the shared CIFAR files (softmax probabilities).
 SCORE_KEYS = {"logits": "logits", "probabilities": "probabilities", "predictions": "probabilities"}
 
-
-SCORE_KEYS = {"logits": "logits", "probabilities": "probabilities", "predictions": "probabilities"}
 LABEL_KEYS = ("labels", "ground_truth")
-
 
 #: A JSON body names its score array by its kind.
 JSON_SCORE_KEYS = KINDS
 
-
 #: A body of logits whose every row is a probability distribution (non-negative,
 #: summing to 1 within this) is refused unless the kind was given explicitly.
 PROBABILITY_LIKE_TOLERANCE = 1e-4
-
-
 
 #: Bytes of a body handled at a time where one is walked in pieces (widening, inflating,
 #: counting).
@@ -73,7 +67,6 @@ _ROW_SETTINGS = {
 }
 
 
-
 def bounds(
     settings: Settings, what: str, num_classes: int, model: str, dtype: str | None = None
 ) -> Bounds:
@@ -83,13 +76,11 @@ def bounds(
     return Bounds(num_classes, model, rows, settings.max_body_bytes, what, dtype)
 
 
-
 @dataclass(frozen=True)
 class Labelled:
     scores: np.ndarray  # (N, K) float32 or float64, validated
     labels: np.ndarray  # (N,) int64 in [0, K)
     kind: str
-
 
 
 def _check_classes(arr: np.ndarray, kind: str, num_classes: int, model: str) -> None:
@@ -100,18 +91,15 @@ def _check_classes(arr: np.ndarray, kind: str, num_classes: int, model: str) -> 
         )
 
 
-
 def validated_scores(scores: Any, kind: str, num_classes: int, model: str) -> np.ndarray:
     arr = as_scores(scores, kind)
     _check_classes(arr, kind, num_classes, model)
     return arr
 
 
-
 def validated(scores: Any, labels: Any, kind: str, num_classes: int, model: str) -> Labelled:
     arr = validated_scores(scores, kind, num_classes, model)
     return Labelled(arr, as_labels(labels, arr.shape[0], arr.shape[1]), kind)
-
 
 
 def every_row_a_distribution(arr: np.ndarray) -> bool:
@@ -131,7 +119,6 @@ def every_row_a_distribution(arr: np.ndarray) -> bool:
     return True
 
 
-
 def check_not_probabilities(arr: np.ndarray, kind: str, explicit: bool, fix: str) -> None:
     """422 for logits (``kind`` not given ``explicit``-ly) whose every row is a
     probability distribution: probabilities sent as logits would be calibrated wrong
@@ -147,7 +134,6 @@ def check_not_probabilities(arr: np.ndarray, kind: str, explicit: bool, fix: str
     )
 
 
-
 def resolve_kind(given: str | None, body_kind: str, where: str) -> tuple[str, bool]:
     """The kind of the scores and whether it was explicit: ``?kind=`` when given (422 if it
     contradicts ``body_kind``, the kind the body names ``where``), else ``body_kind``."""
@@ -161,11 +147,9 @@ def resolve_kind(given: str | None, body_kind: str, where: str) -> tuple[str, bo
     return given, True
 
 
-
 def shorten(value: Any, limit: int = 120) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
-
 
 
 def too_many_bytes(what: str, nbytes: int, limit: int) -> ContentTooLarge:
