@@ -36,6 +36,7 @@ what is actually sent: an answer over its bound is logged as a bug.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import zlib
 from collections.abc import Callable, Iterator
@@ -57,6 +58,9 @@ log = logging.getLogger("welltempered.budget")
 ENCODINGS = {"gzip": 31, "x-gzip": 31, "deflate": 15}
 #: Decoded bytes produced per inflate call at most: what one step of a bomb costs.
 INFLATE_STEP = 64 * 1024
+#: Steps of one chunk between two yields to the event loop (1 MiB of output): a 64 KB
+#: chunk may inflate to 64 MiB, and the loop serves other requests meanwhile.
+YIELD_STEPS = 16
 #: Where a request's narrowed decoded limit lives in its ASGI scope (:func:`narrow`).
 _NARROWED = "welltempered.decoded_limit"
 _SCOPES = (*TENANT_SCOPES, METRICS_SCOPE)
@@ -400,11 +404,13 @@ class _Request:
         limit = limits.decoded if narrowed is None else min(narrowed, limits.decoded)
         parts = []
         try:
-            for part in self.inflater.steps(body):
+            for step, part in enumerate(self.inflater.steps(body), 1):
                 self.decoded += len(part)
                 if self.decoded > limit:
                     return await self.refuse(_too_large(limit, "decoded request body"))
                 parts.append(part)
+                if step % YIELD_STEPS == 0:  # a chunk that inflates far: let others run
+                    await asyncio.sleep(0)
             if not message.get("more_body", False):
                 self.inflater.finish()
         except MalformedBody as exc:
