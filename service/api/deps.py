@@ -25,7 +25,7 @@ from service.jobs.queue import Fits
 from service.observe.metrics import ServiceMetrics
 from service.serving.inference import ServingCache
 from service.settings import Settings
-from service.storage import registry
+from service.storage import registry, retry
 from service.storage.arrays import ArrayStore
 from service.storage.db import Alias, CalibratorVersion, Dataset, Model
 from service.storage.usage import Quotas
@@ -82,8 +82,13 @@ StateDep = Annotated[AppState, Depends(get_state)]
 
 
 def get_session(state: StateDep) -> Iterator[Session]:
-    with state.sessions() as session:
+    """The request's session; its end never raises (:func:`retry.end_session`): it may
+    run after the answer has started."""
+    session = state.sessions()
+    try:
         yield session
+    finally:
+        retry.end_session(session)
 
 
 SessionDep = Annotated[Session, Depends(get_session)]

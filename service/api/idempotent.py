@@ -146,19 +146,35 @@ def replayed(row: IdempotencyKey) -> JSONResponse:
     )
 
 
+#: Tries to free a key whose request failed, on a fresh connection each.
+RELEASE_ATTEMPTS = 3
+
+
 def _release(state: AppState, request_session: Session, attempt: idempotency.Attempt) -> None:
     # The request's transaction first: it may hold the key's row (an answer stored before
     # a failed commit), which the release would wait for. Then a session of its own: the
     # request's may be broken by the failure being handled.
+    # A few tries: when connections are being cut, the one the release gets may be
+    # cut too, and a key left in flight answers the client's retries 409 until its
+    # lease passes.
     try:
         request_session.rollback()
-        with state.sessions() as session:
-            idempotency.release(session, attempt)
     except Exception as exc:
         if not retry.is_transient(exc):
             raise
-        # The database is gone too: the key stays in flight until its lease passes.
-        log.warning("could not release Idempotency-Key %r (%s)", attempt.key, type(exc).__name__)
+    for attempt_no in range(1, RELEASE_ATTEMPTS + 1):
+        try:
+            with state.sessions() as session:
+                idempotency.release(session, attempt)
+            return
+        except Exception as exc:
+            if not retry.is_transient(exc):
+                raise
+            if attempt_no == RELEASE_ATTEMPTS:
+                # The database is gone: the key stays in flight until its lease passes.
+                log.warning(
+                    "could not release Idempotency-Key %r (%s)", attempt.key, type(exc).__name__
+                )
 
 
 def idempotent(body: Callable[..., Any]) -> Any:

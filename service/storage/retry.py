@@ -10,6 +10,8 @@ it. What then:
 - :func:`is_transient` tells such failures (a dropped or refused connection, the
   server shutting down, a deadlock, a full pool) from bugs: they are worth one more
   try, or a 503, never a 500.
+- :func:`end_session` ends a request's session without raising: a rollback on a
+  connection that died must not break an answer already decided.
 - :func:`retry_read` runs a read that opens its own session again, once, on a fresh
   connection. The API replays a whole ``GET`` the same way
   (:mod:`service.server.faults`).
@@ -37,6 +39,7 @@ from typing import TypeVar
 from sqlalchemy import Engine, event
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+from sqlalchemy.orm import Session
 
 log = logging.getLogger("welltempered.database")
 
@@ -58,6 +61,29 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, DBAPIError) and exc.connection_invalidated:
         return True
     return isinstance(exc, OperationalError | PoolTimeoutError)
+
+
+def end_session(session: Session) -> None:
+    """Close ``session`` and never raise: the end of a request's session.
+
+    Closing rolls back a transaction still open, on the connection it holds. If that
+    connection died meanwhile (the server restarted, ``pg_terminate_backend``), the
+    rollback raises; but nothing of an uncommitted transaction survives a dead
+    connection anyway, and the request's answer is decided, perhaps already sent
+    (FastAPI ends a ``yield`` dependency after the response has started). So the
+    failure is logged and the connection discarded, not raised into the answer.
+    """
+    try:
+        session.close()
+    except Exception as exc:
+        log.warning(
+            "a session's rollback at its end failed (%s): its connection is discarded",
+            type(exc).__name__,
+        )
+        try:
+            session.invalidate()
+        except Exception:  # pragma: no cover - the connection is gone either way
+            log.debug("discarding a failed session's connection failed too", exc_info=True)
 
 
 def retry_read(fn: Callable[..., T], *args, attempts: int = 2, **kwargs) -> T:
@@ -178,8 +204,17 @@ def _on_commit(conn) -> None:
 
 
 def _on_error(context) -> None:
+    if context.is_pre_ping:
+        # A connection whose ping fails for any reason is not handed out: it is
+        # discarded and the pool opens a new one (whose failure to connect is then the
+        # error). psycopg's ping first switches autocommit on, and on a connection the
+        # server cut while it sat in the pool that raises "can't change 'autocommit'
+        # now", a ProgrammingError that SQLAlchemy does not see as a disconnect: it
+        # escaped as a 500 (test_db_faults, every 50 ms, POST feedback).
+        context.is_disconnect = True
+        return
     writes = _current.get()
-    if writes is None or context.is_pre_ping:
+    if writes is None:
         return
     if writes.committing is not None and writes.committing is context.connection:
         # The COMMIT itself failed. If the server answered it with an error (a SQLSTATE:

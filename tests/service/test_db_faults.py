@@ -17,8 +17,9 @@ import uuid
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import event, text
+from sqlalchemy import create_engine, event, text
 from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.orm import Session
 
 from service.api.app import create_app
 from service.storage import migrate, retry
@@ -275,12 +276,15 @@ def test_no_500_while_the_database_connections_are_killed(pg_admin, tmp_path, in
             counts: collections.Counter = collections.Counter()
             bad, confirmed, start = [], 0, time.monotonic()
 
+            last: list = []
+
             def post_feedback() -> bool:
                 """One attempt of the current post, always under its own key."""
                 r = c.post(
                     f"{MODEL}/feedback", json=feedback, headers={"Idempotency-Key": f"p{confirmed}"}
                 )
                 counts["POST feedback", r.status_code] += 1
+                last[:] = [r.status_code, r.text]
                 if r.status_code >= 500:
                     bad.append(("POST feedback", r))
                 return r.status_code == 200
@@ -300,7 +304,7 @@ def test_no_500_while_the_database_connections_are_killed(pg_admin, tmp_path, in
             pending = 0
             while not post_feedback():
                 pending += 1
-                assert pending < 10, "the last feedback post never succeeded"
+                assert pending < 10, f"the last feedback post never succeeded: {last}"
             confirmed += 1
             total = sum(counts.values())
             print(
@@ -319,3 +323,63 @@ def test_no_500_while_the_database_connections_are_killed(pg_admin, tmp_path, in
             # every post counted once, however often it was retried
             labelled = c.get(f"{MODEL}/monitoring", params={"window": "1h"}).json()["live"]["n"]
             assert labelled == 20 * confirmed
+
+
+def test_a_failed_ping_replaces_the_connection(tmp_path, monkeypatch):
+    """Whatever a pre-ping raises, the connection is discarded and a new one opened:
+    psycopg's ping raised ProgrammingError ("can't change 'autocommit' now") on a
+    connection the server had cut, which SQLAlchemy does not count as a disconnect."""
+    engine = create_engine(f"sqlite:///{tmp_path / 'ping.db'}", pool_pre_ping=True)
+    retry.track_writes(engine)
+    opened = []
+    event.listen(engine, "connect", lambda dbapi_conn, record: opened.append(dbapi_conn))
+    with engine.connect() as conn:
+        conn.execute(text("SELECT 1"))
+    pings = []
+
+    def broken_ping(dbapi_connection):
+        pings.append(dbapi_connection)
+        raise sqlite3.ProgrammingError("can't change 'autocommit' now")
+
+    monkeypatch.setattr(engine.dialect, "do_ping", broken_ping)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT 1")).scalar() == 1
+    assert pings == opened[:1] and len(opened) == 2
+    engine.dispose()
+
+
+def test_a_failed_rollback_at_the_end_of_a_session_is_logged_not_raised(tmp_path, caplog):
+    engine = create_engine(f"sqlite:///{tmp_path / 'end.db'}")
+    session = Session(engine)
+    session.execute(text("SELECT 1"))  # a transaction is open: close() rolls it back
+
+    def cut(dbapi_connection):
+        raise sqlite3.OperationalError("server closed the connection unexpectedly")
+
+    event.listen(engine, "rollback", lambda conn: cut(None))
+    with caplog.at_level("WARNING", logger="welltempered.database"):
+        retry.end_session(session)
+    assert "rollback at its end failed" in caplog.text
+    assert engine.pool.checkedout() == 0
+    engine.dispose()
+
+
+def test_a_read_whose_session_cannot_roll_back_still_answers(client, served, caplog):
+    """The request's session ends after its answer is decided (perhaps sent): a rollback
+    that fails then is a warning, not an unhandled error (which on a real server broke
+    the connection of an answer already started), and the answer stands."""
+    engine = engine_of(client)
+
+    def cut(conn):
+        raise dropped()
+
+    event.listen(engine, "rollback", cut)
+    try:
+        with caplog.at_level("WARNING"):
+            r = client.get(f"{MODEL}/calibrators")
+    finally:
+        event.remove(engine, "rollback", cut)
+    assert r.status_code == 200, r.text
+    assert [x.getMessage() for x in caplog.records if x.levelname == "ERROR"] == []
+    assert "rollback at its end failed" in caplog.text
+    assert r.json()["calibrators"][0]["version"] == 1
