@@ -52,12 +52,15 @@ from sklearn.base import BaseEstimator
 from calibrators.cost import Cost, conservative_cost
 from calibrators.numerics import map_rows, softmax
 from calibrators.validation import (
+    KINDS,
     SCORE_DTYPE_KINDS,
     CalibrationInputError,
+    KindError,
     NotFittedError,
     as_scores,
     as_scores_and_labels,
     check_integer,
+    check_kind,
     check_positive,
     logits64,
 )
@@ -66,7 +69,15 @@ if TYPE_CHECKING:  # ONNX is imported by to_onnx only, not with the package
     from calibrators.onnx_export import GraphBuilder
 
 Progress = Callable[[float], None]
-PARAMS_FORMAT = "welltempered.calibrator/1"
+#: The format :meth:`Calibrator.to_params` writes. Format 2 records the kind of scores
+#: a calibrator was fitted on (``kind``) and changed the features of vector and matrix
+#: scaling to the centred log-ratio (:func:`calibrators.validation.centred_log_ratio`).
+PARAMS_FORMAT = "welltempered.calibrator/2"
+#: Format 1: before format 2. Still read: the same maps, with vector and matrix scaling
+#: on the raw logits (see :attr:`Calibrator.input_kinds`).
+PARAMS_FORMAT_1 = "welltempered.calibrator/1"
+#: The formats :func:`calibrators.from_params` reads.
+PARAMS_FORMATS = (PARAMS_FORMAT_1, PARAMS_FORMAT)
 #: A fitted array's shape: a tuple of ints and names, each name ``"n_classes"``
 #: (K) or a constructor option; ``()`` for a float; None for an array that is
 #: always absent (stored as JSON null, e.g. the bias of temperature scaling).
@@ -126,8 +137,17 @@ class Calibrator(BaseEstimator):
     Attributes set by :meth:`fit`
     -----------------------------
     n_classes_ : int
+    kind_ : {"logits", "probabilities"} or None
+        The kind of scores it was fitted on (None: params that do not say).
     fit_info_ : dict
         How the fit went (iterations, gradient, chosen penalties, ...).
+
+    One answer per distribution: every calibrator of format 2 gives the same
+    probabilities for logits with any per-row constant added and for the
+    probabilities of the same distribution (its map reads only the distribution,
+    by construction or through the centred log-ratio), whichever kind it was
+    fitted on. A calibrator that cannot (params of format 1, see
+    :attr:`input_kinds`) refuses the other kind with :class:`KindError`.
     """
 
     method: ClassVar[str]
@@ -267,6 +287,7 @@ class Calibrator(BaseEstimator):
                 setattr(self, f"{name}_", None)
         self._check_fitted_arrays(int(x.shape[1]), options)
         self.fit_info_ = fit_info
+        self.kind_ = kind
         self.n_classes_ = int(x.shape[1])
         return self
 
@@ -338,6 +359,33 @@ class Calibrator(BaseEstimator):
                 "first. Got an unfitted instance."
             )
 
+    @property
+    def input_kinds(self) -> tuple[str, ...]:
+        """The kinds of scores this calibrator gives its one answer for.
+
+        Both (``calibrators.validation.KINDS``) for every map of format 2. A map of
+        format 1 that depends on the logits' per-row constant (vector and matrix
+        scaling then) gives it only for the kind it was fitted on, when known.
+        """
+        return KINDS
+
+    def check_input_kind(self, kind: str) -> None:
+        """Raise :class:`KindError` (or CalibrationInputError for an unknown
+        ``kind``) unless this calibrator takes scores of ``kind``
+        (:attr:`input_kinds`)."""
+        self._check_fitted()
+        check_kind(kind)
+        if kind in self.input_kinds:
+            return
+        (needed,) = self.input_kinds
+        raise KindError(
+            f"this {self.method} calibrator (params {self._params_format()}) maps raw "
+            f"logits, so its answer depends on their per-row constant: it gives one "
+            f"answer only for {needed}, the kind it was fitted on. Give {needed} "
+            f"(kind={needed!r}), or refit it. Got kind={kind!r}.",
+            needed,
+        )
+
     def predict_proba(self, scores, *, kind: str = "logits") -> np.ndarray:
         """Calibrated probabilities.
 
@@ -349,9 +397,15 @@ class Calibrator(BaseEstimator):
         Returns
         -------
         ndarray of shape (n_samples, n_classes), float64
-            Rows sum to 1; finite for any finite input.
+            Rows sum to 1; finite for any finite input. The same for the same
+            distribution however it is given (see :attr:`input_kinds`).
+
+        Raises
+        ------
+        KindError
+            ``kind`` is not in :attr:`input_kinds`.
         """
-        self._check_fitted()
+        self.check_input_kind(kind)
         x = as_scores(scores, kind, n_classes=self.n_classes_)
         return map_rows(lambda block: softmax(self._forward(logits64(block, kind))), x)
 
@@ -362,15 +416,18 @@ class Calibrator(BaseEstimator):
         Returns
         -------
         dict
-            ``format`` (:data:`PARAMS_FORMAT`), ``method``, ``n_classes``,
-            ``options`` (canonical), one key per fitted array (a float, nested
-            lists, or None) and ``fit_info``.
+            ``format`` (:data:`PARAMS_FORMAT`; format 1 for a calibrator read from
+            format 1 params whose map format 2 changed), ``method``, ``n_classes``,
+            ``kind`` (the kind of scores it was fitted on, or None), ``options``
+            (canonical), one key per fitted array (a float, nested lists, or None)
+            and ``fit_info``.
         """
         self._check_fitted()
         out: dict[str, Any] = {
-            "format": PARAMS_FORMAT,
+            "format": self._params_format(),
             "method": self.method,
             "n_classes": self.n_classes_,
+            "kind": self.kind_,
             "options": self.get_options(),
         }
         for name, shape in self.fitted_arrays.items():
@@ -413,9 +470,10 @@ class Calibrator(BaseEstimator):
         if not isinstance(params, Mapping):
             raise CalibrationInputError(f"params must be a dict. Got {type(params).__name__}.")
         fmt = params.get("format", PARAMS_FORMAT)
-        if not isinstance(fmt, str) or fmt != PARAMS_FORMAT:
+        if not isinstance(fmt, str) or fmt not in PARAMS_FORMATS:
             raise CalibrationInputError(
-                f"params format must be {PARAMS_FORMAT!r}. Got {_short(fmt)}."
+                f"params format must be {' or '.join(repr(f) for f in PARAMS_FORMATS)} "
+                f"(absent: {PARAMS_FORMAT!r}). Got {_short(fmt)}."
             )
         method = params.get("method")
         if not isinstance(method, str) or method != cls.method:
@@ -424,8 +482,19 @@ class Calibrator(BaseEstimator):
             )
         options = params.get("options")
         cal = cls.from_options({} if options is None else options)
+        cal._load_format(fmt)
         cal._load_params(params)
         return cal
+
+    def _load_format(self, fmt: str) -> None:
+        """Adopt the map of params format ``fmt`` (one of :data:`PARAMS_FORMATS`).
+
+        The maps of format 1 are those of format 2 except where a subclass says
+        otherwise (:class:`calibrators.linear_softmax.LinearSoftmax`)."""
+
+    def _params_format(self) -> str:
+        """The format :meth:`to_params` writes: the one whose map this calibrator has."""
+        return PARAMS_FORMAT
 
     def _load_params(self, params: Mapping[str, Any]) -> None:
         """Set the fitted state from :meth:`to_params` output (validated here)."""
@@ -465,7 +534,14 @@ class Calibrator(BaseEstimator):
             arrays[name] = float(arr) if want == () else arr
         for name, value in arrays.items():
             setattr(self, f"{name}_", value)
+        kind = params.get("kind")
+        if kind is not None and kind not in KINDS:
+            raise CalibrationInputError(
+                f"params kind must be {' or '.join(repr(k) for k in KINDS)}, the kind of "
+                f"scores it was fitted on, or null (unknown). Got {_short(kind)}."
+            )
         self.fit_info_ = _fit_info(params.get("fit_info"))
+        self.kind_ = kind
         self.n_classes_ = k
 
     # -- export -----------------------------------------------------------
@@ -481,11 +557,18 @@ class Calibrator(BaseEstimator):
         -------
         bytes
             A model with the interface of :func:`calibrators.onnx_export.softmax_model`.
+            Its metadata holds ``method``, ``n_classes``, ``kind`` (when known) and
+            ``input_kinds`` (:attr:`input_kinds`, comma-separated): the graph's one
+            input takes logits or the log of probabilities, and computes the same
+            answer for both exactly when ``input_kinds`` names both.
         """
         from calibrators.onnx_export import softmax_model
 
         self._check_fitted()
         meta = {"method": self.method, "n_classes": str(self.n_classes_)}
+        if self.kind_ is not None:
+            meta["kind"] = self.kind_
+        meta["input_kinds"] = ",".join(self.input_kinds)
         meta.update(metadata or {})
         return softmax_model(
             self.n_classes_,

@@ -790,9 +790,8 @@ class _LinearScaler(LinearSoftmax):
         return Cost(bytes=int(memory), flops=100.0 * (1 + candidates * folds / 2) * evaluation)
 
     def _features(self, x: np.ndarray, kind: str) -> np.ndarray:
-        if self.feature == "log_softmax":
-            return map_rows(lambda block: log_softmax(logits64(block, kind)), x)
-        return map_rows(lambda block: logits64(block, kind), x)
+        """``phi`` of the validated scores, float64 (N, K), in row blocks."""
+        return map_rows(lambda block: self._phi(logits64(block, kind)), x)
 
     def _cross_validate(self, feats, y, fold_of, candidates, warm, progress):
         """:func:`cross_validate_path` of ODIR problems (``candidates``: (lam, mu) pairs)."""
@@ -898,20 +897,26 @@ class _LinearScaler(LinearSoftmax):
 
 
 class VectorScaler(_LinearScaler):
-    """Vector scaling: ``softmax(w * z + b)`` with a per-class scale and bias.
+    """Vector scaling: ``softmax(w * clr(z) + b)`` with a per-class scale and bias.
 
+    ``clr(z)`` is the centred log-ratio of the logits
+    (:func:`calibrators.validation.centred_log_ratio`), so logits with any per-row
+    constant and the probabilities of the same distribution get one answer.
     Parameters are those of the shared ODIR fit (see :mod:`calibrators.linear`);
     ``reg_lambda`` has no effect (there are no off-diagonal weights).
     """
 
     method = "vector"
     structure = "diagonal"
+    feature = "clr"
+    format_1_feature = "logits"
 
 
 class MatrixScaler(_LinearScaler):
-    """Matrix scaling: ``softmax(W z + b)`` with a full ``W``, ODIR-regularised.
+    """Matrix scaling: ``softmax(W clr(z) + b)`` with a full ``W``, ODIR-regularised.
 
-    Parameters are those of the shared ODIR fit (see :mod:`calibrators.linear`).
+    ``clr(z)`` as for :class:`VectorScaler`. Parameters are those of the shared ODIR
+    fit (see :mod:`calibrators.linear`).
 
     Examples
     --------
@@ -928,6 +933,8 @@ class MatrixScaler(_LinearScaler):
 
     method = "matrix"
     structure = "full"
+    feature = "clr"
+    format_1_feature = "logits"
 
 
 class DirichletScaler(_LinearScaler):

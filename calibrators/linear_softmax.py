@@ -8,10 +8,17 @@ ONNX subgraph and the fitted arrays (``weight``, ``bias``) follow from them.
 method        ``W``        ``b``     ``phi(z)``            keeps argmax
 ============  ===========  ========  ====================  ===============
 temperature   scalar beta  no        z                     always
-vector        diagonal     yes       z                     not guaranteed
-matrix        full         yes       z                     not guaranteed
+vector        diagonal     yes       clr(z)                not guaranteed
+matrix        full         yes       clr(z)                not guaranteed
 dirichlet     full         yes       log_softmax(z)        not guaranteed
 ============  ===========  ========  ====================  ===============
+
+Every ``phi`` gives one answer per distribution: ``beta z`` moves by a per-row
+constant when ``z`` does (softmax ignores it), and ``clr(z)`` (the centred
+log-ratio of :func:`calibrators.validation.centred_log_ratio`) and
+``log_softmax(z)`` do not move at all. Params of format 1 of vector and matrix
+scaling used ``phi(z) = z``, whose answer moves with that constant; they are still
+read, and keep that map (:meth:`LinearSoftmax.input_kinds`).
 
 Examples
 --------
@@ -19,7 +26,9 @@ Examples
 >>> cal = from_params({"method": "vector", "n_classes": 3,
 ...                    "weight": [1.0, 2.0, 1.0], "bias": [0.0, 0.0, -1.0]})
 >>> cal.predict_proba([[0.0, 0.5, 1.0]]).round(4).tolist()
-[[0.2119, 0.5761, 0.2119]]
+[[0.2741, 0.4519, 0.2741]]
+>>> cal.predict_proba([[10.0, 10.5, 11.0]]).round(4).tolist()
+[[0.2741, 0.4519, 0.2741]]
 >>> cal.preserves_argmax, type(cal).fitted_arrays
 (False, {'weight': ('n_classes',), 'bias': ('n_classes',)})
 """
@@ -30,8 +39,9 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 import numpy as np
 
-from calibrators.base import Calibrator
+from calibrators.base import PARAMS_FORMAT, PARAMS_FORMAT_1, Calibrator
 from calibrators.numerics import log_softmax
+from calibrators.validation import KINDS, centred_log_ratio
 
 if TYPE_CHECKING:  # ONNX is imported by to_onnx only, not with the package
     from calibrators.onnx_export import Feature, GraphBuilder
@@ -54,8 +64,13 @@ class LinearSoftmax(Calibrator):
         ``W`` is a float, an ndarray of shape (K,) or of shape (K, K).
     has_bias : bool
         Whether ``b``, an ndarray of shape (K,), exists.
-    feature : {"logits", "log_softmax"}, default "logits"
-        ``phi``: the identity, or the row-wise log-softmax.
+    feature : {"logits", "clr", "log_softmax"}, default "logits"
+        ``phi``: the identity, the centred log-ratio
+        (:func:`calibrators.validation.centred_log_ratio`) or the row-wise
+        log-softmax. A calibrator read from params of format 1 has the feature of
+        that format (``format_1_feature``) as an instance attribute.
+    format_1_feature : str or None
+        ``phi`` in params of format 1, when it differs (vector, matrix: ``"logits"``).
 
     Attributes set by :meth:`fit`
     -----------------------------
@@ -68,6 +83,7 @@ class LinearSoftmax(Calibrator):
     structure: ClassVar[Structure]
     has_bias: ClassVar[bool]
     feature: ClassVar[Feature] = "logits"
+    format_1_feature: ClassVar[Feature | None] = None
     onnx_graph_name = "linear_softmax"
 
     def __init_subclass__(cls, **kwargs):
@@ -78,8 +94,36 @@ class LinearSoftmax(Calibrator):
                 "bias": ("n_classes",) if cls.has_bias else None,
             }
 
+    def _load_format(self, fmt: str) -> None:
+        if fmt == PARAMS_FORMAT_1 and self.format_1_feature is not None:
+            self.feature = self.format_1_feature
+
+    def _params_format(self) -> str:
+        return PARAMS_FORMAT_1 if self.feature != type(self).feature else PARAMS_FORMAT
+
+    @property
+    def input_kinds(self) -> tuple[str, ...]:
+        """Both kinds, except for a map on the raw logits with a bias or a per-class
+        weight (vector and matrix scaling read from params of format 1): its answer
+        moves with the per-row constant of the logits, so it is given only for the
+        kind it was fitted on (both when the params do not say, as format 1 did)."""
+        shift_free = self.feature != "logits" or (self.structure == "scalar"
+                                                  and not self.has_bias)
+        if shift_free or self.kind_ is None:
+            return KINDS
+        return (self.kind_,)
+
+    def _phi(self, z: np.ndarray) -> np.ndarray:
+        """The features ``phi(z)`` of a float64 block of logits (``z`` itself for the
+        identity)."""
+        if self.feature == "log_softmax":
+            return log_softmax(z)
+        if self.feature == "clr":
+            return centred_log_ratio(z)
+        return z
+
     def _forward(self, z: np.ndarray) -> np.ndarray:
-        x = log_softmax(z) if self.feature == "log_softmax" else z
+        x = self._phi(z)
         if self.structure == "scalar":
             return x * self.weight_
         if self.structure == "diagonal":

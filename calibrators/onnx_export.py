@@ -32,7 +32,7 @@ runtime and on any ``onnxruntime>=1.18`` the project allows. Opset 18 would
 gain nothing (it only moved the ``axes`` of ``ReduceMax`` to an input) and
 would raise the floor for other consumers. The CPU provider implements every
 operator used here for ``double`` (``IsInf``, ``Where``, ``Mul``, ``Add``,
-``MatMul``, ``Log``, ``LogSoftmax``, ``ReduceMax``, ``ReduceSum``,
+``MatMul``, ``Log``, ``LogSoftmax``, ``Max``, ``ReduceMax``, ``ReduceMean``, ``ReduceSum``,
 ``ArgMax``, ``Squeeze``, ``Reciprocal``, ``Cast``, ``Greater``); ``Exp`` runs
 in float32 (see below), and so does the ``ReduceMin`` whose result picks, through
 an ``If``, whether the ``IsInf`` / ``Where`` replacement of ``-inf`` runs at all.
@@ -58,7 +58,7 @@ IR_VERSION = 8
 INPUT_NAME = "logits"
 OUTPUT_NAMES = ("probabilities", "confidence", "label", "entropy")
 
-Feature = Literal["logits", "log_softmax"]
+Feature = Literal["logits", "clr", "log_softmax"]
 FEATURES: tuple[str, ...] = get_args(Feature)
 
 
@@ -338,7 +338,9 @@ def linear_subgraph(
         Name of the float64 logits, shape (N, K).
     weight : float or ndarray of shape (K,) or (K, K)
     bias : ndarray of shape (K,) or None
-    feature : {"logits", "log_softmax"}
+    feature : {"logits", "clr", "log_softmax"}
+        ``clr``: :func:`calibrators.validation.centred_log_ratio` in the graph,
+        ``LogSoftmax``, ``Max`` with ``LOG_FLOOR``, minus the row's ``ReduceMean``.
 
     Returns
     -------
@@ -348,6 +350,11 @@ def linear_subgraph(
     x = z
     if feature == "log_softmax":
         x = g.node("LogSoftmax", [z], "phi", axis=1)
+    elif feature == "clr":
+        log_p = g.node("LogSoftmax", [z], "log_p", axis=1)
+        floored = g.node("Max", [log_p, g.constant(LOG_FLOOR, "clr_floor")], "log_p_floored")
+        mean = g.node("ReduceMean", [floored], "log_p_mean", axes=[1], keepdims=1)
+        x = g.node("Sub", [floored, mean], "phi")
     w = np.asarray(weight, dtype=np.float64)
     if w.ndim == 2:
         wx = g.node("MatMul", [x, g.constant(np.ascontiguousarray(w.T), "weight_t")], "wx")
@@ -379,8 +386,9 @@ def linear_softmax_model(
         (``u_i = sum_j W[i, j] * phi(z)_j``, i.e. ``u = phi(z) @ W.T``).
     bias : ndarray of shape (K,), optional
         Added to ``u``; no ``Add`` node when None.
-    feature : {"logits", "log_softmax"}
-        ``phi``: the identity, or the row-wise log-softmax (Dirichlet scaling).
+    feature : {"logits", "clr", "log_softmax"}
+        ``phi``: the identity, the centred log-ratio (vector and matrix scaling) or
+        the row-wise log-softmax (Dirichlet scaling).
     doc_string : str
         Stored as the model's ``doc_string``.
     metadata : dict of str to str, optional

@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from calibrators.numerics import map_rows, row_chunks, softmax
+from calibrators.numerics import log_softmax, map_rows, row_chunks, softmax
 
 Kind = Literal["logits", "probabilities"]
 #: What a score matrix holds; every ``kind`` argument is one of these.
@@ -51,6 +51,19 @@ class CalibrationInputError(ValueError):
 
 class NotFittedError(CalibrationInputError):
     """A calibrator was used before :meth:`fit` (or :func:`from_params`)."""
+
+
+class KindError(CalibrationInputError):
+    """Scores of a kind the calibrator cannot give its one answer for.
+
+    Only params of format ``welltempered.calibrator/1`` of vector and matrix scaling
+    raise it: their map depends on the per-row constant of the logits, so it is
+    served only for the kind they were fitted on (``needed``).
+    """
+
+    def __init__(self, message: str, needed: str):
+        super().__init__(message)
+        self.needed = needed
 
 
 def _first_bad_row(mask: np.ndarray) -> int:
@@ -313,6 +326,40 @@ def logits64(block: np.ndarray, kind: str) -> np.ndarray:
     if kind == "probabilities":
         return probabilities_to_logits(block)
     return block.astype(np.float64)
+
+
+def centred_log_ratio(z: np.ndarray) -> np.ndarray:
+    """The canonical features of a float64 block of logits: one array per distribution.
+
+    ``clr(max(log_softmax(z), LOG_FLOOR))``: the log-probabilities, floored at
+    :data:`LOG_FLOOR` like a zero probability, minus their row mean. It depends only
+    on the distribution ``softmax(z)``: logits with any per-row constant added and
+    the log of the probabilities themselves (:func:`logits64`) give the same array,
+    up to rounding. The floor makes a logit far below the rest and a probability
+    that underflowed to 0 the same feature, and bounds the pull of one class on
+    the row mean to ``|LOG_FLOOR| / K``.
+
+    Parameters
+    ----------
+    z : ndarray of shape (n_rows, n_classes), float64
+        Finite logits (or :func:`logits64` of probabilities).
+
+    Returns
+    -------
+    ndarray of shape (n_rows, n_classes), float64
+        Rows sum to 0 (up to rounding).
+
+    Examples
+    --------
+    >>> a = centred_log_ratio(np.array([[0.0, 1.0, 3.0]]))
+    >>> b = centred_log_ratio(np.array([[100.0, 101.0, 103.0]]))
+    >>> bool(np.allclose(a, b, rtol=0, atol=1e-13)), a.round(4).tolist()
+    (True, [[-1.3333, -0.3333, 1.6667]])
+    """
+    out = log_softmax(z)
+    np.maximum(out, LOG_FLOOR, out=out)
+    out -= out.mean(axis=1, keepdims=True)
+    return out
 
 
 def to_probabilities(scores: np.ndarray, kind: str) -> np.ndarray:

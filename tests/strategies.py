@@ -21,6 +21,31 @@ def logits_and_labels(draw, *, min_rows=1, max_rows=40, min_classes=2, max_class
 
 
 @st.composite
+def same_distribution(draw, *, max_classes=6):
+    """(fit logits (N, K), labels (N,), logits z (M, K), z + c): one distribution per
+    row of ``z`` in two representations, ``c`` a random per-row constant.
+
+    Random rows from a drawn seed, sizes and scales, N != K, K >= 3. Entries of ``z``
+    are multiples of 2**-10 in [-24, 24] and ``c`` multiples of 2**-4 in [-100, 100],
+    so ``z + c`` is exact in float32 too: a float32 copy is the same distribution, and
+    a difference in the answer is the calibrator's, not the input's rounding. The
+    spread keeps every probability far above float64's smallest.
+    """
+    k = draw(st.integers(3, max_classes))
+    n = draw(st.integers(30, 60).filter(lambda n: n != k))
+    m = draw(st.integers(1, 20))
+    scale = draw(st.sampled_from([0.5, 2.0, 6.0]))
+    shift = draw(st.sampled_from([1.0, 30.0, 100.0]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    labels = rng.integers(0, k, n)
+    fit = rng.normal(size=(n, k)) * scale
+    fit[np.arange(n), labels] += scale  # some signal to calibrate
+    z = np.round(np.clip(rng.normal(size=(m, k)) * scale, -24, 24) * 1024) / 1024
+    c = np.round(rng.uniform(-shift, shift, size=(m, 1)) * 16) / 16
+    return fit, labels, z, z + c
+
+
+@st.composite
 def tied_extreme_logits(draw):
     """Logits (N, K), N != K, K in 2..50, with ties, +-1e4 and a constant row.
 

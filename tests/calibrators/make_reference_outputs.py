@@ -13,7 +13,18 @@ of it with the current code (:func:`compute`) and asserts bit-identical equality
 
 Do not regenerate the file after a refactor: that would make the test compare the new
 code with itself. Regenerate it only for a change that is *meant* to change numbers,
-and say so in the commit.
+and say so in the commit; ``--cases NAME ...`` recomputes only those cases and keeps
+every other key as it is (bit for bit), recording the machine it ran on as
+``<case>/dispatch`` (:func:`dispatch`; a case without it was written on
+:data:`FROZEN_DISPATCH`).
+
+History: params format 2 (issue 21) changed vector and matrix scaling's features to
+the centred log-ratio; their six cases were recomputed with ``--cases``. The other
+cases' numbers are the original ones; their ``params_json`` gained format 2's keys
+(``"format"`` 2 and ``"kind"``, the case's kind) written into the frozen JSON, not
+recomputed. The format 1 params and ``predict_proba`` of the six vector and matrix
+cases are kept as ``format-1/<case>/...``: params of format 1 still load and predict
+what they did.
 
 The file was generated on the project's pinned environment (numpy, scipy, OpenBLAS and
 ONNX Runtime of ``.venv``); another BLAS or CPU may round the ODIR fits differently.
@@ -29,6 +40,10 @@ from pathlib import Path
 import numpy as np
 
 PATH = Path(__file__).resolve().parent / "data" / "reference_outputs.npz"
+
+#: The machine the file was first written on: numpy's SIMD dispatch and OpenBLAS's
+#: kernels (see :func:`dispatch`).
+FROZEN_DISPATCH = "AVX512_SKX/SkylakeX"
 
 #: Rows fitted on; the rest of the N = 300 rows are held out (N != K, K = 5 >= 3).
 N_ROWS, N_CLASSES, N_FIT = 300, 5, 240
@@ -100,6 +115,20 @@ def compute(name: str, method: str, kind: str, options: dict,
     return {f"{name}/{key}": value for key, value in out.items()}
 
 
+def dispatch() -> str:
+    """This machine's numpy SIMD dispatch (the widest of AVX512_SKX, AVX2) and
+    OpenBLAS kernels, e.g. ``"AVX512_SKX/SkylakeX"``: the exp, log and dot products
+    the frozen numbers were rounded by."""
+    import scipy.linalg  # noqa: F401  (its OpenBLAS too, if it has its own)
+    from numpy._core._multiarray_umath import __cpu_features__
+    from threadpoolctl import threadpool_info
+
+    simd = next((f for f in ("AVX512_SKX", "AVX2") if __cpu_features__.get(f)), "other")
+    blas = sorted({str(i.get("architecture")) for i in threadpool_info()
+                   if i["internal_api"] == "openblas"})
+    return f"{simd}/{'+'.join(blas) or 'none'}"
+
+
 def compute_all() -> dict[str, np.ndarray]:
     """The inputs (``input/...``) and every case's outputs, as saved in :data:`PATH`."""
     data = dataset()
@@ -112,7 +141,24 @@ def compute_all() -> dict[str, np.ndarray]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--force", action="store_true", help="overwrite an existing file")
+    parser.add_argument("--cases", nargs="+", metavar="NAME",
+                        help="recompute only these cases of the existing file")
     args = parser.parse_args(argv)
+    if args.cases:
+        unknown = set(args.cases) - {c[0] for c in CASES}
+        if unknown or not PATH.exists():
+            print(f"unknown cases {sorted(unknown)} or no {PATH}", file=sys.stderr)
+            return 1
+        with np.load(PATH, allow_pickle=False) as f:
+            out = {key: f[key] for key in f.files}
+        inputs = {key: out[f"input/{key}"] for key in dataset()}
+        for case in CASES:
+            if case[0] in args.cases:
+                out.update(compute(*case, inputs))
+                out[f"{case[0]}/dispatch"] = np.array(dispatch())
+        np.savez_compressed(PATH, **out)
+        print(f"recomputed {', '.join(args.cases)} in {PATH}")
+        return 0
     if PATH.exists() and not args.force:
         print(f"{PATH} exists; it is frozen (see the module docstring). --force to overwrite.",
               file=sys.stderr)

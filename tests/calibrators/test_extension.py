@@ -98,7 +98,8 @@ def test_predict_proba_params_round_trip_and_onnx(registered):
     np.testing.assert_allclose(q, cal.predict_proba(log_softmax(test)), atol=1e-12)
 
     params = json.loads(json.dumps(cal.to_params(), allow_nan=False))
-    assert set(params) == {"format", "method", "n_classes", "options", "scale", "fit_info"}
+    assert set(params) == {"format", "method", "n_classes", "kind", "options", "scale",
+                           "fit_info"}
     assert params["options"] == {"n_grid": 41} and params["scale"] == cal.scale_
     again = calibrators.from_params(params)
     assert type(again) is RowTemperature

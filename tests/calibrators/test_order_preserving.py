@@ -261,7 +261,7 @@ def test_params_round_trip_bit_for_bit_through_json():
     z, y = labelled_logits(n=120, k=6, seed=8)
     cal = calibrators.create("iop", n_top=3, grid=[10.0, 1.0]).fit(z, y)
     stored = json.loads(json.dumps(cal.to_params(), allow_nan=False))
-    assert set(stored) == {"format", "method", "n_classes", "options", "beta", "rank_scale",
+    assert set(stored) == {"format", "method", "n_classes", "kind", "options", "beta", "rank_scale",
                            "weight", "fit_info"}
     again = calibrators.from_params(stored)
     assert type(again) is IntraOrderPreserving and again.get_options() == cal.get_options()

@@ -280,12 +280,13 @@ def test_rows_sum_to_one_without_nan_on_extreme_inputs(method):
 
 
 def test_matrix_scaling_multiplies_matrices_not_vectors():
-    # K >= 3, N != K: a full W must mix classes row by row (u = z W^T + b).
+    # K >= 3, N != K: a full W must mix classes row by row (u = clr(z) W^T + b).
     w = np.array([[1.0, 2.0, 0.0], [0.0, 1.0, 0.0], [0.5, 0.0, 1.0]])
     b = np.array([0.1, -0.2, 0.3])
     z = np.array([[1.0, 0.0, -1.0], [0.0, 2.0, 1.0], [3.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
     cal = from_arrays("matrix", 3, weight=w, bias=b)
-    np.testing.assert_allclose(cal.predict_proba(z), softmax(z @ w.T + b, axis=1), atol=1e-15)
+    clr = log_softmax(z, axis=1) - log_softmax(z, axis=1).mean(axis=1, keepdims=True)
+    np.testing.assert_allclose(cal.predict_proba(z), softmax(clr @ w.T + b, axis=1), atol=1e-15)
     dcal = from_arrays("dirichlet", 3, weight=w, bias=b)
     np.testing.assert_allclose(
         dcal.predict_proba(z), softmax(log_softmax(z, axis=1) @ w.T + b, axis=1), atol=1e-15

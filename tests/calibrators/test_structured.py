@@ -187,7 +187,7 @@ def check_outputs(out: dict, want: np.ndarray) -> None:
 def test_params_round_trip_through_json_and_clone(method):
     cal, z, y = fitted(method, **FIXED)
     params = json.loads(json.dumps(cal.to_params(), allow_nan=False))
-    assert set(params) == {"format", "method", "n_classes", "options", "beta", "smoothing",
+    assert set(params) == {"format", "method", "n_classes", "kind", "options", "beta", "smoothing",
                            "weight", "bias", "fit_info"}
     again = calibrators.from_params(params)
     assert type(again) is type(cal)
