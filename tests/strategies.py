@@ -21,7 +21,7 @@ def logits_and_labels(draw, *, min_rows=1, max_rows=40, min_classes=2, max_class
 
 
 @st.composite
-def same_distribution(draw, *, max_classes=6):
+def same_distribution(draw, *, min_classes=3, max_classes=6):
     """(fit logits (N, K), labels (N,), logits z (M, K), z + c): one distribution per
     row of ``z`` in two representations, ``c`` a random per-row constant.
 
@@ -31,7 +31,7 @@ def same_distribution(draw, *, max_classes=6):
     a difference in the answer is the calibrator's, not the input's rounding. The
     spread keeps every probability far above float64's smallest.
     """
-    k = draw(st.integers(3, max_classes))
+    k = draw(st.integers(min_classes, max_classes))
     n = draw(st.integers(30, 60).filter(lambda n: n != k))
     m = draw(st.integers(1, 20))
     scale = draw(st.sampled_from([0.5, 2.0, 6.0]))

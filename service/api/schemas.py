@@ -223,6 +223,11 @@ class VersionOut(BaseModel):
     progress: float
     dataset_id: int
     method: str
+    kind: Kind = Field(
+        description="The kind of scores its params were fitted on. A version of params "
+        "format 2 gives one answer per distribution for both kinds; vector and matrix "
+        "scaling of format 1 serve this kind only."
+    )
     chosen_method: str | None
     holdout: float
     seed: int

@@ -149,11 +149,18 @@ def rejection(
     }
 
 
-def from_posted_params(params: Mapping[str, Any], num_classes: int) -> Calibrator:
+def from_posted_params(
+    params: Mapping[str, Any], num_classes: int, kind: str | None = None
+) -> Calibrator:
     """The calibrator of posted ``params`` for a model of ``num_classes`` classes;
     :class:`calibrators.CalibrationInputError` (a 422) for anything else: from
     :func:`calibrators.from_params`, which refuses whatever is not what ``to_params``
-    gives (a list where an object belongs, a string where numbers do) in its own words."""
+    gives (a list where an object belongs, a string where numbers do) in its own words.
+
+    With ``kind`` (the kind of the dataset that evaluates them): params that do not say
+    what kind of scores they were fitted on are taken as fitted on it, and params that
+    cannot give their one answer for it (vector or matrix scaling of format 1 fitted on
+    the other kind) are refused (:class:`calibrators.validation.KindError`)."""
     k = params.get("n_classes")
     if k != num_classes or isinstance(k, bool):
         raise CalibrationInputError(
@@ -162,6 +169,10 @@ def from_posted_params(params: Mapping[str, Any], num_classes: int) -> Calibrato
         )
     cal = calibrators.from_params(dict(params))
     check_fit_info(cal.fit_info_)
+    if kind is not None:
+        if cal.kind_ is None:
+            cal.kind_ = kind
+        cal.check_input_kind(kind)
     return cal
 
 
@@ -228,7 +239,7 @@ def evaluate_params(
     and policed like a fitted one. The columns :func:`service.jobs.fitting.fit_job`
     returns (status succeeded or rejected, chosen_method, params, metrics, argmax,
     warning, rejection, rejected_for), without the fit's own (candidates, fit_seconds)."""
-    cal = from_posted_params(params, num_classes)
+    cal = from_posted_params(params, num_classes, kind)
     _, hold_idx = split_indices(labels.shape[0], holdout, seed)
     x_hold, y_hold = np.asarray(scores[hold_idx]), labels[hold_idx]
     result = evaluate(cal, x_hold, y_hold, kind=kind, argmax_policy=argmax_policy)

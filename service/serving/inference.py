@@ -22,7 +22,7 @@ from sqlalchemy.orm import sessionmaker
 
 import calibrators
 from calibrators.numerics import row_chunks
-from calibrators.validation import PROBABILITY_FLOOR, CalibrationInputError
+from calibrators.validation import KINDS, PROBABILITY_FLOOR, CalibrationInputError
 from service.errors import InvalidInput
 from service.storage.registry import resolve_served
 from service.storage.retry import retry_read
@@ -113,6 +113,9 @@ class Served:
     #: each row's class costs per row at most, to bound its size before computing it.
     #: Stored names written before their limits may be longer than a name may be now.
     max_name_bytes: int = 0
+    #: The kinds of scores it serves (:func:`input_kinds` of its session): both, or for
+    #: vector and matrix params of format 1 the kind they were fitted on.
+    input_kinds: tuple[str, ...] = KINDS
 
 
 class ServingCache:
@@ -151,7 +154,7 @@ class ServingCache:
     def _resolve(self, name: str, alias: str | None, version: int | None, namespace: str) -> Served:
         with self.sessions() as session:
             model, row = resolve_served(session, name, alias, version, namespace)
-            onnx = self.onnx.get(version_key(row), lambda: row.params)
+            onnx = self.onnx.get(version_key(row), lambda: version_params(row))
             return Served(
                 namespace=model.namespace,
                 model=model.name,
@@ -162,6 +165,7 @@ class ServingCache:
                     None if model.class_names is None else np.array(model.class_names, object)
                 ),
                 max_name_bytes=longest_name_bytes(model.class_names),
+                input_kinds=input_kinds(onnx),
             )
 
     def invalidate(self, model: str, namespace: str) -> None:
@@ -176,6 +180,37 @@ class ServingCache:
 
 def onnx_bytes(params: dict) -> bytes:
     return calibrators.from_params(params).to_onnx()
+
+
+def version_params(row) -> dict:
+    """A version's stored params, with its ``kind`` column where they do not say (format
+    1 did not record it): what the serving rule of format 1 needs."""
+    params = row.params
+    if params.get("kind") is None:
+        params = {**params, "kind": row.kind}
+    return params
+
+
+def input_kinds(session: ort.InferenceSession) -> tuple[str, ...]:
+    """The kinds of scores a session's graph gives its one answer for: its metadata's
+    ``input_kinds`` (``Calibrator.to_onnx``)."""
+    return tuple(session.get_modelmeta().custom_metadata_map["input_kinds"].split(","))
+
+
+def check_input_kind(served_kinds: tuple[str, ...], kind: str, what: str) -> None:
+    """422 (CalibrationInputError) unless ``kind`` is one of ``served_kinds``.
+
+    Only vector and matrix versions of params format 1 take one kind: their map reads the
+    raw logits, so its answer moves with their per-row constant, and it is served only
+    for the kind they were fitted on."""
+    if kind in served_kinds:
+        return
+    (needed,) = served_kinds
+    raise CalibrationInputError(
+        f"{what} was fitted on {needed} by a map of params format 1 that reads raw logits, "
+        f"so it has one answer for {needed} only: send {needed}, or refit it (a new fit "
+        f"serves both kinds with one answer). Got {kind}."
+    )
 
 
 def as_onnx_input(scores: np.ndarray, kind: str, first_row: int = 0) -> np.ndarray:

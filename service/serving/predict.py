@@ -22,11 +22,16 @@ def calibrate(
 ) -> dict[str, np.ndarray]:
     """The serving path from validated scores on, shared by /v1 predict and /v2 infer.
 
-    The row limit (413), the version's ONNX session, the prediction metrics, and with
-    ``top_k`` the k largest probabilities (:func:`service.serving.inference.top_k`).
+    The version's rule of kinds (422 for a kind it does not serve,
+    :func:`service.serving.inference.check_input_kind`), the row limit (413), the
+    version's ONNX session, the prediction metrics, and with ``top_k`` the k largest
+    probabilities (:func:`service.serving.inference.top_k`).
     Returns the graph's outputs (:data:`~service.serving.inference.OUTPUTS`), plus
     :data:`~service.serving.inference.TOP_K_OUTPUTS` with ``top_k``.
     """
+    inference.check_input_kind(
+        served.input_kinds, kind, f"Version {served.version} of {served.model!r}"
+    )
     limits.check_rows(scores.shape[0], max_rows, "predict")
     if top_k is not None:  # before the work, not after
         inference.check_top_k(top_k, served.num_classes)

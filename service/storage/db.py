@@ -157,6 +157,7 @@ class CalibratorVersion(Base):
     __table_args__ = (
         UniqueConstraint("model_id", "version"),
         CheckConstraint(_in("status", STATUSES), name="status"),
+        CheckConstraint(_in("kind", KINDS), name="kind"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -164,6 +165,11 @@ class CalibratorVersion(Base):
     version: Mapped[int]
     dataset_id: Mapped[int] = mapped_column(ForeignKey("datasets.id"), index=True)
     method: Mapped[str] = mapped_column(String(16))
+    #: The kind of scores its params were fitted on (KINDS): its dataset's for a fit; for
+    #: posted params, theirs, else the kind of the dataset that evaluates them. Every
+    #: version of params format 2 serves both kinds with one answer; one of format 1 of
+    #: vector or matrix scaling serves this kind only (docs/design.md).
+    kind: Mapped[str] = mapped_column(String(16))
     chosen_method: Mapped[str | None] = mapped_column(String(16))
     holdout: Mapped[float] = mapped_column(Float)
     seed: Mapped[int] = mapped_column(BigInteger)

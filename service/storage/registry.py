@@ -261,6 +261,7 @@ def create_version(
     enqueue: Callable[[Session, CalibratorVersion], None] | None = None,
     params: dict[str, Any] | None = None,
     quotas: Quotas | None = None,
+    kind: str | None = None,
 ) -> CalibratorVersion:
     """A queued version with the next number of this model (atomic UPDATE ... RETURNING).
 
@@ -269,7 +270,9 @@ def create_version(
     With ``params`` (posted ``to_params`` JSON, checked by the caller), a version from
     parameters (source :data:`~service.vocabulary.FROM_PARAMS`): its job evaluates them
     instead of fitting, and its outcome replaces them with the canonical ones; their
-    bytes count against the namespace's quota from now on. With ``quotas``, the
+    bytes count against the namespace's quota from now on. ``kind``: the kind of scores
+    the params were fitted on (:attr:`CalibratorVersion.kind`; default the dataset's,
+    what a fit is fitted on). With ``quotas``, the
     ``versions`` and ``stored_bytes`` quotas (:func:`service.storage.usage.check_version`)
     are checked under the namespace's lock, in the transaction that inserts the row.
     """
@@ -296,6 +299,7 @@ def create_version(
         version=number,
         dataset_id=dataset.id,
         method=method,
+        kind=dataset.kind if kind is None else kind,
         holdout=holdout,
         seed=seed,
         options=options,

@@ -181,3 +181,36 @@ def test_idempotency_keys_from_before_fingerprints_stay_feedback_answers(empty_u
         engine.dispose()
     assert tuple(row) == ("POST /v1/models/{model}/feedback", None, "done", 200)
     assert keys == ["old"]
+
+
+def test_version_kind_is_backfilled_from_the_dataset(empty_url):
+    """20261205_0011: an existing version takes its dataset's kind (a fit was fitted on
+    it, posted params of format 1 were evaluated on it), so a vector or matrix version of
+    format 1 keeps serving that kind."""
+    migrate.upgrade(empty_url, "20261204_0010")
+    engine = make_engine(empty_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(
+                "INSERT INTO models (id, name, num_classes, argmax_policy, next_version, "
+                "created_at) VALUES (1, 'm', 3, 'off', 3, '2026-01-01')"
+            ))
+            for dataset, kind in ((1, "logits"), (2, "probabilities")):
+                conn.execute(text(
+                    "INSERT INTO datasets (id, model_id, sha256, kind, n_rows, n_classes, "
+                    "dtype, scores_sha256, labels_sha256, metrics, created_at) VALUES (:d, 1, "
+                    ":s, :k, 10, 3, 'float32', 'b', 'c', '{}', '2026-01-01')"
+                ), {"d": dataset, "s": f"a{dataset}", "k": kind})
+                conn.execute(text(
+                    "INSERT INTO calibrator_versions (id, model_id, version, dataset_id, "
+                    "method, holdout, seed, options, status, progress, created_at) VALUES "
+                    "(:d, 1, :d, :d, 'vector', 0.2, 0, '{}', 'succeeded', 1.0, '2026-01-01')"
+                ), {"d": dataset})
+        migrate.upgrade(empty_url)
+        with engine.connect() as conn:
+            kinds = conn.execute(
+                text("SELECT kind FROM calibrator_versions ORDER BY version")
+            ).scalars().all()
+    finally:
+        engine.dispose()
+    assert kinds == ["logits", "probabilities"]

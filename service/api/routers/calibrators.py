@@ -30,7 +30,7 @@ from service.jobs.fitting import affordable, check_fit_request, import_affordabl
 from service.security import limits
 from service.server import budget
 from service.server.budget import declare
-from service.serving.inference import onnx_bytes
+from service.serving.inference import onnx_bytes, version_params
 from service.storage import fits, registry
 from service.storage.db import CalibratorVersion, Dataset, Model
 from service.storage.usage import Quotas
@@ -52,6 +52,7 @@ def version_out(row: CalibratorVersion, model: Model) -> VersionOut:
         progress=row.progress,
         dataset_id=row.dataset_id,
         method=row.method,
+        kind=row.kind,
         chosen_method=row.chosen_method,
         holdout=row.holdout,
         seed=row.seed,
@@ -171,7 +172,8 @@ def import_params(
         return claim.replay
     dataset = registry.find_dataset(session, model, body.dataset_id)
     split_indices(dataset.n_rows, body.holdout, body.seed)  # 422 if a part would be empty
-    cal = evaluation.from_posted_params(body.params, model.num_classes)  # 422 now
+    # 422 now; params that do not say what kind they were fitted on: the dataset's
+    cal = evaluation.from_posted_params(body.params, model.num_classes, dataset.kind)
     import_affordable(  # 422 now for an evaluation no worker can hold
         cal.method,
         n_rows=dataset.n_rows,
@@ -183,6 +185,7 @@ def import_params(
     return _enqueue(
         model, dataset, session, state, response, claim, method=cal.method,
         holdout=body.holdout, seed=body.seed, options={}, params=cal.to_params(),
+        kind=cal.kind_,
     )
 
 
@@ -259,7 +262,7 @@ def get_onnx(model: ModelDep, version: VersionDep) -> Response:
         )
     name = f"{model.name}-v{version.version}.onnx"
     return Response(
-        onnx_bytes(version.params),
+        onnx_bytes(version_params(version)),
         media_type="application/octet-stream",
         headers={"Content-Disposition": f'attachment; filename="{name}"'},
     )

@@ -239,7 +239,10 @@ def post_feedback(
     limits.check_rows(n, settings.max_feedback_rows, "feedback")
     row = monitoring.monitored_version(session, model, version)
     registry.check_servable(row, model)
-    onnx = state.serving.onnx.get(inference.version_key(row), lambda: row.params)
+    onnx = state.serving.onnx.get(inference.version_key(row), lambda: inference.version_params(row))
+    inference.check_input_kind(
+        inference.input_kinds(onnx), labelled.kind, f"Version {row.version} of {model.name!r}"
+    )
     # The reads are done: end their transaction, so the connection goes back to the
     # pool during the computation and the write below runs on a checked one, briefly.
     session.commit()
