@@ -22,7 +22,12 @@ from calibrators.order_preserving import IntraOrderPreserving
 from calibrators.parameterized import ParameterizedTemperatureScaler
 from calibrators.structured import StructuredMatrixScaler, StructuredVectorScaler
 from calibrators.temperature import TemperatureScaler
-from calibrators.validation import CalibrationInputError, NotFittedError, check_integer
+from calibrators.validation import (
+    CalibrationInputError,
+    KindError,
+    NotFittedError,
+    check_integer,
+)
 
 #: The registry: method name -> calibrator class. A new method is one module and
 #: one line here.
@@ -52,6 +57,7 @@ __all__ = [
     "DirichletScaler",
     "EnsembleTemperatureScaler",
     "IntraOrderPreserving",
+    "KindError",
     "MatrixScaler",
     "NotFittedError",
     "ParameterizedTemperatureScaler",
@@ -140,9 +146,11 @@ def from_params(params: dict[str, Any]) -> Calibrator:
     Parameters
     ----------
     params : dict
-        ``format`` (optional, :data:`PARAMS_FORMAT`), ``method``, ``n_classes``,
-        ``options`` (optional), the method's fitted arrays (``weight`` and
-        ``bias`` for the four scalers) and ``fit_info`` (optional).
+        ``format`` (optional, :data:`PARAMS_FORMAT`; format 1 is read too, see
+        :class:`calibrators.base.Calibrator`), ``method``, ``n_classes``, ``kind``
+        (optional: the kind of scores it was fitted on), ``options`` (optional), the
+        method's fitted arrays (``weight`` and ``bias`` for the four scalers) and
+        ``fit_info`` (optional).
 
     Raises
     ------

@@ -32,7 +32,7 @@ runtime and on any ``onnxruntime>=1.18`` the project allows. Opset 18 would
 gain nothing (it only moved the ``axes`` of ``ReduceMax`` to an input) and
 would raise the floor for other consumers. The CPU provider implements every
 operator used here for ``double`` (``IsInf``, ``Where``, ``Mul``, ``Add``,
-``MatMul``, ``Log``, ``LogSoftmax``, ``Max``, ``ReduceMax``, ``ReduceMean``, ``ReduceSum``,
+``MatMul``, ``Log``, ``LogSoftmax``, ``Max``, ``ReduceMax``, ``ReduceMean``, ``ReduceSum``, ``Sub``,
 ``ArgMax``, ``Squeeze``, ``Reciprocal``, ``Cast``, ``Greater``); ``Exp`` runs
 in float32 (see below), and so does the ``ReduceMin`` whose result picks, through
 an ``If``, whether the ``IsInf`` / ``Where`` replacement of ``-inf`` runs at all.
@@ -321,6 +321,57 @@ def _softmax_outputs(g: GraphBuilder, u: str) -> None:
         g.nodes.append(helper.make_node("Cast", [source], [output], to=TensorProto.FLOAT))
 
 
+def _centred_log_ratio(g: GraphBuilder, z: str) -> str:
+    """Append :func:`calibrators.validation.centred_log_ratio` of ``z``; its name.
+
+    Where no entry can fall below the floor, ``clr(z) = z - mean(z)``: an ``If`` takes
+    that branch when the batch's spread ``max(z) - min(z)`` is at most
+    ``-LOG_FLOOR - log(K)`` (then every ``z_j - logsumexp(z) >= LOG_FLOOR``). The other
+    branch floors: ``l = max(s - log(sum(exp(s))), LOG_FLOOR)`` with ``s = z - max(z)``,
+    then ``l - mean(l)``; its exponential runs in float32, as in the softmax outputs
+    (ONNX Runtime's float64 ``Exp`` is a scalar loop): that moves the row's
+    log-normaliser by about 1e-7, a per-row constant the centring removes from every
+    entry above the floor. Each branch costs a few per-row passes; a float64
+    ``LogSoftmax`` in their place made a vector scaling graph about twice as slow.
+    """
+    double, k = TensorProto.DOUBLE, g.n_classes
+    out = g.name("phi")
+    names = {n: g.name(n) for n in ("clr_z_mean", "clr_max", "clr_s", "clr_s32", "clr_e32",
+                                    "clr_e", "clr_total", "clr_log_total", "clr_log_p",
+                                    "clr_floored", "clr_mean")}
+    n = names
+    floor = g.constant(LOG_FLOOR, "clr_floor")
+    centred = helper.make_graph(
+        [helper.make_node("ReduceMean", [z], [n["clr_z_mean"]], axes=[1], keepdims=1),
+         helper.make_node("Sub", [z, n["clr_z_mean"]], [out + "_centred"])],
+        "centred", [], [helper.make_tensor_value_info(out + "_centred", double, ["N", k])],
+    )
+    floored = helper.make_graph(
+        [helper.make_node("ReduceMax", [z], [n["clr_max"]], axes=[1], keepdims=1),
+         helper.make_node("Sub", [z, n["clr_max"]], [n["clr_s"]]),
+         helper.make_node("Cast", [n["clr_s"]], [n["clr_s32"]], to=TensorProto.FLOAT),
+         helper.make_node("Exp", [n["clr_s32"]], [n["clr_e32"]]),
+         helper.make_node("Cast", [n["clr_e32"]], [n["clr_e"]], to=double),
+         helper.make_node("ReduceSum", [n["clr_e"], "class_axis"], [n["clr_total"]],
+                          keepdims=1),
+         helper.make_node("Log", [n["clr_total"]], [n["clr_log_total"]]),
+         helper.make_node("Sub", [n["clr_s"], n["clr_log_total"]], [n["clr_log_p"]]),
+         helper.make_node("Max", [n["clr_log_p"], floor], [n["clr_floored"]]),
+         helper.make_node("ReduceMean", [n["clr_floored"]], [n["clr_mean"]], axes=[1],
+                          keepdims=1),
+         helper.make_node("Sub", [n["clr_floored"], n["clr_mean"]], [out + "_floored"])],
+        "floored", [], [helper.make_tensor_value_info(out + "_floored", double, ["N", k])],
+    )
+    g.name(out + "_centred"), g.name(out + "_floored")
+    spread = g.node("Sub", [g.node("ReduceMax", [z], "clr_z_top", keepdims=0),
+                            g.node("ReduceMin", [z], "clr_z_bottom", keepdims=0)], "clr_spread")
+    safe = g.node("LessOrEqual", [spread, g.constant(-LOG_FLOOR - np.log(k), "clr_safe")],
+                  "clr_no_floor")
+    g.nodes.append(helper.make_node("If", [safe], [out], then_branch=centred,
+                                    else_branch=floored))
+    return out
+
+
 def linear_subgraph(
     g: GraphBuilder, z: str, *, weight: np.ndarray | float, bias: np.ndarray | None,
     feature: Feature,
@@ -339,8 +390,8 @@ def linear_subgraph(
     weight : float or ndarray of shape (K,) or (K, K)
     bias : ndarray of shape (K,) or None
     feature : {"logits", "clr", "log_softmax"}
-        ``clr``: :func:`calibrators.validation.centred_log_ratio` in the graph,
-        ``LogSoftmax``, ``Max`` with ``LOG_FLOOR``, minus the row's ``ReduceMean``.
+        ``clr``: :func:`calibrators.validation.centred_log_ratio` in the graph
+        (:func:`_centred_log_ratio`).
 
     Returns
     -------
@@ -351,10 +402,7 @@ def linear_subgraph(
     if feature == "log_softmax":
         x = g.node("LogSoftmax", [z], "phi", axis=1)
     elif feature == "clr":
-        log_p = g.node("LogSoftmax", [z], "log_p", axis=1)
-        floored = g.node("Max", [log_p, g.constant(LOG_FLOOR, "clr_floor")], "log_p_floored")
-        mean = g.node("ReduceMean", [floored], "log_p_mean", axes=[1], keepdims=1)
-        x = g.node("Sub", [floored, mean], "phi")
+        x = _centred_log_ratio(g, z)
     w = np.asarray(weight, dtype=np.float64)
     if w.ndim == 2:
         wx = g.node("MatMul", [x, g.constant(np.ascontiguousarray(w.T), "weight_t")], "wx")

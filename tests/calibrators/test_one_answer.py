@@ -119,3 +119,25 @@ def test_a_bad_kind_in_params_is_refused():
     params["kind"] = "logit"
     with pytest.raises(calibrators.CalibrationInputError, match="params kind must be"):
         calibrators.from_params(params)
+
+
+@pytest.mark.parametrize("method", ["vector", "matrix"])
+def test_a_logit_far_below_the_rest_and_a_zero_probability_are_one_feature(method):
+    """The floor: a class 150 or 1,000 below the rest as logits, and its probability
+    (below 2**-149, or 0 after underflow) as probabilities, give one answer, in numpy
+    and in the graph's branch that floors (the batch's spread is above 103)."""
+    rng = np.random.default_rng(2)
+    cal = calibrators.create(method, reg_lambda=1.0, reg_mu=1.0).fit(
+        rng.normal(size=(90, 4)) * 3, rng.integers(0, 4, 90))
+    z = np.round(rng.normal(size=(5, 4)) * 3 * 1024) / 1024
+    z[0, 1], z[1, 2], z[2] = -1000.0, -150.0, [0.0, -120.0, -110.0, 3.0]
+    p = softmax(z)
+    assert p[0, 1] == 0.0 and 0.0 < p[1, 2] < 2.0**-149
+    reference = cal.predict_proba(z)
+    assert np.abs(cal.predict_proba(z + 37.0) - reference).max() <= ATOL
+    assert np.abs(cal.predict_proba(p, kind="probabilities") - reference).max() <= ATOL
+    with np.errstate(divide="ignore"):
+        log_p = np.log(p.astype(np.float32))  # -inf for the zero: the graph floors it
+    for fed in (z.astype(np.float32), (z + 37.0).astype(np.float32), log_p):
+        graph = onnx_outputs(cal.to_onnx(), fed)["probabilities"]
+        assert np.abs(graph - reference).max() <= ATOL
