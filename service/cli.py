@@ -94,6 +94,11 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
         "(own SQLite file and data folder under ./welltempered-data/demo)",
     )
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--no-access-log",
+        action="store_true",
+        help="write no line per request (the access log; WELLTEMPERED_ACCESS_LOG=false)",
+    )
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -112,6 +117,8 @@ def serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     settings = Settings()
+    if args.no_access_log:
+        settings = settings.model_copy(update={"access_log": False})
     if args.demo:
         settings = demo.demo_settings(settings)
         if is_loopback(args.host):  # the demo on this machine only: no key needed
@@ -164,6 +171,7 @@ def serve(args: argparse.Namespace) -> int:
         "host": args.host,
         "port": args.port,
         "log_level": args.log_level,
+        "access_log": False,  # the app writes its own (service/observe/access.py)
         "timeout_graceful_shutdown": settings.shutdown_grace_seconds,
         "http": timeouts.guarded_protocol(settings.header_timeout_seconds, settings.http_parser),
         "loop": settings.event_loop,

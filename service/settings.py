@@ -279,6 +279,13 @@ class Settings(BaseSettings):
         description="Event loop of `welltempered serve`: uvloop where it is installed "
         "(auto; a runtime dependency except on Windows), or asyncio's own.",
     )
+    access_log: bool = Field(
+        True,
+        description="One line per HTTP request on standard output (time, client, method, "
+        "path, status, bytes, microseconds, namespace, key id; docs/operations.md), written "
+        "in batches at most a second late. `welltempered serve --no-access-log` sets it "
+        "false. uvicorn's own access log is always off.",
+    )
     header_timeout_seconds: float = Field(
         10.0,
         gt=0,

@@ -26,6 +26,7 @@ from service.api.routers import (
 )
 from service.jobs.queue import Fits
 from service.jobs.sweeper import Sweeper
+from service.observe.access import AccessLog
 from service.observe.metrics import ServiceMetrics
 from service.observe.monitoring import (
     observe_array_cache,
@@ -53,6 +54,7 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
     """
     settings = settings if settings is not None else Settings()
     metrics = metrics if metrics is not None else ServiceMetrics()
+    access = AccessLog() if settings.access_log else None  # standard output
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -100,6 +102,8 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
         finally:
             engine.dispose()
             metrics.mark_process_dead()
+            if access is not None:
+                access.flush()
 
     app = ServingApp(
         title="welltempered",
@@ -133,7 +137,8 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
         idle=settings.body_timeout_seconds,
         min_rate=settings.body_min_bytes_per_second,
     )
-    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: 413s, 401s counted too
+    # Outermost: 413s and 401s are counted and logged too.
+    app.add_middleware(MetricsMiddleware, metrics=metrics, access=access)
     for module in (models, datasets, calibrators, aliases, keys, monitoring, health):
         app.include_router(module.router)
     budget.attach(app.routes, settings)
