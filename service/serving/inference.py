@@ -9,6 +9,8 @@ requests in parallel already use the cores.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import threading
 import time
 from collections import OrderedDict
@@ -135,6 +137,10 @@ class ServingCache:
         self.ttl = ttl
         self.size = size
         self._entries: dict[tuple, tuple[float, Served]] = {}
+        #: The lookup in flight for a key: requests that miss it meanwhile wait for it.
+        self._pending: dict[tuple, asyncio.Task] = {}
+        #: Bumped by :meth:`invalidate`: a lookup that started before is not kept.
+        self._generation = 0
 
     async def get(
         self, model: str, alias: str | None, version: int | None, namespace: str
@@ -143,13 +149,32 @@ class ServingCache:
         hit = self._entries.get(key)
         if hit is not None and hit[0] > time.monotonic():
             return hit[1]
-        served = await anyio.to_thread.run_sync(
-            retry_read, self._resolve, model, alias, version, namespace
-        )
-        if len(self._entries) >= self.size:
-            self._entries.clear()
-        self._entries[key] = (time.monotonic() + self.ttl, served)
+        # One lookup per key at a time. When an entry expires under load, every request
+        # that arrives before it is renewed would otherwise query too, each in a thread
+        # fighting the event loop for the GIL: with 4 clients on 1 x 1,000 predicts,
+        # about a tenth of the server's CPU (bench/README.md, "Serving through
+        # http.client"). Shielded: a waiter that is cancelled leaves the lookup to others.
+        loop = asyncio.get_running_loop()
+        pending = self._pending.get(key)
+        if pending is None or pending.get_loop() is not loop:
+            pending = self._pending[key] = loop.create_task(self._lookup(key))
+            pending.add_done_callback(functools.partial(self._settled, key))
+        return await asyncio.shield(pending)
+
+    async def _lookup(self, key: tuple) -> Served:
+        generation = self._generation
+        served = await anyio.to_thread.run_sync(retry_read, self._resolve, *key)
+        if generation == self._generation:  # not invalidated meanwhile: keep it
+            if len(self._entries) >= self.size:
+                self._entries.clear()
+            self._entries[key] = (time.monotonic() + self.ttl, served)
         return served
+
+    def _settled(self, key: tuple, task: asyncio.Task) -> None:
+        if self._pending.get(key) is task:
+            del self._pending[key]
+        if not task.cancelled():
+            task.exception()  # its waiters had it (a 404 is not an unhandled error)
 
     def _resolve(self, name: str, alias: str | None, version: int | None, namespace: str) -> Served:
         with self.sessions() as session:
@@ -169,8 +194,13 @@ class ServingCache:
             )
 
     def invalidate(self, model: str, namespace: str) -> None:
+        """Forget the model's entries, and lookups in flight (what they find is not kept,
+        and a request from now on looks up again)."""
+        self._generation += 1
         for key in [k for k in self._entries if k[0] == model and k[3] == namespace]:
             self._entries.pop(key, None)
+        for key in [k for k in self._pending if k[0] == model and k[3] == namespace]:
+            self._pending.pop(key, None)
 
     def forget(self, model: str, namespace: str, version_ids=()) -> None:
         """After a delete: drop the model's entries and the deleted versions' sessions."""
