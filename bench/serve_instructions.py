@@ -2,7 +2,8 @@
 counted by valgrind's callgrind, so the figure does not move with the machine's load.
 
     .venv/bin/python bench/serve_instructions.py [--requests 800] [--repeat 1]
-        [--switch-off body-timeout body-limit db-faults metrics prediction-metrics]
+        [--client raw|httpclient] [--ceiling-path /v1/json|/v1/outputs]
+        [--switch-off body-timeout body-limit db-faults metrics prediction-metrics ...]
 
 Each server (the ceiling app, and ``welltempered serve`` on SQLite with auth off, the
 same temperature calibrator as serve_peers.py) runs under ``valgrind --tool=callgrind
@@ -10,6 +11,20 @@ same temperature calibrator as serve_peers.py) runs under ``valgrind --tool=call
 ``--requests`` JSON 1 x 1,000 predicts with instrumentation switched on. The server
 switches it on and off itself, on SIGUSR1 and SIGUSR2, through callgrind's client
 requests: a small C library, compiled here with gcc and valgrind's headers.
+
+Only the requests' work is counted. What a server does while idle (uvicorn's tick every
+0.1 s, pollers) runs by the wall clock, and under callgrind the counted requests take
+about a minute: before them, the same server is counted idle for ``--idle`` seconds,
+and that rate times the requests' window is taken off. Ours trusts its cached alias
+for an hour (``ALIAS_CACHE_SECONDS``): renewed every second by default, at callgrind's
+pace that would add a database query every 20 requests, at full speed one per
+thousand.
+
+``--client httpclient`` sends the headers Python's ``http.client`` sends (``Host``,
+``Accept-Encoding: identity``, ``Content-Length``, ``Content-Type`` and the
+``User-Agent`` of bench/serve_httpclient.py) instead of the three of bench/serve.py's
+client; ``--ceiling-path /v1/outputs`` measures the ceiling route that computes and
+answers all four of our outputs (bench/serve_httpclient.py's ceiling).
 
 Only user-space instructions are counted: the kernel's share (send, receive, epoll)
 is not, and instructions are not time. The same code measured twice differs by about
@@ -37,6 +52,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve_httpclient  # its client's headers
 import serve_peers  # the ceiling, the calibrator, the ports
 from serve import Connection  # the raw keep-alive client
 
@@ -64,6 +80,8 @@ HOOK = textwrap.dedent(
         from service.server import budget, faults, timeouts
         from service.observe import metrics
         from service.server import requests
+        if "access-log" in off:
+            os.environ["WELLTEMPERED_ACCESS_LOG"] = "false"
         layers = {
             "body-timeout": timeouts.BodyTimeoutMiddleware,
             "body-limit": budget.BudgetMiddleware,
@@ -84,7 +102,21 @@ HOOK = textwrap.dedent(
     """
 )
 
-LAYERS = ("body-timeout", "body-limit", "db-faults", "metrics", "prediction-metrics")
+LAYERS = (
+    "body-timeout", "body-limit", "db-faults", "metrics", "prediction-metrics", "access-log"
+)  # fmt: skip
+
+
+def httpclient_request(port: int, path: str, body: bytes) -> bytes:
+    """The bytes ``http.client`` sends for bench/serve_httpclient.py's requests, in its
+    order (Host and Accept-Encoding by ``putrequest``, then Content-Length, then ours)."""
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAccept-Encoding: identity\r\n"
+        f"Content-Length: {len(body)}\r\n"
+    )
+    for name, value in serve_httpclient.HEADERS.items():
+        head += f"{name}: {value}\r\n"
+    return (head + "\r\n").encode() + body
 
 
 def control_library(where: Path) -> Path:
@@ -94,18 +126,40 @@ def control_library(where: Path) -> Path:
     return library
 
 
-def total_instructions(out: Path) -> int:
-    """The instructions of every dump callgrind wrote for ``out`` (``totals:`` lines)."""
-    total = 0
-    for path in out.parent.glob(out.name + "*"):
+def dumps(out: Path) -> dict[int, int]:
+    """The instructions of each dump callgrind wrote for ``out`` (``out.1``, ``out.2``,
+    ...; the ``totals:`` line of each), by its number."""
+    found = {}
+    for path in out.parent.glob(out.name + ".*"):
+        number = path.name.rpartition(".")[2]
+        if not number.isdigit():
+            continue
         for line in path.read_text(errors="replace").splitlines():
             if line.startswith("totals:"):
-                total += int(line.split()[1])
-    return total
+                found[int(number)] = int(line.split()[1])
+    return found
 
 
-def count(cmd: list[str], env: dict, cwd: Path, port: int, request: bytes, n: int) -> float:
-    """Instructions per request of the server ``cmd`` starts (its hook handles signals)."""
+def window(proc: subprocess.Popen, between) -> float:
+    """Count the server's instructions while ``between()`` runs (one dump); its seconds.
+
+    The server handles a signal within a step of its event loop (uvloop wakes on it):
+    half a second after each, the handler has run."""
+    proc.send_signal(signal.SIGUSR1)
+    time.sleep(0.5)
+    started = time.monotonic()
+    between()
+    elapsed = time.monotonic() - started
+    proc.send_signal(signal.SIGUSR2)
+    time.sleep(0.5)
+    return elapsed + 1.0
+
+
+def count(
+    cmd: list[str], env: dict, cwd: Path, port: int, request: bytes, n: int, idle: float
+) -> tuple[float, float]:
+    """Instructions per request of the server ``cmd`` starts (its hook handles signals),
+    the idle rate's share taken off; and that share (module docstring)."""
     out = cwd / f"callgrind.{port}.out"
     valgrind = ["valgrind", "--tool=callgrind", "--instr-atstart=no"]
     proc = subprocess.Popen(
@@ -120,21 +174,28 @@ def count(cmd: list[str], env: dict, cwd: Path, port: int, request: bytes, n: in
         conn = Connection(port)
         for _ in range(300):
             assert conn.roundtrip(request) == 200
-        # A handler runs between two bytecodes of the main thread: the request after
-        # each signal makes sure it did (the first is counted, the last half-counted).
-        proc.send_signal(signal.SIGUSR1)
-        time.sleep(0.5)
-        for _ in range(n + 1):
+        conn.close()  # idle longer than uvicorn keeps a connection open
+        idle_seconds = window(proc, lambda: time.sleep(idle))
+        conn = Connection(port)
+        for _ in range(10):
             assert conn.roundtrip(request) == 200
-        proc.send_signal(signal.SIGUSR2)
-        time.sleep(0.5)
-        assert conn.roundtrip(request) == 200
+
+        def requests() -> None:
+            for _ in range(n):
+                assert conn.roundtrip(request) == 200
+
+        busy_seconds = window(proc, requests)
         conn.close()
         time.sleep(1)
     finally:
         proc.terminate()
         proc.wait(timeout=300)
-    return total_instructions(out) / (n + 1.5)
+    found = dumps(out)
+    if len(found) < 2:
+        raise RuntimeError(f"callgrind wrote {len(found)} dumps for {out}, not 2")
+    first, second = sorted(found)[:2]
+    idle_share = found[first] / idle_seconds * busy_seconds
+    return (found[second] - idle_share) / n, idle_share / n
 
 
 def main() -> int:
@@ -142,6 +203,10 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=800)
     parser.add_argument("--repeat", type=int, default=1, help="measure each server again")
     parser.add_argument("--switch-off", nargs="*", choices=LAYERS, default=())
+    parser.add_argument("--keep", type=Path, help="copy callgrind's files here (annotate)")
+    parser.add_argument("--idle", type=float, default=5.0, help="seconds counted idle")
+    parser.add_argument("--client", choices=("raw", "httpclient"), default="raw")
+    parser.add_argument("--ceiling-path", choices=("/v1/json", "/v1/outputs"), default="/v1/json")
     args = parser.parse_args()
     if shutil.which("valgrind") is None or not Path("/usr/include/valgrind/callgrind.h").exists():
         print("needs valgrind with its headers (Debian: apt install valgrind)", file=sys.stderr)
@@ -172,7 +237,7 @@ def main() -> int:
                            "--port", str(port), "--log-level", "warning",
                            "--http", "httptools", "--loop", "uvloop"]  # fmt: skip
                     run_env = {**env, "MODEL_ONNX": str(onnx)}
-                    path = "/v1/json"
+                    path = args.ceiling_path
                 else:
                     where = tmp / f"ours-{len(results[name])}-{off or 'all'}"
                     shutil.copytree(tmp / "base", where)
@@ -185,15 +250,31 @@ def main() -> int:
                         "WELLTEMPERED_DATA_DIR": str(where / "data"),
                         "WELLTEMPERED_AUTH": "off",
                         "WELLTEMPERED_METRICS_ADDRESS": "",
+                        "WELLTEMPERED_ALIAS_CACHE_SECONDS": "3600",
                     }
                     path = f"/v1/models/{serve_peers.MODEL}/predict"
-                request = serve_peers.request(path, body, "application/json")
-                results[name].append(
-                    count(cmd, run_env, where, port, request, args.requests)
+                if args.client == "raw":
+                    request = serve_peers.request(path, body, "application/json")
+                else:
+                    request = httpclient_request(port, path, body)
+                per_request, idle = count(
+                    cmd, run_env, where, port, request, args.requests, args.idle
                 )
-                print(f"{name:<28} {results[name][-1]:>12,.0f} instructions/request", flush=True)
+                results[name].append(per_request)
+                if args.keep is not None:
+                    args.keep.mkdir(parents=True, exist_ok=True)
+                    for dump in where.glob("callgrind.*"):
+                        shutil.copy(dump, args.keep / f"{name.replace(' ', '')}.{dump.name}")
+                print(
+                    f"{name:<28} {per_request:>12,.0f} instructions/request "
+                    f"(idle share taken off: {idle:,.0f})",
+                    flush=True,
+                )
         ceiling = np.mean(results["ceiling"])
-        print(f"\nJSON 1 x 1,000, {args.requests} requests counted per run")
+        print(
+            f"\nJSON 1 x 1,000, {args.requests} requests counted per run, client {args.client}, "
+            f"ceiling {args.ceiling_path}"
+        )
         for name, values in results.items():
             mean = np.mean(values)
             print(f"{name:<28} {mean:>12,.0f}   ceiling / it {ceiling / mean:.3f}")

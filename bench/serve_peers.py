@@ -67,6 +67,15 @@ CEILING = textwrap.dedent(
         return Response(orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY),
                         media_type="application/json")
 
+    # All four outputs of our graph, computed by it and answered (bench/serve_httpclient.py).
+    @app.post("/v1/outputs")
+    async def outputs(request: Request) -> Response:
+        x = np.asarray(orjson.loads(await request.body())["logits"], dtype=np.float32)
+        names = [o.name for o in sess.get_outputs()]
+        out = dict(zip(names, sess.run(names, {sess.get_inputs()[0].name: x})))
+        return Response(orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY),
+                        media_type="application/json")
+
     @app.post("/v2/models/bench/infer")
     async def v2(request: Request) -> Response:
         body = await request.body()
