@@ -697,14 +697,19 @@ class ServiceMetrics:
         # (nothing here removes series), so they are looked up once. The label sets are
         # closed (route templates, namespaces x models x versions), which bounds these
         # caches like the series themselves.
-        self._request_children = functools.lru_cache(maxsize=4096)(self._request_labels)
+        self._request_children = functools.lru_cache(maxsize=4096)(self._request_values)
+        #: The in-progress gauge's value: the request middleware adds to it directly
+        #: (``Gauge.inc``'s checks cost more than the addition, twice per request).
+        self.http_in_progress_value = self.http_in_progress._value
         self._prediction_children = functools.lru_cache(maxsize=4096)(self._prediction_labels)
 
-    def _request_labels(self, route: str, method: str, status: str) -> tuple:
-        return (
-            self.http_requests.labels(route, method, status),
-            self.http_duration.labels(route, method, status),
-        )
+    def _request_values(self, route: str, method: str, status_code: int) -> tuple:
+        """What :meth:`observe_request` adds to for these arguments: the request
+        counter's value, and the duration histogram's bounds, buckets and sum."""
+        labels = (route, _method_label(method), status_class(status_code))
+        duration = self.http_duration.labels(*labels)
+        count = self.http_requests.labels(*labels)._value
+        return count, duration._upper_bounds, duration._buckets, duration._sum
 
     def _prediction_labels(self, namespace: str, model: str, version: str) -> tuple:
         return (
@@ -730,11 +735,16 @@ class ServiceMetrics:
         seconds : float
             Wall time from receiving the request to sending the response start.
         """
-        requests, duration = self._request_children(
-            route, _method_label(method), status_class(status_code)
-        )
-        requests.inc()
-        duration.observe(max(0.0, float(seconds)))
+        # What Counter.inc and Histogram.observe do, without their checks (the children
+        # exist, the amounts are valid) and with observe's bucket search by bisection,
+        # as _observe_many does: a request through the request middleware took 46,500
+        # instructions with them, 34,400 without (bench/README.md, "Serving through
+        # http.client").
+        count, bounds, buckets, total = self._request_children(route, method, status_code)
+        count.inc(1)
+        seconds = max(0.0, float(seconds))
+        buckets[bisect.bisect_left(bounds, seconds)].inc(1)
+        total.inc(seconds)
 
     @contextmanager
     def track_in_progress(self) -> Iterator[None]:

@@ -54,8 +54,8 @@ class MetricsMiddleware:
                 sent += len(message.get("body", b""))
             await send(message)
 
-        in_progress = metrics.http_in_progress  # not track_in_progress: no generator per request
-        in_progress.inc()
+        in_progress = metrics.http_in_progress_value  # the gauge's value (observe.metrics)
+        in_progress.inc(1)
         try:
             await self.app(scope, receive, send_observed)
         except BaseException:
@@ -66,6 +66,6 @@ class MetricsMiddleware:
                 )
             raise
         finally:
-            in_progress.dec()
+            in_progress.inc(-1)
             if access is not None:
                 access.record(scope, status, sent, time.perf_counter() - start)

@@ -226,6 +226,35 @@ def test_batch_histogram_equals_one_observe_per_row(size, dtype):
         assert s2[key] == pytest.approx(s1[key], rel=1e-12), key
 
 
+def test_observe_request_equals_counter_inc_and_histogram_observe():
+    """observe_request adds to the children's values directly: the same series and
+    values as ``labels(...).inc()`` and ``labels(...).observe(max(0, seconds))``."""
+    rng = np.random.default_rng(3)
+    bounds = [b for b in obs.HTTP_BUCKETS_SECONDS if math.isfinite(b)]
+    seconds = [*rng.exponential(0.05, 40), *bounds, 0.0, -1.0, 1e9]
+    calls = [
+        (route, method, status, s)
+        for s in seconds
+        for route, method, status in (("/healthz", "GET", 200), ("/v1/x", "brew", 503))
+    ]
+    fast, plain = obs.ServiceMetrics(), obs.ServiceMetrics()
+    for route, method, status, s in calls:
+        fast.observe_request(route, method, status, s)
+        labels = (route, obs._method_label(method), obs.status_class(status))
+        plain.http_requests.labels(*labels).inc()
+        plain.http_duration.labels(*labels).observe(max(0.0, s))
+    names = ("welltempered_http_requests", "welltempered_http_request_duration_seconds")
+    got, want = families(fast.render()[0]), families(plain.render()[0])
+    for name in names:
+        fast_values, plain_values = (
+            {(x.name, tuple(sorted(x.labels.items()))): x.value for x in fams[name].samples}
+            for fams in (got, want)
+        )
+        assert fast_values and fast_values.keys() == plain_values.keys(), name
+        for key, value in plain_values.items():
+            assert fast_values[key] == pytest.approx(value, rel=1e-12), key
+
+
 def test_status_class_method_and_route_template():
     assert [obs.status_class(c) for c in (101, 200, 204, 307, 404, 422, 500, 599, 600)] == [
         "1xx", "2xx", "2xx", "3xx", "4xx", "4xx", "5xx", "5xx", "other",
