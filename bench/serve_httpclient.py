@@ -2,7 +2,7 @@
 keep-alive connections, JSON 1 x 1,000, ours against a bare app (issue 20).
 
     .venv/bin/python bench/serve_httpclient.py [--seconds 4] [--rounds 5]
-        [--servers ceiling ours ours-no-access-log ours-default]
+        [--servers ceiling ours ours-no-access-log ours-default] [--before TREE]
 
 bench/serve_peers.py loads every server with prepared bytes on raw sockets; here each
 request goes through ``http.client``, which sends what most Python clients send
@@ -16,7 +16,10 @@ added) and parses the answer's headers in Python. Servers:
 - **ours**: ``welltempered serve --log-level warning`` (SQLite, auth off), its access
   log on (the default);
 - **ours-no-access-log**: the same with ``--no-access-log``;
-- **ours-default**: ``welltempered serve`` with its default log level (info).
+- **ours-default**: ``welltempered serve`` with its default log level (info);
+- with ``--before TREE`` (a checkout of another commit, e.g. ``git archive COMMIT |
+  tar -x -C TREE``), **before** and **before-default**: that commit's ``serve`` at
+  ``--log-level warning`` and at its default, in the same rounds.
 
 Every server writes its standard output to a file; at the end the lines in each are
 counted (the access log's lines, for ours). Each round gives every server
@@ -86,10 +89,14 @@ def load(port: int, path: str, body: bytes, seconds: float, threads: int) -> int
     return sum(counts)
 
 
-def start_ours(where: Path, port: int, args: list[str], log: Path) -> subprocess.Popen:
-    """``welltempered serve`` on a copy of the prepared database and data folder."""
+def start_ours(
+    where: Path, port: int, args: list[str], log: Path, tree: Path | None = None
+) -> subprocess.Popen:
+    """``welltempered serve`` on a copy of the prepared database and data folder; the
+    code of ``tree`` when given."""
     env = {
         **os.environ,
+        **({"PYTHONPATH": str(tree)} if tree is not None else {}),
         "WELLTEMPERED_DATABASE_URL": f"sqlite:///{where / 'r.sqlite3'}",
         "WELLTEMPERED_DATA_DIR": str(where / "data"),
         "WELLTEMPERED_AUTH": "off",
@@ -116,8 +123,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--servers", nargs="+", choices=SERVERS, default=SERVERS)
+    parser.add_argument("--before", type=Path, help="another commit's tree, served beside")
     args = parser.parse_args()
     names = ["ceiling", *(s for s in args.servers if s != "ceiling")]
+    if args.before is not None:
+        names += ["before", "before-default"]
 
     one = np.random.default_rng(1).normal(size=(1, serve_peers.K)).astype(np.float32)
     body = json.dumps({"logits": one.tolist()}).encode()
@@ -148,7 +158,11 @@ def main() -> int:
                 else:
                     where = tmp / name
                     shutil.copytree(tmp / "base", where)
-                    procs[name] = start_ours(where, port, OURS[name], logs[name])
+                    before = name.startswith("before")
+                    procs[name] = start_ours(
+                        where, port, OURS[name.replace("before", "ours")], logs[name],
+                        args.before.resolve() if before else None,
+                    )  # fmt: skip
                     targets[name] = (port, f"/v1/models/{serve_peers.MODEL}/predict")
 
             print(
