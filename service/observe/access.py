@@ -2,9 +2,10 @@
 
 uvicorn's access log goes through :mod:`logging` for every request: a ``LogRecord``,
 its formatter (which also looks for colours), the handler's lock and a write with a
-flush of its own. Measured under callgrind, that is about 142,000 instructions per
-request; at full speed ``serve``'s default ``--log-level info`` cost about 40 us per
-request (230 against 187 us of server CPU, issue 20). ``welltempered serve`` switches
+flush of its own: 23.7 us of CPU per line to /dev/null on a loaded machine, against
+2.0 us for this one (16,200 instructions; bench/README.md, "Serving through
+http.client"). Under load, ``serve``'s default ``--log-level info`` cost about 40 us
+per request (230 against 187 us of server CPU, issue 20). ``welltempered serve`` switches
 uvicorn's off and writes this one instead (on unless ``ACCESS_LOG=false`` or
 ``--no-access-log``): the request metrics middleware
 (:class:`service.server.requests.MetricsMiddleware`) calls :meth:`AccessLog.record`
