@@ -394,6 +394,50 @@ DB_GAUGES: dict[str, GaugeSpec] = {
             "measured at fit time.",
             _HOLDOUT,
         ),
+        "holdout_ece_debiased": (
+            "welltempered_holdout_ece_debiased_ratio",
+            "Debiased L2 top-label ECE (Kumar et al. 2019; 15 equal-width bins) of an aliased "
+            "version on its hold-out rows at fit time: "
+            "estimate.",
+            _HOLDOUT,
+        ),
+        "holdout_ece_debiased_lower": (
+            "welltempered_holdout_ece_debiased_lower_ratio",
+            "Debiased L2 top-label ECE (Kumar et al. 2019; 15 equal-width bins) of an aliased "
+            "version on its hold-out rows at fit time: "
+            "lower bound of its 95 % interval (0 unless the rows show more error than a calibrated"
+            " model's noise; alert on it).",
+            _HOLDOUT,
+        ),
+        "holdout_ece_debiased_upper": (
+            "welltempered_holdout_ece_debiased_upper_ratio",
+            "Debiased L2 top-label ECE (Kumar et al. 2019; 15 equal-width bins) of an aliased "
+            "version on its hold-out rows at fit time: "
+            "upper bound of its 95 % interval.",
+            _HOLDOUT,
+        ),
+        "holdout_smooth_ece": (
+            "welltempered_holdout_smooth_ece_ratio",
+            "Smooth ECE (Blasiok & Nakkiran 2023) of an aliased version on its hold-out rows at "
+            "fit time: "
+            "estimate.",
+            _HOLDOUT,
+        ),
+        "holdout_smooth_ece_lower": (
+            "welltempered_holdout_smooth_ece_lower_ratio",
+            "Smooth ECE (Blasiok & Nakkiran 2023) of an aliased version on its hold-out rows at "
+            "fit time: "
+            "lower bound of its 95 % interval (0 unless the rows show more error than a calibrated"
+            " model's noise; alert on it).",
+            _HOLDOUT,
+        ),
+        "holdout_smooth_ece_upper": (
+            "welltempered_holdout_smooth_ece_upper_ratio",
+            "Smooth ECE (Blasiok & Nakkiran 2023) of an aliased version on its hold-out rows at "
+            "fit time: "
+            "upper bound of its 95 % interval.",
+            _HOLDOUT,
+        ),
         "holdout_nll": (
             "welltempered_holdout_nll_nats",
             "Mean negative log-likelihood of an aliased version on its hold-out rows.",
@@ -412,6 +456,27 @@ DB_GAUGES: dict[str, GaugeSpec] = {
         "live_ece": (
             "welltempered_live_ece_ratio",
             "Top-label ECE (15 equal-width bins) of the labelled feedback rows in the window.",
+            _LIVE,
+        ),
+        "live_ece_debiased": (
+            "welltempered_live_ece_debiased_ratio",
+            "Debiased L2 top-label ECE (Kumar et al. 2019; 15 equal-width bins) of the "
+            "labelled feedback rows in the window, from the per-bin sums: estimate.",
+            _LIVE,
+        ),
+        "live_ece_debiased_lower": (
+            "welltempered_live_ece_debiased_lower_ratio",
+            "Debiased L2 top-label ECE (Kumar et al. 2019; 15 equal-width bins) of the "
+            "labelled feedback rows in the window, from the per-bin sums: lower bound of its 95 % "
+            "interval (0 unless the window shows more error than a calibrated model's noise: the "
+            "figure to alert on).",
+            _LIVE,
+        ),
+        "live_ece_debiased_upper": (
+            "welltempered_live_ece_debiased_upper_ratio",
+            "Debiased L2 top-label ECE (Kumar et al. 2019; 15 equal-width bins) of the "
+            "labelled feedback rows in the window, from the per-bin sums: upper bound of its 95 % "
+            "interval.",
             _LIVE,
         ),
         "live_ece_bound": (

@@ -10,9 +10,15 @@ The increment happens in SQL, so concurrent writers (several workers, several
 replicas) never lose an update, and any window is one ``SUM ... GROUP BY bin``.
 
 The live figures of a window are exactly those of :func:`calibrators.metrics.report`
-on the same calibrated rows for every metric that is a per-bin or per-row sum
-(``n``, ``accuracy``, ``nll``, ``brier``, ``entropy``, ``ece``, ``mce``, ``bins``);
-the others need the rows and are ``None`` (:data:`NOT_FROM_AGGREGATES`).
+on the same calibrated rows for every metric that is a function of per-bin or per-row
+sums (``n``, ``accuracy``, ``nll``, ``brier``, ``entropy``, ``ece``, ``mce``, ``bins``,
+and the debiased ECE with its interval, ``ece_debiased``, ``ece_debiased_lower``,
+``ece_debiased_upper``: it needs each bin's rows, correct rows and confidence sum,
+for the bin's gap and the variance of its accuracy); the others need the rows and
+are ``None`` (:data:`NOT_FROM_AGGREGATES`). The smooth ECE is one of them: its
+kernel needs the outcomes on a grid finer than its bandwidth (spacing under
+sigma / 20, so hundreds to thousands of points), not 15 bins, and the window keeps
+no such grid; it is reported for the hold-out only.
 
 A window is rounded outward to whole buckets: it covers the buckets that start at
 or after ``floor((now - window) / width) * width``, so up to one bucket width more
@@ -49,7 +55,29 @@ N_BINS = metrics.DEFAULT_N_BINS
 EDGES = metrics.bin_edges(N_BINS)
 #: Keys of ``calibrators.metrics.report`` that need the rows, not their sums: ``None``
 #: in a live report.
-NOT_FROM_AGGREGATES = ("nll_median", "nll_p95", "ece_quantile", "classwise_ece")
+NOT_FROM_AGGREGATES = (
+    "nll_median",
+    "nll_p95",
+    "ece_quantile",
+    "classwise_ece",
+    "smooth_ece",
+    "smooth_ece_lower",
+    "smooth_ece_upper",
+    "smooth_ece_bandwidth",
+)
+#: Keys of the debiased ECE in a report, from ``estimate``, ``lower``, ``upper``.
+DEBIASED_KEYS = {
+    "ece_debiased": "estimate",
+    "ece_debiased_lower": "lower",
+    "ece_debiased_upper": "upper",
+}
+#: Keys of a version's hold-out report exported with their interval.
+HOLDOUT_INTERVALS = (
+    *DEBIASED_KEYS,
+    "smooth_ece",
+    "smooth_ece_lower",
+    "smooth_ece_upper",
+)
 MAX_WINDOW_SECONDS = 366 * 86_400
 
 
@@ -214,6 +242,7 @@ def live_report(stats: Mapping[str, np.ndarray], n_classes: int) -> dict[str, An
     if n == 0:
         out.update(
             dict.fromkeys(("accuracy", "nll", "brier", "entropy", "ece", "mce"), None),
+            **dict.fromkeys(DEBIASED_KEYS),
             bins={
                 "edges": EDGES.tolist(),
                 "count": [0] * N_BINS,
@@ -222,8 +251,12 @@ def live_report(stats: Mapping[str, np.ndarray], n_classes: int) -> dict[str, An
             },
         )
     else:
+        correct = np.asarray(stats["correct_count"], np.int64)
         calibration = metrics.ece_from_bin_statistics(
-            count, stats["confidence_sum"], np.asarray(stats["correct_count"], np.int64), EDGES
+            count, stats["confidence_sum"], correct, EDGES
+        )
+        debiased = metrics.debiased_ece_from_bin_statistics(
+            count, stats["confidence_sum"], correct, level=metrics.INTERVAL_LEVEL
         )
         out.update(
             accuracy=float(np.sum(stats["correct_count"]) / n),
@@ -233,8 +266,11 @@ def live_report(stats: Mapping[str, np.ndarray], n_classes: int) -> dict[str, An
             ece=calibration["ece"],
             mce=calibration["mce"],
             bins=calibration["bins"],
+            **{key: debiased[part] for key, part in DEBIASED_KEYS.items()},
         )
-    out.update(dict.fromkeys(NOT_FROM_AGGREGATES), n_bins=N_BINS)
+    out.update(
+        dict.fromkeys(NOT_FROM_AGGREGATES), n_bins=N_BINS, interval_level=metrics.INTERVAL_LEVEL
+    )
     out["not_from_aggregates"] = list(NOT_FROM_AGGREGATES)
     return out
 
@@ -343,11 +379,13 @@ def snapshot(
         snap["holdout_nll"].append((labels, after.get("nll")))
         snap["holdout_accuracy"].append((labels, after.get("accuracy")))
         snap["holdout_argmax_agreement"].append((labels, (argmax or {}).get("agreement")))
+        for key in HOLDOUT_INTERVALS:  # absent from versions fitted before they existed
+            snap[f"holdout_{key}"].append((labels, after.get(key)))
     for version_id, namespace, name, n_classes, version, after in versions:
         stats = live[version_id]
         report = live_report(stats, n_classes)
         labels = {"namespace": namespace, "model": name, "version": version}
-        for key in ("ece", "nll", "accuracy", "entropy"):
+        for key in ("ece", "nll", "accuracy", "entropy", *DEBIASED_KEYS):
             snap[f"live_{key}"].append((labels, report[key]))
         snap["live_labelled_rows"].append((labels, report["n"]))
         if after and after.get("bins"):
