@@ -1032,6 +1032,13 @@ def smooth_ece_from_confidences(
         ``estimate``, ``lower``, ``upper`` (floats in [0, 1]), ``bandwidth``
         (:math:`\\sigma^*`) and ``level``.
 
+    relplot (1.0.3, the authors' code) gives the same figure to rounding when the
+    confidences stay away from 0 and 1. With much mass at an end it differs: its
+    grid mirrors an end point once instead of twice (a confidence of 1 keeps half
+    its kernel) and it divides by the smoothed density's sum (the shared CIFAR-100
+    outputs, a third of whose confidences exceed 0.99, show it). The tests check
+    this function against the definition computed by quadrature.
+
     References
     ----------
     Blasiok and Nakkiran, "Smooth ECE: Principled Reliability Diagrams via Kernel
