@@ -750,7 +750,7 @@ def _debiased_ece(count, confidence_sum, correct_count, level: float) -> dict:
     return {
         "estimate": math.sqrt(max(squared, 0.0)),
         "lower": math.sqrt(max(squared - half, 0.0)),
-        "upper": math.sqrt(max(squared + half, 0.0)),
+        "upper": min(math.sqrt(max(squared + half, 0.0)), 1.0),
         "squared": squared,
         "level": level,
     }
@@ -793,7 +793,7 @@ def debiased_ece_from_bin_statistics(
     \\tilde a_b)/n_b` (a bin of all-correct rows is not certain; bins of one row count
     here). With :math:`z` the normal quantile of ``(1 + level) / 2`` and
     :math:`h = z\\sqrt{\\sum_b (n_b/N)^2 \\widehat{\\mathrm{Var}}_b}`, the interval is
-    :math:`[\\sqrt{\\max(\\widehat T - h, 0)},\\ \\sqrt{\\max(\\widehat T + h, 0)}]`.
+    :math:`[\\sqrt{\\max(\\widehat T - h, 0)},\\ \\min(\\sqrt{\\max(\\widehat T + h, 0)}, 1)]`.
     Clipping at 0 is what makes the interval honest for a calibrated model, whose
     true error is exactly 0: the lower bound is 0 unless :math:`\\widehat T` exceeds
     its noise, which a calibrated model does with probability about
@@ -938,17 +938,17 @@ def _smooth_ece(confidence, correct, level, n_resamples, seed) -> dict:
     cell = np.rint(f * m).astype(np.int64)
     rows = np.bincount(cell, minlength=m + 1)
     mean = np.bincount(cell, f, minlength=m + 1) / np.maximum(rows, 1)
-    occupied = np.flatnonzero(rows)
+    occupied = np.flatnonzero(rows * mean * (1.0 - mean) > 0)  # cells with any noise
     rng = np.random.default_rng(seed)
     noise = np.empty(n_resamples)
     block = max(1, (1 << 17) // m)  # about 131k grid values at a time: bounded memory
-    for start in range(0, n_resamples, block):
+    for start in range(0, n_resamples if occupied.size else 0, block):
         size = min(block, n_resamples - start)
         draws = rng.binomial(rows[occupied], mean[occupied], size=(size, occupied.size))
         cells = np.zeros((size, m + 1))
         cells[:, occupied] = (draws - rows[occupied] * mean[occupied]) / n
         noise[start : start + size] = _reflected_l1(cells, sigma)
-    quantile = float(np.quantile(noise, 0.5 + level / 2.0))
+    quantile = float(np.quantile(noise, 0.5 + level / 2.0)) if occupied.size else 0.0
     return {
         "estimate": estimate,
         "lower": max(estimate - quantile, 0.0),
@@ -1011,7 +1011,11 @@ def smooth_ece_from_confidences(
     the confidences, which is exactly 0 for a calibrated model: the lower bound is 0
     unless the estimate exceeds a calibrated model's noise, so an alert on it is a
     test of calibration at about ``(1 - level) / 2``. Cost:
-    O(``n_resamples`` m log m), independent of n beyond the O(n) binning.
+    O(``n_resamples`` m log m), independent of n beyond the O(n) binning: largest
+    when the bandwidth sits at its floor (m = 32,768, a model whose confidences and
+    accuracy are all within a few thousandths of 1), a few seconds at the default
+    400 resamples; with no outcome noise at all (every confidence 0 or 1) the
+    interval is the estimate itself and nothing is simulated.
 
     Parameters
     ----------

@@ -263,3 +263,13 @@ def test_report_has_the_intervals_and_keeps_the_old_keys():
     assert metrics.scores_report(logits, labels)["smooth_ece"] == pytest.approx(
         out["smooth_ece"], rel=1e-9
     )
+
+
+def test_bounds_stay_in_the_unit_interval_on_tiny_inputs():
+    """Three one-hot rows, all wrong: the error is 1 and no bound passes it; one-hot
+    rows carry no outcome noise, so the smooth interval is the estimate itself."""
+    probs, labels = np.eye(3), [1, 2, 0]
+    debiased = metrics.debiased_calibration_error(probs, labels)
+    smooth = metrics.smooth_calibration_error(probs, labels)
+    assert 0.0 <= debiased["lower"] <= debiased["estimate"] == 1.0 == debiased["upper"]
+    assert smooth["lower"] == smooth["estimate"] == smooth["upper"] > 0
