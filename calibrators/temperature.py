@@ -13,12 +13,27 @@ Both problems (minimise the mean NLL; hit a target mean entropy) are solved by
 a safeguarded Newton iteration on ``beta`` (Numerical Recipes' ``rtsafe``):
 Newton steps inside a bracket ``[lo, hi]`` that always contains the root of
 the monotone function, with a geometric bisection of the bracket whenever a
-step leaves it. ``beta > 0`` holds at every iterate, so the argmax never
-changes. Each pass is one sweep over the data in float64 row chunks.
+step leaves it. Halley's step (it also uses the third cumulant of ``z``, the
+derivative of the variance) replaces Newton's when sound. ``beta > 0`` holds at
+every iterate, so the argmax never changes. Each pass is one sweep over the
+data in row chunks, with float64 accumulators.
 
-The iteration on the full data starts from the root for a strided subsample of
-the rows, already close to the full-data root, so that the full data are swept
-only a few times (``bench/README.md`` counts the passes).
+Passes in float32 cost about a third of float64 ones (numpy's float64 exp is
+the most of a float64 pass), so the search is staged:
+
+1. the root for a strided subsample of the rows (every row when N is small),
+   in float32;
+2. for a subsample, one float32 pass over every row and its Halley step: the
+   start is now within ~1e-6 (relative) of the full-data root, float32's
+   rounding included;
+3. float64 passes over every row until the gradient is below ``tol``. The last
+   Halley step is taken without a pass after it (``fit_info_["extrapolated"]``)
+   when it is tiny and the convergence seen so far predicts the error it leaves
+   below 1e-18 (relative), so that beta is float64's root to the last digits
+   while the data are swept in float64 once or twice (``bench/README.md``).
+
+float32 only moves the start: the root is float64's. Logits beyond float32's
+range (or differing only below its resolution) skip the float32 stages.
 """
 
 from __future__ import annotations
@@ -33,13 +48,24 @@ from calibrators.base import Integer, Positive, Progress
 from calibrators.cost import FLOAT64, SWEEP_FLOPS, Cost, chunk_bytes
 from calibrators.linear_softmax import LinearSoftmax
 from calibrators.numerics import map_chunks
-from calibrators.validation import MAX_PASSES, CalibrationInputError, logits64
+from calibrators.validation import (
+    MAX_PASSES,
+    CalibrationInputError,
+    logits64,
+    probabilities_to_logits,
+)
 
 #: Bracket ends: beta is searched in [BETA_MIN, BETA_MAX] / scale.
 BETA_MIN = 1e-8
 BETA_MAX = 1e8
 #: Rows used for the subsample start (0 disables it).
 SUBSAMPLE_ROWS = 8192
+#: The float32 start stops at this relative gradient (float32 sums are good to ~1e-7).
+START_TOL = 1e-6
+#: The last Halley step is taken without a pass after it when it is at most this
+#: (relative) and the error it leaves is predicted at most PREDICTED_ERROR.
+FINAL_STEP = 1e-6
+PREDICTED_ERROR = 1e-18
 
 
 @dataclass(frozen=True)
@@ -54,19 +80,43 @@ class _Pass:
     spread: float  # mean (max z - mean z): the scale of the logits
 
 
-def _chunk_sums(x: np.ndarray, y: np.ndarray, kind: str, beta: float, rows: slice) -> np.ndarray:
-    c = logits64(x[rows], kind)
-    c -= c.max(axis=1, keepdims=True)  # shift-invariant; now max c = 0 per row
-    zy = np.take_along_axis(c, y[rows, None], axis=1)[:, 0]
-    e = np.multiply(c, beta)
+def _shifted(block: np.ndarray, kind: str, dtype) -> np.ndarray:
+    """A fresh ``dtype`` copy of a block of scores as logits, shifted so that every
+    row's maximum is 0 (softmax is shift-invariant)."""
+    if dtype == np.float64:
+        c = logits64(block, kind)
+    elif kind == "probabilities":
+        c = probabilities_to_logits(block, out_dtype=np.float32)
+    elif block.dtype == np.float32:
+        c = block.astype(np.float32)
+    else:  # float64 logits: shifted in float64, where the difference is exact, then rounded
+        return (block - block.max(axis=1, keepdims=True)).astype(np.float32)
+    c -= c.max(axis=1, keepdims=True)
+    return c
+
+
+def _chunk_sums(x: np.ndarray, y: np.ndarray, kind: str, beta: float, rows: slice,
+                dtype=np.float64) -> np.ndarray:
+    if dtype == np.float64:
+        return _moments(x, y, kind, beta, rows, dtype)
+    with np.errstate(over="ignore", invalid="ignore"):  # (non-finite sums: see _fit)
+        return _moments(x, y, kind, beta, rows, dtype)
+
+
+def _moments(x: np.ndarray, y: np.ndarray, kind: str, beta: float, rows: slice,
+             dtype) -> np.ndarray:
+    c = _shifted(x[rows], kind, dtype)  # now max c = 0 per row
+    zy = np.take_along_axis(c, y[rows, None], axis=1)[:, 0].astype(np.float64)
+    e = np.multiply(c, c.dtype.type(beta))
     np.exp(e, out=e)
-    s = e.sum(axis=1)
-    # Unnormalised moments sum(e * c**j), j = 1..3, each one fused sweep.
-    m1 = np.einsum("ij,ij->i", e, c)
+    s = e.sum(axis=1, dtype=np.float64)
+    # Unnormalised moments sum(e * c**j), j = 1..3, each one fused sweep (in float32
+    # with float32 sums over a row: a start, see _fit; per-row results in float64).
+    m1 = np.einsum("ij,ij->i", e, c).astype(np.float64)
     e *= c
-    m2 = np.einsum("ij,ij->i", e, c)
+    m2 = np.einsum("ij,ij->i", e, c).astype(np.float64)
     e *= c
-    m3 = np.einsum("ij,ij->i", e, c)
+    m3 = np.einsum("ij,ij->i", e, c).astype(np.float64)
     inv = 1.0 / s
     ez, ez2, ez3 = m1 * inv, m2 * inv, m3 * inv
     lse = np.log(s)
@@ -79,52 +129,102 @@ def _chunk_sums(x: np.ndarray, y: np.ndarray, kind: str, beta: float, rows: slic
             np.sum(var),
             np.sum(skew),
             np.sum(lse - beta * ez),
-            -np.sum(c) / c.shape[1],
+            -np.sum(c, dtype=np.float64) / c.shape[1],
         ]
     )
 
 
-def _pass(x: np.ndarray, y: np.ndarray, kind: str, beta: float) -> _Pass:
-    """One sweep over the data: mean NLL, its two derivatives and entropy at ``beta``."""
-    parts = map_chunks(lambda rows: _chunk_sums(x, y, kind, beta, rows), *x.shape)
+def _pass(x: np.ndarray, y: np.ndarray, kind: str, beta: float, dtype=np.float64) -> _Pass:
+    """One sweep over the data: mean NLL, its two derivatives and entropy at ``beta``,
+    computed in ``dtype`` (float64 accumulators either way)."""
+    parts = map_chunks(lambda rows: _chunk_sums(x, y, kind, beta, rows, dtype), *x.shape)
     total = np.sum(parts, axis=0) / x.shape[0]
     return _Pass(*map(float, total))
 
 
-def _safeguarded_newton(f, lo, hi, x, *, tol, max_passes, increasing):
+def _finite(r: _Pass) -> bool:
+    return all(math.isfinite(v) for v in (r.nll, r.grad, r.var, r.skew, r.entropy, r.spread))
+
+
+class _Float32Overflow(ArithmeticError):
+    """A float32 pass gave a non-finite sum: the start falls back to float64."""
+
+
+def _taylor(r: _Pass, beta: float, d: float) -> _Pass:
+    """The pass at ``beta + d`` from the one at ``beta``, by Taylor expansion in ``d``
+    (exact to O(d**3) for the gradient, O(d**4) for the NLL; ``skew`` is kept)."""
+    return _Pass(
+        nll=r.nll + d * (r.grad + d * (r.var / 2 + d * r.skew / 6)),
+        grad=r.grad + d * (r.var + d * r.skew / 2),
+        var=r.var + d * r.skew,
+        skew=r.skew,
+        entropy=r.entropy - d * (beta * r.var + d * (r.var + beta * r.skew) / 2),
+        spread=r.spread,
+    )
+
+
+def _next(x: float, value: float, deriv: float, second: float, lo: float, hi: float):
+    """``(x_new, newton)``: a Halley step from ``x`` when its denominator is sound, else a
+    Newton step; a geometric bisection of ``(lo, hi)`` (``newton`` False) when the step
+    leaves it."""
+    x_new = math.nan
+    if deriv != 0 and math.isfinite(deriv):
+        x_new = x - value / deriv
+        denominator = 2.0 * deriv * deriv - value * second
+        if math.isfinite(second) and denominator > deriv * deriv:
+            x_new = x - 2.0 * value * deriv / denominator
+    if not (lo < x_new < hi):
+        return math.sqrt(lo * hi), False
+    return x_new, True
+
+
+def _safeguarded_newton(f, lo, hi, x, *, tol, max_passes, increasing, first=None,
+                        last_step=None, extrapolate=None):
     """Root of a monotone ``f`` in ``[lo, hi]`` by Halley/Newton steps with bisection fallback.
 
-    ``f(x)`` returns ``(value, derivative, second_derivative, extra)``. A
-    Halley step (cubic convergence: the relative error e becomes O(e**3), where a
-    Newton step gives O(e**2), so fewer passes over the data) is taken
-    when its denominator is sound, else a Newton step; a step that leaves the
-    bracket is replaced by a geometric bisection. Returns
-    ``(x, value, extra, passes, reason)``; reason is "converged" or
-    "max_passes" or "bound".
+    ``f(x)`` returns ``(value, derivative, second_derivative, extra)``; ``first``, when
+    given, is its value at the start ``x``, already computed. A Halley step (cubic
+    convergence: the relative error e becomes O(e**3), where a Newton step gives
+    O(e**2), so fewer passes over the data) is taken when its denominator is sound,
+    else a Newton step; a step that leaves the bracket is replaced by a geometric
+    bisection.
+
+    With ``extrapolate`` (``extra`` at ``x + d`` from ``extra`` at ``x``), a last Halley
+    step is taken without evaluating ``f`` again when it is at most ``FINAL_STEP``
+    (relative) and either ``|value| < tol`` already, or the convergence seen so far,
+    ``C = step / last_step**3`` with ``last_step`` the relative size of the step before
+    (an argument for the first), predicts the error left after it, ``C * step**3``, at
+    most ``PREDICTED_ERROR``: below float64's resolution, so another pass would only
+    confirm it. The value and ``extra`` returned are then extrapolated to the new
+    ``x``, and reason is "extrapolated".
+
+    Returns ``(x, value, extra, passes, reason)``; reason is "converged",
+    "extrapolated", "max_passes" or "bound".
     """
     sign = 1.0 if increasing else -1.0
     passes = 0
     while True:
-        value, deriv, second, extra = f(x)
+        value, deriv, second, extra = first if first is not None and passes == 0 else f(x)
         passes += 1
-        if abs(value) < tol:
-            return x, value, extra, passes, "converged"
+        converged = abs(value) < tol
         if sign * value > 0:
             hi = x
         else:
             lo = x
-        if passes >= max_passes:
+        if not converged and passes >= max_passes:
             return x, value, extra, passes, "max_passes"
-        if hi / lo <= 1 + 1e-15:
+        if not converged and hi / lo <= 1 + 1e-15:
             return x, value, extra, passes, "bound"
-        x_new = math.nan
-        if deriv != 0 and math.isfinite(deriv):
-            x_new = x - value / deriv
-            denominator = 2.0 * deriv * deriv - value * second
-            if math.isfinite(second) and denominator > deriv * deriv:
-                x_new = x - 2.0 * value * deriv / denominator
-        if not (lo < x_new < hi):  # Newton left the bracket: bisect (geometrically)
-            x_new = math.sqrt(lo * hi)
+        x_new, newton = _next(x, value, deriv, second, lo, hi)
+        step = abs(x_new - x) / x
+        if (extrapolate is not None and newton and step <= FINAL_STEP and (
+                converged or (last_step and step**3 * (step / last_step**3) <= PREDICTED_ERROR))):
+            d = x_new - x
+            return (x_new, value + d * (deriv + d * second / 2), extrapolate(extra, x, d),
+                    passes, "extrapolated")
+        if converged:
+            return x, value, extra, passes, "converged"
+        last_step = step if newton else None
         x = x_new
 
 
@@ -147,8 +247,13 @@ class TemperatureScaler(LinearSoftmax):
     beta_ : float
         Inverse temperature (``weight_``); the temperature is ``1 / beta_``.
     fit_info_ : dict
-        ``passes``, ``reason`` ("converged", "max_passes" or "bound"),
-        ``gradient`` (dNLL/dbeta at ``beta_``), ``nll``, ``entropy``, ``scale``.
+        ``passes`` (float64 passes over every row), ``reason`` ("converged",
+        "max_passes" or "bound"), ``extrapolated`` (the last step was taken
+        without a pass after it: ``gradient``, ``nll`` and ``entropy`` are then
+        the last pass's Taylor expansions at ``beta_``), ``gradient``
+        (dNLL/dbeta at ``beta_``), ``relative_gradient``, ``nll``, ``entropy``,
+        ``scale``, ``temperature``; the start's ``start_rows``, ``start_passes``,
+        ``start_dtype`` and ``float32_passes`` (over every row).
 
     References
     ----------
@@ -186,8 +291,10 @@ class TemperatureScaler(LinearSoftmax):
         * bytes = ``chunk_bytes(3, K)`` (per thread: a float64 copy of one row
           chunk, its exponentials, and for probabilities the clipped chunk before
           its log) ``+ 32 N`` (labels and per-row checks).
-        * flops = ``SWEEP_FLOPS * K * (passes * N + 8 * rows_s)``: 4 passes over
-          the N rows after a start solved on the ``rows_s`` rows of the strided
+        * flops = ``SWEEP_FLOPS * K * (passes * N + 8 * rows_s)``, counting every
+          pass as a float64 one (an upper bound: a float32 pass costs about a
+          third): 4 passes over the N rows (one float32, one or two float64, and
+          room) after a start solved on the ``rows_s`` rows of the strided
           subsample (N > 2 * ``SUBSAMPLE_ROWS``), else 8 passes and no subsample.
         """
         n, k = n_samples, n_classes
@@ -217,8 +324,12 @@ class TemperatureScaler(LinearSoftmax):
                 f"target_entropy must lie in (0, log K) = (0, {math.log(k):.6g}) nats for "
                 f"K = {k}. Got {target!r}."
             )
-        # The subsample (every row when n is small) gives the start and the
-        # bracket; the full data are then swept only by the root finder itself.
+        # The start: the root for a strided subsample (every row when n is small),
+        # in float32, where a pass costs about a third of a float64 one. Then, for a
+        # subsample, one float32 pass over every row and its Halley step; then the
+        # float64 passes over every row, the last step usually extrapolated (see
+        # _safeguarded_newton): float32's rounding only moves the start, the root
+        # is float64's.
         if SUBSAMPLE_ROWS and n > 2 * SUBSAMPLE_ROWS:
             # Every step-th row, a view: the start costs no copy of the scores
             # (a copy of 8,192 rows is 8 GiB at K = 262,144).
@@ -226,9 +337,16 @@ class TemperatureScaler(LinearSoftmax):
             zs, ys = z[::step], y[::step]
         else:
             zs, ys = z, y
-        first = _pass(zs, ys, kind, 1.0)
-        if first.spread == 0.0 and zs is not z:
-            first = _pass(z, y, kind, 1.0)  # the subsample may be constant, the rest not
+        start_dtype, first_on_sample = np.float32, True
+        first = _pass(zs, ys, kind, 1.0, np.float32)
+        if not (first.spread > 0.0 and _finite(first)):
+            # Rows that differ only below float32's resolution, logits beyond its
+            # range, or a constant subsample: the start in float64, as the rest.
+            start_dtype = np.float64
+            first = _pass(zs, ys, kind, 1.0)
+            if first.spread == 0.0 and zs is not z:
+                first = _pass(z, y, kind, 1.0)  # the subsample may be constant, the rest not
+                first_on_sample = False
         if first.spread == 0.0:
             if target is not None:
                 raise CalibrationInputError(
@@ -245,26 +363,47 @@ class TemperatureScaler(LinearSoftmax):
         if target is None:
             # dNLL/dbeta and its derivatives, in units of the logits' spread (so
             # the tolerance is relative to the scale of the logits).
-            def f(beta, zz=z, yy=y):
-                r = _pass(zz, yy, kind, beta)
+            def g(r, beta):
                 return r.grad / r.spread, r.var / r.spread, r.skew / r.spread, r
             increasing = True
         else:
-            def f(beta, zz=z, yy=y):
-                r = _pass(zz, yy, kind, beta)
+            def g(r, beta):
                 # d2H/dbeta2 = -Var - beta * dVar/dbeta
                 return r.entropy - target, -beta * r.var, -r.var - beta * r.skew, r
             increasing = False
 
-        beta0 = 1.0
-        if zs is not z:
-            beta0, *_ = _safeguarded_newton(
-                lambda beta: f(beta, zs, ys), lo, hi, 1.0, tol=1e-6,
-                max_passes=max_passes, increasing=increasing,
+        def f(beta, zz=z, yy=y, dtype=np.float64):
+            r = _pass(zz, yy, kind, beta, dtype)
+            if dtype == np.float32 and not _finite(r):  # float32 overflowed
+                raise _Float32Overflow
+            return g(r, beta)
+
+        def start(dtype, first):
+            """The root for the subsample (or every row) in ``dtype``; after a float32
+            subsample, a Halley step from one float32 pass over every row."""
+            beta0, _, _, passes, _ = _safeguarded_newton(
+                lambda beta: f(beta, zs, ys, dtype), lo, hi, 1.0, tol=START_TOL,
+                max_passes=max_passes, increasing=increasing, first=first,
             )
+            last_step, full = None, 0
+            if dtype == np.float32 and zs is not z:
+                full = 1
+                value, deriv, second, _ = f(beta0, z, y, np.float32)
+                beta1, newton = _next(beta0, value, deriv, second, lo, hi)
+                if newton:  # (else the float64 passes start at the subsample's root)
+                    beta0, last_step = beta1, abs(beta1 - beta0) / beta0
+            return beta0, last_step, passes, full
+
+        try:
+            beta0, last_step, start_passes, float32_passes = start(
+                start_dtype, g(first, 1.0) if first_on_sample else None)
+        except _Float32Overflow:
+            start_dtype = np.float64
+            beta0, last_step, start_passes, float32_passes = start(np.float64, None)
         progress(0.2)
         beta, value, r, passes, reason = _safeguarded_newton(
-            f, lo, hi, beta0, tol=tol, max_passes=max_passes, increasing=increasing
+            f, lo, hi, beta0, tol=tol, max_passes=max_passes, increasing=increasing,
+            last_step=last_step, extrapolate=_taylor,
         )
         if target is not None and reason == "bound" and abs(value) > 1e-6:
             raise CalibrationInputError(
@@ -273,7 +412,14 @@ class TemperatureScaler(LinearSoftmax):
             )
         self.weight_ = float(beta)
         progress(1.0)
-        return self._info(r, beta, passes, reason, target)
+        info = self._info(r, beta, passes, reason, target)
+        info.update(
+            float32_passes=float32_passes,
+            start_rows=int(zs.shape[0]),
+            start_passes=start_passes,
+            start_dtype=np.dtype(start_dtype).name,
+        )
+        return info
 
     @staticmethod
     def _info(r: _Pass, beta, passes, reason, target) -> dict:
@@ -281,7 +427,8 @@ class TemperatureScaler(LinearSoftmax):
         return {
             "objective": "nll" if target is None else "target_entropy",
             "passes": passes,
-            "reason": reason,
+            "reason": "converged" if reason == "extrapolated" else reason,
+            "extrapolated": reason == "extrapolated",
             "gradient": r.grad,
             "relative_gradient": r.grad / scale if scale else 0.0,
             "nll": r.nll,

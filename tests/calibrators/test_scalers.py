@@ -141,6 +141,63 @@ def test_temperature_with_perfect_labels_is_bounded_not_infinite():
     assert np.isfinite(cal.predict_proba(z)).all()
 
 
+def _gradient_and_nll(z, y, beta):
+    """Mean dNLL/dbeta and NLL at beta, by scipy in float64 (the oracle)."""
+    u = beta * z
+    p = softmax(u, axis=1)
+    zy = z[np.arange(len(y)), y]
+    return float(np.mean((p * z).sum(axis=1) - zy)), float(np.mean(logsumexp(u, axis=1) - u[
+        np.arange(len(y)), y]))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_temperature_on_many_rows_is_the_float64_root_after_its_float32_start(dtype):
+    # More than 2 * SUBSAMPLE_ROWS rows: the float32 start on the subsample, one
+    # float32 pass over every row, then float64 passes with the last step
+    # extrapolated. The answer must be float64's root to the last digits, and the
+    # figures reported at it (extrapolated) the true ones.
+    rng = np.random.default_rng(5)
+    n, k = 40_000, 7
+    y = rng.integers(0, k, n)
+    z = 3.0 * rng.standard_normal((n, k))
+    z[np.arange(n), np.where(rng.random(n) < 0.6, y, rng.integers(0, k, n))] += 6.0
+    z = z.astype(dtype)
+    cal = TemperatureScaler().fit(z, y)
+    info = cal.fit_info_
+    assert (info["start_dtype"], info["float32_passes"], info["extrapolated"]) == (
+        "float32", 1, True)
+    assert info["passes"] <= 2
+    z64 = z.astype(np.float64)
+    grad, nll = _gradient_and_nll(z64, y, cal.beta_)
+    assert abs(grad) < 1e-13 * info["scale"]
+    assert info["nll"] == pytest.approx(nll, rel=1e-14)
+    assert abs(info["gradient"] - grad) < 1e-13 * info["scale"]
+    # The root itself, by bisection on the oracle's gradient (monotone in beta).
+    lo, hi = 0.5 * cal.beta_, 2.0 * cal.beta_
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if mid in (lo, hi):
+            break
+        lo, hi = (mid, hi) if _gradient_and_nll(z64, y, mid)[0] < 0 else (lo, mid)
+    assert cal.beta_ == pytest.approx(lo, rel=4e-15)
+
+
+def test_temperature_on_logits_beyond_float32_skips_the_float32_start():
+    # float64 logits whose within-row differences overflow float32: the start is
+    # float64's, and the answer is the one for the same logits scaled down.
+    rng = np.random.default_rng(6)
+    n, k = 40_000, 5
+    y = rng.integers(0, k, n)
+    z = rng.standard_normal((n, k))
+    z[np.arange(n), y] += 1.0
+    small = TemperatureScaler().fit(z, y)
+    huge = TemperatureScaler().fit(z * 1e39, y)
+    assert huge.fit_info_["start_dtype"] == "float64"
+    assert huge.fit_info_["float32_passes"] == 0
+    assert small.fit_info_["start_dtype"] == "float32"
+    assert huge.beta_ * 1e39 == pytest.approx(small.beta_, rel=1e-13)
+
+
 @given(logits_and_labels(min_rows=2, max_classes=8), st.floats(0.01, 10.0), st.floats(1.01, 3))
 def test_entropy_is_strictly_decreasing_in_beta(data, beta, factor):
     z, y = data
