@@ -789,6 +789,14 @@ class _LinearScaler(LinearSoftmax):
         evaluation = (4.0 * n * k * k if full else 0.0) + SWEEP_FLOPS * n * k
         return Cost(bytes=int(memory), flops=100.0 * (1 + candidates * folds / 2) * evaluation)
 
+    @classmethod
+    def fit_key(cls, kind: str) -> tuple:
+        """The structure of ``W`` and the features the fit sees: on probabilities the
+        logits are ``log p``, whose log-softmax is ``log p`` again (to the rounding of
+        ``sum p``), so matrix and Dirichlet scaling fit the same problem there."""
+        log_softmax_features = cls.feature == "log_softmax" or kind == "probabilities"
+        return ("linear", cls.structure, "log_softmax" if log_softmax_features else "logits")
+
     def _features(self, x: np.ndarray, kind: str) -> np.ndarray:
         """``phi`` of the validated scores, float64 (N, K), in row blocks."""
         return map_rows(lambda block: self._phi(logits64(block, kind)), x)

@@ -225,21 +225,31 @@ def fit_job(
     ]
     results: dict[str, dict[str, Any]] = {}
     started = time.perf_counter()
-    for i, m in enumerate(methods):
-        opts = (options.get(m) or {}) if method == AUTO else options
+    # Methods that would fit the same map (matrix and dirichlet on probabilities) are
+    # fitted once and evaluated under each name.
+    groups = calibrators.fit_groups(
+        methods, kind, {m: _method_options(method, options, m) for m in methods}
+    )
+    for i, group in enumerate(groups):
+        first = group[0]
 
         def scaled(p: float, i: int = i) -> None:
             if progress is not None:
-                progress(min(1.0, (i + float(p)) / len(methods)))
+                progress(min(1.0, (i + float(p)) / len(groups)))
 
         t0 = time.perf_counter()
-        cal = _create(m, opts).fit(x_fit, y_fit, kind=kind, progress=scaled)
+        fitted = _create(first, _method_options(method, options, first)).fit(
+            x_fit, y_fit, kind=kind, progress=scaled)
         seconds = time.perf_counter() - t0
-        results[m] = {
-            "cal": cal,
-            **evaluation.evaluate(cal, x_hold, y_hold, kind=kind, argmax_policy=argmax_policy),
-            "fit_seconds": seconds,
-        }
+        for m in group:
+            cal = fitted if m == first else calibrators.as_method(fitted, m)
+            results[m] = {
+                "cal": cal,
+                **evaluation.evaluate(cal, x_hold, y_hold, kind=kind,
+                                      argmax_policy=argmax_policy),
+                "fit_seconds": seconds,
+                **({} if m == first else {"same_fit_as": first}),
+            }
         scaled(1.0)
     total = time.perf_counter() - started
 
@@ -263,7 +273,10 @@ def fit_job(
         "candidates": (
             {
                 m: {
-                    k: r[k] for k in ("metrics", "argmax", "fit_seconds", "allowed", "rejected_for")
+                    k: r[k]
+                    for k in ("metrics", "argmax", "fit_seconds", "allowed", "rejected_for",
+                              "same_fit_as")
+                    if k in r
                 }
                 for m, r in results.items()
             }
