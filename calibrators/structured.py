@@ -100,8 +100,13 @@ DEFAULT_GRID = (4.0, 1.0, 0.25, 1 / 16, 1 / 64, 1 / 256)
 CV_TOL = 1e-3
 #: Inside the search, the whitening's curvature is estimated on at most this many rows.
 CV_BLOCK_ROWS = 1024
-#: The walk along the grid stops at the first candidate worse than the best.
+#: The walk along the grid stops at the first candidate worse than the best by more
+#: than NOISE standard errors of the paired per-row difference
+#: (:func:`calibrators.linear.cross_validate_path`; a rule that stopped at any rise
+#: stopped sms at the strongest multiplier on one of five CIFAR-100 splits: 0.959
+#: held-out NLL against 0.885-0.936 on the others).
 PATIENCE = 1
+NOISE = 1.0
 #: Folds the SMS search fits and scores (the first ones; at most ``n_folds``).
 SMS_SCORED_FOLDS = 2
 #: The final fit's whitening is estimated on at most this many rows (its evaluations
@@ -329,6 +334,13 @@ class _ChunkedDiagonal(PenalisedSoftmax):
 
         return -float(x.sum(chunk)[0]) / len(x)
 
+    def row_nll(self, theta: np.ndarray, x: FeatureRows, y: np.ndarray) -> np.ndarray:
+        out = np.empty(len(x))
+        for rows in row_chunks(*x.shape):
+            u = log_softmax(self.logits(theta, x.block(rows)))
+            out[rows] = -u[np.arange(u.shape[0]), y[rows]]
+        return out
+
 
 class _Problem(PenalisedSoftmax):
     """:class:`calibrators.linear.PenalisedSoftmax` on held features, with a leaner
@@ -460,6 +472,10 @@ class _RowSplit(_Problem):
         weights = [w for _, w in self.parts]
         return tuple(sum(w * r[i] for w, r in zip(weights, results, strict=True))
                      for i in range(3))
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def _coefficients(n: int, k: int, multipliers: dict[str, float]) -> dict[str, float]:
@@ -732,18 +748,22 @@ class _StructuredScaler(Calibrator):
                 return prob.retarget(keep_start, **_coefficients(prob.n, prob.k,
                                                                  with_multiplier(m)))
 
+            # With every part searched, the path starts at infinite penalties: the
+            # identity on the features, temperature scaling (of the smoothed
+            # probabilities), not solved (PenalisedSoftmax.solve).
+            path = [math.inf, *grid] if len(searched) == len(fixed) else list(grid)
             scores, solutions, evaluations = cross_validate_path(
                 lambda xx, yy, m: self._problem(xx, yy, with_multiplier(m),
                                                 block_rows=CV_BLOCK_ROWS),
-                low, y, fold_assignment(n, n_folds, FOLD_SEED), grid,
+                low, y, fold_assignment(n, n_folds, FOLD_SEED), path,
                 [None] * scored, tick, max_iter=opts["max_iter"], tol=max(opts["tol"], CV_TOL),
-                patience=PATIENCE, solve_options=SOLVER,
+                patience=PATIENCE, solve_options=SOLVER, noise=NOISE,
                 retarget=retarget if isinstance(low, np.ndarray) else None,
             )
             best = int(np.argmin(scores))
-            multipliers, warm = with_multiplier(grid[best]), np.mean(solutions[best], axis=0)
-            cv = [{"multiplier": m, "cv_nll": s}
-                  for m, s in zip(grid[: len(scores)], scores, strict=True)]
+            multipliers, warm = with_multiplier(path[best]), np.mean(solutions[best], axis=0)
+            cv = [{"multiplier": m if math.isfinite(m) else None, "cv_nll": s}
+                  for m, s in zip(path[: len(scores)], scores, strict=True)]
         else:
             multipliers = fixed
         prob = self._problem(feats, y, multipliers, split=True, block_rows=FINAL_BLOCK_ROWS)
@@ -768,9 +788,10 @@ class _StructuredScaler(Calibrator):
         names = {part: name for name, part in PARTS.items()}
         return {
             "temperature": 1.0 / beta,
-            "multipliers": {names[part]: m for part, m in multipliers.items()},
-            "penalties": {"off_diagonal": prob.c_off if self.structure == "full" else None,
-                          "diagonal": prob.c_diag, "intercept": prob.c_bias},
+            # None: infinite (the search chose the identity, temperature scaling)
+            "multipliers": {names[part]: _finite(m) for part, m in multipliers.items()},
+            "penalties": {"off_diagonal": _finite(prob.c_off) if self.structure == "full" else None,
+                          "diagonal": _finite(prob.c_diag), "intercept": _finite(prob.c_bias)},
             "converged": bool(res.success),
             "message": str(res.message),
             "iterations": int(res.nit),

@@ -185,15 +185,46 @@ def test_the_walk_goes_on_across_ties_and_stops_after_real_rises(tie, tried):
     assert got == scores[:tried]
 
 
-def test_odir_searches_with_the_tie_tolerance(monkeypatch):
+class _ScriptedRows(_Scripted):
+    """A stand-in whose held-out rows each score ``score + noise_n``: the same
+    ``noise`` for every candidate, or its own (``spread``), so that the paired
+    differences between candidates are exact or noisy."""
+
+    def __init__(self, score: float, spread: float, seed: int):
+        super().__init__(score)
+        self.spread, self.seed = spread, seed
+
+    def row_nll(self, theta, x, y):
+        rng = np.random.default_rng(self.seed)
+        return self.score + self.spread * rng.normal(size=len(y))
+
+
+@pytest.mark.parametrize(("spread", "tried"), [(0.0, 4), (0.5, 7)])
+def test_the_walk_goes_on_across_rises_the_rows_cannot_tell_from_noise(spread, tried):
+    """With ``noise``, a rise counts only beyond that many standard errors of the paired
+    per-row difference: exact rises of 0.01 end the walk after two; the same rises
+    among per-row differences of spread 0.5 on 60 rows (SE about 0.09) do not, and
+    the walk reaches the weakest candidate, here the best."""
+    scores = [1.30, 1.20, 1.21, 1.22, 1.21, 1.20, 1.10]
+    got, _, _ = linear.cross_validate_path(
+        lambda x, y, cand: _ScriptedRows(scores[cand], spread, cand),
+        np.zeros((60, 2)), np.zeros(60, dtype=int), linear.fold_assignment(60, 3, 0),
+        range(len(scores)), [None] * 3, lambda _: None, max_iter=1, tol=1e-6,
+        patience=2, noise=1.0,
+    )
+    assert len(got) == tried
+    assert np.allclose(got, scores[:tried], atol=0.5)
+
+
+def test_odir_searches_with_the_noise_rule(monkeypatch):
     seen = []
     original = linear.cross_validate_path
 
     def spy(*args, **kwargs):
-        seen.append(kwargs.get("tie"))
+        seen.append(kwargs.get("noise"))
         return original(*args, **kwargs)
 
     monkeypatch.setattr(linear, "cross_validate_path", spy)
     prob = problem("full", "identity", 1.0, 1.0, n=120, k=3)
     linear.MatrixScaler(grid=[10.0, 1.0]).fit(prob.x, prob.y)
-    assert seen and set(seen) == {linear.TIE}
+    assert seen and set(seen) == {linear.NOISE}

@@ -109,11 +109,13 @@ def test_strong_penalties_give_temperature_scaling_of_the_smoothed_probabilities
 # -- the penalty search ---------------------------------------------------------------
 @pytest.mark.parametrize("method", METHODS)
 def test_search_walks_the_grid_strongest_first_and_is_deterministic(method):
+    """The path starts at infinite penalties (None: the identity, temperature scaling
+    of the smoothed probabilities), then the grid, strongest first."""
     a, z, y = fitted(method, n=400, k=4, seed=3, grid=[0.01, 1.0, 0.1, 10.0, 1.0])
     b = calibrators.create(method, grid=[0.01, 1.0, 0.1, 10.0, 1.0]).fit(z, y)
     cv = a.fit_info_["cross_validation"]
     tried = [c["multiplier"] for c in cv["candidates"]]
-    assert tried == [10.0, 1.0, 0.1, 0.01][: len(tried)] and len(tried) >= 2
+    assert tried == [None, 10.0, 1.0, 0.1, 0.01][: len(tried)] and len(tried) >= 3
     scores = [c["cv_nll"] for c in cv["candidates"]]
     best = tried[int(np.argmin(scores))]
     assert set(a.fit_info_["multipliers"].values()) == {best}  # one multiplier for all parts
@@ -413,7 +415,8 @@ def test_the_search_hands_each_fold_its_last_evaluation(method, monkeypatch):
                                [c["cv_nll"] for c in cv[1]["candidates"]], rtol=1e-6)
     assert handed.fit_info_["multipliers"] == fresh.fit_info_["multipliers"]
     saved = fresh.fit_info_["evaluations"] - handed.fit_info_["evaluations"]
-    assert saved == (tried - 1) * cv[0]["scored_folds"]
+    # the first candidate (infinite penalties) is not solved: nothing to hand the second
+    assert saved == (tried - 2) * cv[0]["scored_folds"]
 
 
 @pytest.mark.parametrize("structure", ["diagonal", "full"])
