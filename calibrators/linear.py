@@ -1032,8 +1032,8 @@ class VectorScaler(_LinearScaler):
     ``clr(z)`` is the centred log-ratio of the logits
     (:func:`calibrators.validation.centred_log_ratio`), so logits with any per-row
     constant and the probabilities of the same distribution get one answer.
-    Parameters are those of the shared ODIR fit (see :mod:`calibrators.linear`);
-    ``reg_lambda`` has no effect (there are no off-diagonal weights).
+    Parameters are those of the shared fit (see :mod:`calibrators.linear`);
+    ``reg_lambda`` weighs the scales' distance from temperature scaling's ``beta``.
     """
 
     method = "vector"
@@ -1043,10 +1043,11 @@ class VectorScaler(_LinearScaler):
 
 
 class MatrixScaler(_LinearScaler):
-    """Matrix scaling: ``softmax(W clr(z) + b)`` with a full ``W``, ODIR-regularised.
+    """Matrix scaling: ``softmax(W clr(z) + b)`` with a full ``W``, penalised towards
+    temperature scaling.
 
-    ``clr(z)`` as for :class:`VectorScaler`. Parameters are those of the shared ODIR
-    fit (see :mod:`calibrators.linear`).
+    ``clr(z)`` as for :class:`VectorScaler`. Parameters are those of the shared fit
+    (see :mod:`calibrators.linear`).
 
     Examples
     --------
@@ -1068,7 +1069,8 @@ class MatrixScaler(_LinearScaler):
 
 
 class DirichletScaler(_LinearScaler):
-    """Dirichlet calibration: ``softmax(W log_softmax(z) + b)``, ODIR-regularised."""
+    """Dirichlet calibration: ``softmax(W log_softmax(z) + b)``, penalised towards
+    temperature scaling (see :mod:`calibrators.linear`)."""
 
     method = "dirichlet"
     structure = "full"

@@ -464,8 +464,9 @@ def _describe(m: dict[str, Any]) -> tuple[str, str]:
     elif "multipliers" in info:  # svs, sms: multipliers of the paper's penalty rule
         cv = info.get("cross_validation")
         how = f" (chosen by {cv['n_folds']}-fold CV)" if cv else ""
-        fitted = ", ".join(
-            f"{key} = {value:g}" for key, value in info["multipliers"].items()
+        fitted = ", ".join(  # None: infinite, the identity on the features
+            f"{key} = {'inf' if value is None else f'{value:g}'}"
+            for key, value in info["multipliers"].items()
         ) + f" x the paper's rule{how}; T = {info['temperature']:.6g}"
         done = "converged" if info.get("converged") else "not converged"
         status = f"L-BFGS {done} in {info.get('iterations', '?')} iterations"

@@ -67,3 +67,15 @@ def test_compare_fits_matrix_once_and_reports_it_as_dirichlet_too(monkeypatch):
     assert dirichlet["params"]["method"] == "dirichlet"
     assert dirichlet["report"]["nll"] == pytest.approx(matrix["report"]["nll"], abs=1e-9)
     assert "= matrix" in offline.format_report(out)
+
+
+def test_the_summary_says_inf_when_a_structured_search_keeps_the_identity():
+    """Scores that say nothing about the labels: svs keeps its centre (infinite
+    multipliers, stored as None), and the CLI's summary says so rather than failing."""
+    from calibrators import offline
+
+    rng = np.random.default_rng(0)
+    z, y = rng.normal(size=(300, 4)) * 3.0, rng.integers(0, 4, 300)
+    out = offline.compare(z, y, methods=("svs",), holdout=0.25)
+    assert set(out["methods"]["svs"]["params"]["fit_info"]["multipliers"].values()) == {None}
+    assert "reg_diagonal = inf" in offline.format_report(out)
