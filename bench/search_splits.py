@@ -74,7 +74,7 @@ def run_file(path: Path, methods, with_auto: bool) -> None:
     auto, auto_pick, auto_secs = [], [], []
     for seed in SEEDS:
         fit, test = split_indices(len(y), 0.5, seed=seed)
-        # matrix and dirichlet are one fit on probabilities (calibrators.fit_groups)
+        # methods that fit the same map are fitted once (calibrators.fit_groups)
         for group in calibrators.fit_groups(methods, "probabilities"):
             started = time.perf_counter()
             cal = calibrators.create(group[0]).fit(p[fit], y[fit], kind="probabilities")

@@ -173,8 +173,10 @@ def fit_groups(
 
     Methods with the same :meth:`Calibrator.fit_key` and the same checked options
     learn the same map: fit the first of each group and give the others
-    :func:`as_method` of it. On probabilities ``matrix`` and ``dirichlet`` are one
-    group (the log-softmax of ``log p`` is ``log p``); on logits they are not.
+    :func:`as_method` of it. No two of the current methods do (matrix and
+    Dirichlet scaling did on probabilities while matrix scaling acted on ``log p``;
+    on the centred log-ratio they are two maps); the service's ``auto`` and the
+    CLI's ``--method all`` fit through the groups all the same.
 
     Parameters
     ----------
@@ -190,9 +192,7 @@ def fit_groups(
     Examples
     --------
     >>> fit_groups(["temperature", "matrix", "dirichlet"], "probabilities")
-    [('temperature',), ('matrix', 'dirichlet')]
-    >>> fit_groups(["matrix", "dirichlet"], "logits")
-    [('matrix',), ('dirichlet',)]
+    [('temperature',), ('matrix',), ('dirichlet',)]
     """
     groups: dict[Any, list[str]] = {}
     for method in methods:

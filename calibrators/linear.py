@@ -885,11 +885,14 @@ class _LinearScaler(LinearSoftmax):
 
     @classmethod
     def fit_key(cls, kind: str) -> tuple:
-        """The structure of ``W`` and the features the fit sees: on probabilities the
-        logits are ``log p``, whose log-softmax is ``log p`` again (to the rounding of
-        ``sum p``), so matrix and Dirichlet scaling fit the same problem there."""
-        log_softmax_features = cls.feature == "log_softmax" or kind == "probabilities"
-        return ("linear", cls.structure, "log_softmax" if log_softmax_features else "logits")
+        """The structure of ``W`` and the features ``phi`` the fit sees, on either kind.
+
+        Before the centred log-ratio, matrix scaling on probabilities saw ``log p``,
+        Dirichlet scaling's features, and the two were one fit; on ``clr(log p)``
+        it is not (``log p = clr(log p) - logsumexp(clr(log p))``: Dirichlet has
+        that row term as one more feature), so no two of these methods share a fit.
+        """
+        return ("linear", cls.structure, cls.feature)
 
     def _features(self, x: np.ndarray, kind: str) -> np.ndarray:
         """``phi`` of the validated scores, float64 (N, K), in row blocks."""

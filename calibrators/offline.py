@@ -30,9 +30,9 @@ Output
 A table on stdout, one row for the uncalibrated scores (softmax of the logits, or
 the probabilities as given) and one per method, with the :func:`calibrators.metrics.report`
 metrics on the held-out rows, the :func:`calibrators.checks.argmax_report`
-agreement and changes, and the fit time (``= matrix`` for a method fitted once with
-another: on probabilities ``dirichlet`` is the same fit as ``matrix``, see
-:func:`calibrators.fit_groups`); then, per method, its key fitted numbers
+agreement and changes, and the fit time (``= NAME`` for a method fitted once with
+another that fits the same map, :func:`calibrators.fit_groups`; no two current
+methods do); then, per method, its key fitted numbers
 and where the changed predictions came from. ``--json OUT`` writes the same
 content (see :func:`compare`) as strict JSON (non-finite numbers become ``null``).
 
@@ -332,8 +332,8 @@ def compare(scores, labels, *, kind: str = "logits", methods=METHODS,
         "uncalibrated": report(to_probabilities(x_test, kind), y_test),
         "methods": {},
     }
-    # Methods that would fit the same map (matrix and dirichlet on probabilities) are
-    # fitted once and reported under each name (``same_fit_as`` on the others).
+    # Methods that would fit the same map (calibrators.fit_groups) are fitted once and
+    # reported under each name (``same_fit_as`` on the others).
     for group in fit_groups(methods, kind):
         method = group[0]
         if progress:

@@ -225,8 +225,8 @@ def fit_job(
     ]
     results: dict[str, dict[str, Any]] = {}
     started = time.perf_counter()
-    # Methods that would fit the same map (matrix and dirichlet on probabilities) are
-    # fitted once and evaluated under each name.
+    # Methods that would fit the same map (calibrators.fit_groups; no two current
+    # methods do) are fitted once and evaluated under each name.
     groups = calibrators.fit_groups(
         methods, kind, {m: _method_options(method, options, m) for m in methods}
     )
