@@ -29,6 +29,9 @@ Issue 21 also recomputed the three temperature cases (``--cases``, on an AVX2 ma
 the fit now ends at float64's root (relative gradient about 2e-17, where it stopped at
 8.7e-14 under tol = 1e-10), which moved beta by 2.2e-13 (7.9e-12 for the entropy
 target), and its fit_info names the float32 start and the extrapolated last step.
+Issue 21's penalty searches (the penalty pulls towards temperature scaling) recomputed
+the nine vector, matrix and dirichlet cases (``--cases``); the format 1 keys, the
+inputs and every other case are kept as they were.
 
 The file was generated on the project's pinned environment (numpy, scipy, OpenBLAS and
 ONNX Runtime of ``.venv``); another BLAS or CPU may round the ODIR fits differently.
