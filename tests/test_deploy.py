@@ -682,11 +682,13 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def answer(self):
+        # One write: a replica killed between its head and its body (send_response's
+        # head, then the body) sent a head that promised a body it never sent, which
+        # the balancer may not replay. Killed before this write, the request is
+        # unanswered (replayed); after it, answered whole.
         body = name.encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        head = "HTTP/1.1 200 OK\\r\\nContent-Length: %d\\r\\n\\r\\n" % len(body)
+        self.wfile.write(head.encode() + body)
 
     def do_GET(self):
         self.answer()
