@@ -93,7 +93,7 @@ def test_killed_worker_and_restarted_replicas(fleet_db, tmp_path):
         a.client() as ca,
         b.client() as cb,
     ):
-        ds = prepare(ca, "m", 4000, 100)
+        ds = prepare(ca, "m", 16000, 100)  # a fit that outlasts two replica starts
         v = submit(ca, "m", ds, "matrix")
         running = wait_until(cb, "m", v, lambda body: body["status"] == "running")
         assert running["attempts"] == 1
