@@ -63,11 +63,9 @@ __all__ = [
     "ParameterizedTemperatureScaler",
     "TemperatureScaler",
     "VectorScaler",
-    "as_method",
     "check_options",
     "create",
     "estimate_cost",
-    "fit_groups",
     "from_params",
     "max_classes",
 ]
@@ -164,51 +162,6 @@ def from_params(params: dict[str, Any]) -> Calibrator:
     if "method" not in params:
         raise CalibrationInputError(f"params must have a method key. Got keys {list(params)}.")
     return _calibrator_class(params["method"]).from_params(params)
-
-
-def fit_groups(
-    methods, kind: str, options: Mapping[str, Mapping[str, Any]] | None = None
-) -> list[tuple[str, ...]]:
-    """``methods`` grouped by the fit they would make on scores of ``kind``.
-
-    Methods with the same :meth:`Calibrator.fit_key` and the same checked options
-    learn the same map: fit the first of each group and give the others
-    :func:`as_method` of it. No two of the current methods do (matrix and
-    Dirichlet scaling did on probabilities while matrix scaling acted on ``log p``;
-    on the centred log-ratio they are two maps); the service's ``auto`` and the
-    CLI's ``--method all`` fit through the groups all the same.
-
-    Parameters
-    ----------
-    methods : sequence of str
-    kind : {"logits", "probabilities"}
-    options : mapping of method to its options, optional
-
-    Returns
-    -------
-    list of tuple of str
-        Every method once, in the order given, grouped; each group in that order.
-
-    Examples
-    --------
-    >>> fit_groups(["temperature", "matrix", "dirichlet"], "probabilities")
-    [('temperature',), ('matrix',), ('dirichlet',)]
-    """
-    groups: dict[Any, list[str]] = {}
-    for method in methods:
-        checked = check_options(method, (options or {}).get(method) or {})
-        key = (_calibrator_class(method).fit_key(kind), repr(sorted(checked.items())))
-        groups.setdefault(key, []).append(method)
-    return [tuple(group) for group in groups.values()]
-
-
-def as_method(cal: Calibrator, method: str) -> Calibrator:
-    """The fitted ``cal`` as a calibrator of ``method``, which fits the same map
-    (:func:`fit_groups`): the same arrays and options; its ``fit_info`` says which
-    method was fitted (``fitted_as``)."""
-    params = cal.to_params()
-    params["fit_info"] = {**(params.get("fit_info") or {}), "fitted_as": cal.method}
-    return from_params({**params, "method": method})
 
 
 def estimate_cost(

@@ -261,17 +261,6 @@ class Calibrator(BaseEstimator):
         """
         return conservative_cost(n_samples, n_classes)
 
-    @classmethod
-    def fit_key(cls, kind: str) -> tuple:
-        """What decides this method's fit on scores of ``kind``, besides its options.
-
-        Two methods whose keys and options are equal learn the same map (to
-        rounding) from the same rows, so a caller that fits both fits one and
-        reports it under both names (:func:`calibrators.fit_groups`). Default: the
-        method alone; a subclass that shares its fit with another overrides this.
-        """
-        return (cls.method,)
-
     # -- fitting ----------------------------------------------------------
     def fit(self, scores, labels, *, kind: str = "logits", progress: Progress | None = None):
         """Fit on a labelled validation set.

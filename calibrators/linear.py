@@ -883,17 +883,6 @@ class _LinearScaler(LinearSoftmax):
         return Cost(bytes=int(memory), flops=temperature.flops
                     + 100.0 * (1 + candidates * folds / 2) * evaluation)
 
-    @classmethod
-    def fit_key(cls, kind: str) -> tuple:
-        """The structure of ``W`` and the features ``phi`` the fit sees, on either kind.
-
-        Before the centred log-ratio, matrix scaling on probabilities saw ``log p``,
-        Dirichlet scaling's features, and the two were one fit; on ``clr(log p)``
-        it is not (``log p = clr(log p) - logsumexp(clr(log p))``: Dirichlet has
-        that row term as one more feature), so no two of these methods share a fit.
-        """
-        return ("linear", cls.structure, cls.feature)
-
     def _features(self, x: np.ndarray, kind: str) -> np.ndarray:
         """``phi`` of the validated scores, float64 (N, K), in row blocks."""
         return map_rows(lambda block: self._phi(logits64(block, kind)), x)

@@ -30,9 +30,7 @@ Output
 A table on stdout, one row for the uncalibrated scores (softmax of the logits, or
 the probabilities as given) and one per method, with the :func:`calibrators.metrics.report`
 metrics on the held-out rows, the :func:`calibrators.checks.argmax_report`
-agreement and changes, and the fit time (``= NAME`` for a method fitted once with
-another that fits the same map, :func:`calibrators.fit_groups`; no two current
-methods do); then, per method, its key fitted numbers
+agreement and changes, and the fit time; then, per method, its key fitted numbers
 and where the changed predictions came from. ``--json OUT`` writes the same
 content (see :func:`compare`) as strict JSON (non-finite numbers become ``null``).
 
@@ -54,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from calibrators import METHODS, as_method, create, fit_groups
+from calibrators import METHODS, create
 from calibrators.checks import RANK_BUCKETS, argmax_report
 from calibrators.holdout import DEFAULT_HOLDOUT, check_holdout, split_indices
 from calibrators.metrics import report
@@ -332,13 +330,9 @@ def compare(scores, labels, *, kind: str = "logits", methods=METHODS,
         "uncalibrated": report(to_probabilities(x_test, kind), y_test),
         "methods": {},
     }
-    # Methods that would fit the same map (calibrators.fit_groups) are fitted once and
-    # reported under each name (``same_fit_as`` on the others).
-    for group in fit_groups(methods, kind):
-        method = group[0]
+    for method in methods:
         if progress:
-            print(f"{PROG}: fitting {'/'.join(group)} on {len(fit_idx)} rows...",
-                  file=sys.stderr)
+            print(f"{PROG}: fitting {method} on {len(fit_idx)} rows...", file=sys.stderr)
         cal = create(method)
         started = time.perf_counter()
         try:
@@ -346,16 +340,13 @@ def compare(scores, labels, *, kind: str = "logits", methods=METHODS,
         except CalibrationInputError as exc:
             raise CalibrationInputError(f"{method}: {exc}") from None
         seconds = time.perf_counter() - started
-        for name in group:
-            named = cal if name == method else as_method(cal, name)
-            probs = named.predict_proba(x_test, kind=kind)
-            out["methods"][name] = {
-                "report": report(probs, y_test),
-                "argmax": argmax_report(x_test, probs, kind=kind),
-                "fit_seconds": seconds,
-                "params": named.to_params(),
-                **({} if name == method else {"same_fit_as": method}),
-            }
+        probs = cal.predict_proba(x_test, kind=kind)
+        out["methods"][method] = {
+            "report": report(probs, y_test),
+            "argmax": argmax_report(x_test, probs, kind=kind),
+            "fit_seconds": seconds,
+            "params": cal.to_params(),
+        }
     return out
 
 
@@ -402,7 +393,7 @@ def format_report(result: dict[str, Any]) -> str:
         rows.append([
             name, *(_fmt(f, rep[key]) for _, key, f in _COLUMNS),
             f"{arg['agreement']:.4f}", str(arg["changed"]),
-            f"= {m['same_fit_as']}" if "same_fit_as" in m else f"{m['fit_seconds']:.3f}",
+            f"{m['fit_seconds']:.3f}",
         ])
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
 

@@ -225,31 +225,21 @@ def fit_job(
     ]
     results: dict[str, dict[str, Any]] = {}
     started = time.perf_counter()
-    # Methods that would fit the same map (calibrators.fit_groups; no two current
-    # methods do) are fitted once and evaluated under each name.
-    groups = calibrators.fit_groups(
-        methods, kind, {m: _method_options(method, options, m) for m in methods}
-    )
-    for i, group in enumerate(groups):
-        first = group[0]
+    for i, m in enumerate(methods):
 
         def scaled(p: float, i: int = i) -> None:
             if progress is not None:
-                progress(min(1.0, (i + float(p)) / len(groups)))
+                progress(min(1.0, (i + float(p)) / len(methods)))
 
         t0 = time.perf_counter()
-        fitted = _create(first, _method_options(method, options, first)).fit(
+        cal = _create(m, _method_options(method, options, m)).fit(
             x_fit, y_fit, kind=kind, progress=scaled)
         seconds = time.perf_counter() - t0
-        for m in group:
-            cal = fitted if m == first else calibrators.as_method(fitted, m)
-            results[m] = {
-                "cal": cal,
-                **evaluation.evaluate(cal, x_hold, y_hold, kind=kind,
-                                      argmax_policy=argmax_policy),
-                "fit_seconds": seconds,
-                **({} if m == first else {"same_fit_as": first}),
-            }
+        results[m] = {
+            "cal": cal,
+            **evaluation.evaluate(cal, x_hold, y_hold, kind=kind, argmax_policy=argmax_policy),
+            "fit_seconds": seconds,
+        }
         scaled(1.0)
     total = time.perf_counter() - started
 
@@ -274,8 +264,7 @@ def fit_job(
             {
                 m: {
                     k: r[k]
-                    for k in ("metrics", "argmax", "fit_seconds", "allowed", "rejected_for",
-                              "same_fit_as")
+                    for k in ("metrics", "argmax", "fit_seconds", "allowed", "rejected_for")
                     if k in r
                 }
                 for m, r in results.items()

@@ -55,35 +55,3 @@ def test_no_method_loses_to_temperature_and_auto_keeps_up_with_the_best(stem):
         f"{stem}: auto {auto:.4f} against the best single method, {best} {means[best]:.4f} "
         f"({table})"
     )
-
-
-def test_auto_fits_a_group_once_and_reports_it_under_each_name(monkeypatch):
-    """A group of calibrators.fit_groups (here a stand-in: matrix and dirichlet, which
-    are two maps since the centred log-ratio) is fitted once; the second name is the
-    first's fit (same_fit_as), evaluated under its own name."""
-    from calibrators import linear
-
-    fitted = []
-    original = linear._LinearScaler._fit
-
-    def spy(self, *args, **kwargs):
-        fitted.append(self.method)
-        return original(self, *args, **kwargs)
-
-    def grouped(methods, kind, options=None):
-        rest = [(m,) for m in methods if m not in ("matrix", "dirichlet")]
-        return [*rest, ("matrix", "dirichlet")]
-
-    monkeypatch.setattr(linear._LinearScaler, "_fit", spy)
-    monkeypatch.setattr(calibrators, "fit_groups", grouped)
-    rng = np.random.default_rng(0)
-    z = rng.normal(size=(400, 3)) * 3
-    y = rng.integers(0, 3, 400)
-    job = fit_job(z, y, kind="logits", method="auto", holdout=0.25, seed=0, options={},
-                  argmax_policy="off")
-    assert sorted(fitted) == ["matrix", "vector"]
-    candidates = job["candidates"]
-    assert set(candidates) == set(calibrators.METHODS)
-    assert candidates["dirichlet"]["same_fit_as"] == "matrix"
-    assert "same_fit_as" not in candidates["matrix"]
-    assert candidates["dirichlet"]["fit_seconds"] == candidates["matrix"]["fit_seconds"]
