@@ -3,9 +3,9 @@ and on the one-hot parameters of the adversarial import.
 
 For each shipped real output (the two CIFAR files beside the project, and the digits
 MLP of ``serve --demo``), whole and in random subsets of ``--sizes`` rows, temperature
-scaling is fitted as a fit job fits it (the hold-out split of ``calibrators.holdout``,
+scaling is fitted as a fit job fits it (the hold-out split of ``calibrators.evaluation.holdout``,
 holdouts 0.1, 0.2, 0.5, ``--splits`` seeds each) and judged as the job judges it
-(``calibrators.checks.nll_report``, ``evaluation.nll_worse``). Printed per case:
+(``calibrators.evaluation.checks.nll_report``, ``evaluation.nll_worse``). Printed per case:
 the splits, how many the policy rejects, how many have a held-out NLL worse than the
 raw scores' at all, the largest relative worsening and the largest t (the difference
 in standard errors of the paired per-row differences).
@@ -31,8 +31,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import calibrators
-from calibrators.checks import nll_report
-from calibrators.holdout import split_indices
+from calibrators.evaluation.checks import nll_report
+from calibrators.evaluation.holdout import split_indices
 from service.demo import digits_logits
 from service.jobs import evaluation
 from tests.helpers import DATA_DIR

@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 
 import calibrators
-from calibrators.holdout import split_indices
-from calibrators.metrics import expected_calibration_error, nll_loss
+from calibrators.evaluation.holdout import split_indices
+from calibrators.evaluation.metrics import expected_calibration_error, nll_loss
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 FILES = ("wideresnet-16-4-cifar-100", "lenet-5-cifar-10")

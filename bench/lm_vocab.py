@@ -25,7 +25,7 @@ the same work done in this process without HTTP:
    server's ``fit_seconds``, its peak RSS growth, and the hold-out metrics the
    service reports before and after (NLL, top-label ECE with 15 bins, accuracy).
    The same metrics are recomputed here from the version's ``params``
-   (``calibrators.from_params``) on the rows of ``calibrators.holdout.split_indices``,
+   (``calibrators.from_params``) on the rows of ``calibrators.evaluation.holdout.split_indices``,
    and the method is fitted here on the fit rows: the floor.
 3. Predict with ``?top_k=5`` through each fitted version: 1 and 64 rows (held-out
    rows), a JSON body with a JSON answer and a ``.npy`` body with a ``.npy`` answer,
@@ -58,8 +58,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import calibrators  # noqa: E402
-from calibrators import metrics  # noqa: E402
-from calibrators.holdout import split_indices  # noqa: E402
+from calibrators.evaluation import metrics  # noqa: E402
+from calibrators.evaluation.holdout import split_indices  # noqa: E402
 from tests.security.memory import RssMonitor  # noqa: E402
 from tests.service.servers import Server  # noqa: E402
 

@@ -41,8 +41,8 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 import calibrators
-from calibrators import linear as _linear
-from calibrators.metrics import report
+from calibrators.evaluation.metrics import report
+from calibrators.methods import _linear
 
 #: The shared CIFAR outputs (``--refine``).
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -92,14 +92,14 @@ def machine() -> str:
 class StageLog:
     """Records (candidates, seconds, evaluations) of every cross-validation stage.
 
-    Wraps the private ``_LinearScaler._cross_validate`` for the breakdown only;
+    Wraps the private ``LinearScaler._cross_validate`` for the breakdown only;
     the fit itself is unchanged.
     """
 
     def __init__(self):
         self.stages = []
         self.solves = []  # (lam, mu, rows, evaluations, iterations, seconds)
-        self._orig = _linear._LinearScaler._cross_validate
+        self._orig = _linear.LinearScaler._cross_validate
         self._orig_solve = _linear._Problem.solve
 
     def __enter__(self):
@@ -126,12 +126,12 @@ class StageLog:
             stages.append((len(out[0]), time.perf_counter() - t0, out[2]))  # candidates tried
             return out
 
-        _linear._LinearScaler._cross_validate = spy
+        _linear.LinearScaler._cross_validate = spy
         _linear._Problem.solve = spy_solve
         return self
 
     def __exit__(self, *exc):
-        _linear._LinearScaler._cross_validate = self._orig
+        _linear.LinearScaler._cross_validate = self._orig
         _linear._Problem.solve = self._orig_solve
         return False
 
@@ -290,7 +290,7 @@ def main(argv=None) -> None:
 
 
 def refine(files: list[str], rounds: int, factor: float) -> None:
-    """Item 5 of issue 11: the search with and without ``linear.REFINE_FACTOR``.
+    """Item 5 of issue 11: the search with and without ``_linear.REFINE_FACTOR``.
 
     Vector, matrix and Dirichlet scaling on the shared files (the shared split: fit on
     the first half of ``default_rng(0).permutation(N)``, held-out NLL on the rest),
@@ -298,8 +298,8 @@ def refine(files: list[str], rounds: int, factor: float) -> None:
     round; the fastest round of each is kept. The change of the held-out NLL is
     printed with the standard error of the mean paired per-row difference.
     """
-    from calibrators.holdout import split_indices
-    from calibrators.metrics import nll_loss
+    from calibrators.evaluation.holdout import split_indices
+    from calibrators.evaluation.metrics import nll_loss
 
     default = _linear.REFINE_FACTOR
     print(f"machine: {machine()}")

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from calibrators.holdout import split_indices
-from calibrators.linear import DirichletScaler, MatrixScaler, VectorScaler
+from calibrators.evaluation.holdout import split_indices
+from calibrators.methods.dirichlet import DirichletScaler
+from calibrators.methods.matrix import MatrixScaler
+from calibrators.methods.vector import VectorScaler
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 

@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 
 import calibrators
-from calibrators.linear import MatrixScaler, VectorScaler
+from calibrators.methods.matrix import MatrixScaler
+from calibrators.methods.vector import VectorScaler
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 FILES = ("lenet-5-cifar-10", "wideresnet-16-4-cifar-100")

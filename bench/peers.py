@@ -3,10 +3,10 @@ on the shared data, over several fit/score splits.
 
 Protocol (issue 21): per shared file (``../shared/data/*.npz``: float32
 probabilities ``predictions``, labels ``ground_truth``) and per seed (default 0
-to 4), fit on the rows :func:`calibrators.holdout.split_indices` ``(N, 0.5,
+to 4), fit on the rows :func:`calibrators.evaluation.holdout.split_indices` ``(N, 0.5,
 seed)`` picks (the first half of ``numpy.random.default_rng(seed).permutation(N)``)
 and score on the other half. Every method, ours and the peers', is scored here by
-:mod:`calibrators.metrics`: held-out NLL, top-label ECE (15 equal-width bins) and
+:mod:`calibrators.evaluation.metrics`: held-out NLL, top-label ECE (15 equal-width bins) and
 accuracy. The table gives each figure as ``mean [min, max]`` over the seeds, the
 NLL also paired against our temperature scaling on the same split
 (``NLL - temperature``), and the fit seconds the same way.
@@ -192,7 +192,7 @@ def fit_ours(method: str, p_fit, y_fit, p_test, seed: int):
     import calibrators
 
     if method == AUTO:
-        from calibrators.holdout import DEFAULT_HOLDOUT
+        from calibrators.evaluation.holdout import DEFAULT_HOLDOUT
         from service.jobs.fitting import fit_job
 
         start = time.perf_counter()
@@ -209,7 +209,7 @@ def fit_ours(method: str, p_fit, y_fit, p_test, seed: int):
 
 
 def scores(probs, labels) -> dict:
-    from calibrators.metrics import accuracy_score, expected_calibration_error, nll_loss
+    from calibrators.evaluation.metrics import accuracy_score, expected_calibration_error, nll_loss
 
     probs = np.maximum(np.asarray(probs, dtype=np.float64), 0.0)
     probs /= probs.sum(axis=1, keepdims=True)  # peers' float32 rows, summed in float64
@@ -227,7 +227,7 @@ def spread(values, fmt: str, scale: float = 1.0) -> str:
 
 def bench_file(path: Path, args, lines: list[str]) -> None:
     import calibrators
-    from calibrators.holdout import split_indices
+    from calibrators.evaluation.holdout import split_indices
 
     with np.load(path) as data:
         p, y = data["predictions"], data["ground_truth"]

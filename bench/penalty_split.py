@@ -28,11 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
-import calibrators.linear as odir
-from calibrators.holdout import split_indices
-from calibrators.linear import DirichletScaler
+import calibrators.methods._linear as odir
+from calibrators.evaluation.holdout import split_indices
+from calibrators.methods.dirichlet import DirichletScaler
+from calibrators.methods.sms import StructuredMatrixScaler
 from calibrators.numerics import log_softmax
-from calibrators.structured import StructuredMatrixScaler
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 LAMBDAS = (100.0, 31.6, 10.0, 5.62, 3.16, 1.78, 1.0, 0.316, 0.1)

@@ -1,7 +1,7 @@
 """Every method, and ``auto``, against temperature scaling on the 5-split protocol (issue 21).
 
 For each shared file and each seed 0 to 4: ``perm = default_rng(seed).permutation(N)``
-(:func:`calibrators.holdout.split_indices` at ``holdout=0.5``), fit on the first
+(:func:`calibrators.evaluation.holdout.split_indices` at ``holdout=0.5``), fit on the first
 half with the method's defaults, and score the mean NLL of the held-out second half.
 ``auto`` is the service's fit job as a user gets it (``method="auto"``,
 ``argmax_policy="off"``, its default inner hold-out and seed) run on the fit half;
@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 import calibrators
-from calibrators.holdout import split_indices
+from calibrators.evaluation.holdout import split_indices
 from service.jobs.fitting import fit_job
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"

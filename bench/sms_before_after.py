@@ -36,8 +36,8 @@ def child(fits: int) -> None:
     import time
 
     import calibrators
-    from calibrators.holdout import split_indices
-    from calibrators.metrics import nll_loss
+    from calibrators.evaluation.holdout import split_indices
+    from calibrators.evaluation.metrics import nll_loss
 
     with np.load(DATA / FILE) as data:
         p, y = data["predictions"], data["ground_truth"]

@@ -19,7 +19,7 @@ held-out NLL on the other half), per shared file:
 5. ``--exact-cv``: sms's penalty search with every fold scored and every fit solved
    to 1e-9 (not ``CV_TOL``), the whole grid walked, repeated over 5 fold seeds, and
    with 10 folds: where the fit half's exact CV minimum lies (module constants of
-   :mod:`calibrators.structured` set for the experiment only).
+   :mod:`calibrators.methods._structured` set for the experiment only).
 
 The test half's labels are used only to score what the fit half chose.
 
@@ -41,8 +41,8 @@ import numpy as np
 from scipy.optimize import minimize
 
 import calibrators
-from calibrators.holdout import split_indices
-from calibrators.linear import fold_assignment
+from calibrators.evaluation.holdout import split_indices
+from calibrators.solvers.crossval import fold_assignment
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 FILES = ("lenet-5-cifar-10.npz", "wideresnet-16-4-cifar-100.npz")
@@ -161,7 +161,7 @@ def bench_file(path: Path, methods, folds: int) -> None:
 
 
 def exact_cv(path: Path) -> None:
-    from calibrators import structured
+    from calibrators.methods import _structured as structured
 
     with np.load(path) as data:
         p, y = data["predictions"], data["ground_truth"]

@@ -41,7 +41,7 @@ import tracemalloc
 import numpy as np
 
 import calibrators
-from calibrators import temperature as _temperature_module
+from calibrators.methods import temperature as _temperature_module
 
 SEED = 20240917
 # Synthetic model: logits = SCALE * (gaussian + MARGIN on the predicted class);
@@ -189,7 +189,7 @@ def spread(values) -> str:
 
 def load_before(path: str):
     """``fit(z, y) -> (beta, fit_info)`` of the ``TemperatureScaler`` in another version's
-    ``calibrators/temperature.py`` (e.g. ``git show main:calibrators/temperature.py``),
+    ``calibrators/methods/temperature.py`` (``git show REV:calibrators/methods/temperature.py``),
     loaded beside ours; it imports the rest of ``calibrators`` from this checkout."""
     import importlib.util
 
@@ -282,7 +282,7 @@ def main(argv=None) -> None:
         help="cv of CalibratedClassifierCV (default: sklearn's, 5-fold)",
     )
     ap.add_argument("--before", metavar="FILE",
-                    help="another version's calibrators/temperature.py, timed in every round")
+                    help="another version of calibrators/methods/temperature.py, timed each round")
     ap.add_argument("--skip-sklearn", action="store_true")
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--skip-strong-wolfe", action="store_true")

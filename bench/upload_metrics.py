@@ -1,11 +1,11 @@
 """The metrics of a dataset upload at language-model K: the code before against now.
 
-Every upload computes :func:`calibrators.metrics.scores_report` of the raw scores
+Every upload computes :func:`calibrators.evaluation.metrics.scores_report` of the raw scores
 (``service/storage/registry.py``, ``add_dataset``). ``bench/lm_vocab.py`` found it
 7.8 of the 10.8 s an upload of SmolLM2's 2,000 x 49,152 float32 logits spends in
 the service's own steps. This script measures, in one process, on the same array:
 
-* **rounds**: ``scores_report`` of ``--before`` (``calibrators/metrics.py`` at that
+* **rounds**: ``scores_report`` of ``--before`` (``calibrators/evaluation/metrics.py`` at that
   commit, read with ``git show`` and loaded as a module beside today's; it imports
   ``row_chunks``, ``softmax`` and the validation, unchanged) and of this checkout,
   alternating, ``--rounds`` times each: wall and CPU seconds, and the peak
@@ -61,7 +61,8 @@ sys.path.insert(0, str(ROOT))
 
 from large_k import PeakAnon  # noqa: E402  (bench/, the script's own folder)
 
-from calibrators import metrics, numerics  # noqa: E402
+from calibrators import numerics  # noqa: E402
+from calibrators.evaluation import metrics  # noqa: E402
 from calibrators.numerics import row_chunks, softmax  # noqa: E402
 
 #: The commit this change started from (main before the upload metrics were reworked).
@@ -96,11 +97,11 @@ def make_logits(n: int, k: int, dtype: str) -> tuple[np.ndarray, np.ndarray]:
 
 def load_before(commit: str) -> types.ModuleType:
     source = subprocess.run(
-        ["git", "show", f"{commit}:calibrators/metrics.py"],
+        ["git", "show", f"{commit}:calibrators/evaluation/metrics.py"],
         cwd=ROOT, capture_output=True, text=True, check=True,
     ).stdout
     module = types.ModuleType("metrics_before")
-    module.__file__ = f"{commit}:calibrators/metrics.py"
+    module.__file__ = f"{commit}:calibrators/evaluation/metrics.py"
     exec(compile(source, module.__file__, "exec"), module.__dict__)
     return module
 

@@ -16,12 +16,15 @@ from typing import Any
 
 from calibrators.base import PARAMS_FORMAT, Calibrator
 from calibrators.cost import Cost, largest_classes
-from calibrators.ensemble import EnsembleTemperatureScaler
-from calibrators.linear import DirichletScaler, MatrixScaler, VectorScaler
-from calibrators.order_preserving import IntraOrderPreserving
-from calibrators.parameterized import ParameterizedTemperatureScaler
-from calibrators.structured import StructuredMatrixScaler, StructuredVectorScaler
-from calibrators.temperature import TemperatureScaler
+from calibrators.methods.dirichlet import DirichletScaler
+from calibrators.methods.ets import EnsembleTemperatureScaler
+from calibrators.methods.iop import IntraOrderPreserving
+from calibrators.methods.matrix import MatrixScaler
+from calibrators.methods.pts import ParameterizedTemperatureScaler
+from calibrators.methods.sms import StructuredMatrixScaler
+from calibrators.methods.svs import StructuredVectorScaler
+from calibrators.methods.temperature import TemperatureScaler
+from calibrators.methods.vector import VectorScaler
 from calibrators.validation import (
     CalibrationInputError,
     KindError,
@@ -93,7 +96,7 @@ def create(method: str, **options: Any) -> Calibrator:
     ------
     CalibrationInputError
         An unknown method, an unknown option name (the message lists the valid
-        ones), or an invalid option value (see ``Calibrator.check_params``).
+        ones), or an invalid option value (see ``Calibrator.checked_options``).
 
     Examples
     --------
@@ -105,7 +108,7 @@ def create(method: str, **options: Any) -> Calibrator:
     calibrators.validation.CalibrationInputError: options of temperature must be among \
 target_entropy, tol, max_passes. Got unknown 'reg_lambda'.
     """
-    return _calibrator_class(method).from_options(options)
+    return _calibrator_class(method).with_options(options)
 
 
 def check_options(method: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -135,7 +138,7 @@ def check_options(method: str, options: Mapping[str, Any]) -> dict[str, Any]:
     >>> check_options("vector", {"grid": [1, 10, 10]})["grid"]
     [10.0, 1.0]
     """
-    return _calibrator_class(method).from_options(options).get_options()
+    return _calibrator_class(method).with_options(options).checked_options()
 
 
 def from_params(params: dict[str, Any]) -> Calibrator:
@@ -204,7 +207,7 @@ def estimate_cost(
     (True, True)
     """
     cls = _calibrator_class(method)
-    options = cls.from_options(options or {}).get_options()
+    options = cls.with_options(options or {}).checked_options()
     n = check_integer("n_samples", n_samples, minimum=1)
     k = check_integer("n_classes", n_classes, minimum=2)
     size = check_integer("itemsize", itemsize, minimum=1)
@@ -243,7 +246,7 @@ def max_classes(
     0
     """
     cls = _calibrator_class(method)
-    canonical = cls.from_options(options or {}).get_options()
+    canonical = cls.with_options(options or {}).checked_options()
     n = check_integer("n_samples", n_samples, minimum=1)
     budget = check_integer("budget_bytes", budget_bytes, minimum=0)
     size = check_integer("itemsize", itemsize, minimum=1)

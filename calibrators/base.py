@@ -43,7 +43,6 @@ A calibrator that halves every logit (it learns nothing; ``_onnx_forward`` omitt
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import numpy as np
@@ -51,6 +50,7 @@ from sklearn.base import BaseEstimator
 
 from calibrators.cost import Cost, conservative_cost
 from calibrators.numerics import map_rows, softmax
+from calibrators.options import reject_unknown
 from calibrators.validation import (
     KINDS,
     SCORE_DTYPE_KINDS,
@@ -59,9 +59,7 @@ from calibrators.validation import (
     NotFittedError,
     as_scores,
     as_scores_and_labels,
-    check_integer,
     check_kind,
-    check_positive,
     logits64,
 )
 
@@ -86,33 +84,6 @@ Shape = tuple[int | str, ...] | None
 
 def _no_progress(fraction: float) -> None:
     return None
-
-
-@dataclass(frozen=True)
-class Integer:
-    """Option check: an integer (never a bool) in ``[minimum, maximum]`` (None: no bound).
-
-    Every integer option of the library's methods has both bounds (the ranges are
-    in :mod:`calibrators.validation`: ``MAX_ITERATIONS``, ``MAX_FOLDS``, ...); the
-    service's OpenAPI document shows them.
-    """
-
-    minimum: int | None = None
-    maximum: int | None = None
-
-    def __call__(self, name: str, value: Any) -> int:
-        return check_integer(name, value, minimum=self.minimum, maximum=self.maximum)
-
-
-@dataclass(frozen=True)
-class Positive:
-    """Option check: a finite number > 0 (or also 0, or also None)."""
-
-    allow_zero: bool = False
-    allow_none: bool = False
-
-    def __call__(self, name: str, value: Any):
-        return check_positive(name, value, allow_zero=self.allow_zero, allow_none=self.allow_none)
 
 
 class Calibrator(BaseEstimator):
@@ -157,52 +128,19 @@ class Calibrator(BaseEstimator):
     onnx_graph_name: ClassVar[str] = "calibrator"
 
     # -- options ----------------------------------------------------------
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> Self:
-        """A new, unfitted calibrator with these options, checked.
-
-        Parameters
-        ----------
-        options : mapping of str to value
-            Keyword options of the class; missing ones take their defaults.
-
-        Raises
-        ------
-        CalibrationInputError
-            ``options`` is not a mapping, names an unknown option (the message
-            lists the valid ones), or has an invalid value.
-        """
-        if not isinstance(options, Mapping):
-            raise CalibrationInputError(
-                f"options of {cls.method} must be a mapping of option names to values. "
-                f"Got {options!r}."
-            )
-        unknown = [name for name in options if name not in cls.option_checks]
-        if unknown:
-            raise CalibrationInputError(
-                f"options of {cls.method} must be among {', '.join(cls.option_checks)}. "
-                f"Got unknown {', '.join(repr(name) for name in unknown)}."
-            )
-        return cls(**options).check_params()
-
-    def get_options(self) -> dict[str, Any]:
+    def checked_options(self) -> dict[str, Any]:
         """The options, checked, as ``to_params()["options"]`` stores them.
 
         Every option of :meth:`get_params`, in signature order, in canonical
-        JSON-serialisable form (e.g. the ODIR grid sorted and without repeats).
+        JSON-serialisable form (e.g. a penalty grid sorted and without repeats),
+        each through its ``option_checks`` entry (:mod:`calibrators.options`).
+        Called by :func:`calibrators.create`, at the start of :meth:`fit` and by
+        :meth:`to_params`; a subclass with rules across options extends it.
 
         Raises
         ------
         CalibrationInputError
             An option is invalid.
-        """
-        return self._validate_params()
-
-    def _validate_params(self) -> dict[str, Any]:
-        """The options, checked, in canonical JSON-serialisable form.
-
-        Called at the start of :meth:`fit`, by :meth:`check_params` and by
-        :meth:`get_options`. A subclass with checks across options extends it.
         """
         params = self.get_params(deep=False)
         if set(params) != set(self.option_checks):
@@ -212,15 +150,20 @@ class Calibrator(BaseEstimator):
             )
         return {name: check(name, params[name]) for name, check in self.option_checks.items()}
 
-    def check_params(self):
-        """Raise CalibrationInputError if an option is invalid, without fitting.
+    @classmethod
+    def with_options(cls, options: Mapping[str, Any]) -> Self:
+        """A new, unfitted calibrator with these options, checked.
 
-        Returns
-        -------
-        self
+        Raises
+        ------
+        CalibrationInputError
+            ``options`` is not a mapping, names an unknown option (the message
+            lists the valid ones), or has an invalid value.
         """
-        self._validate_params()
-        return self
+        reject_unknown(cls.method, cls.option_checks, options)
+        calibrator = cls(**options)
+        calibrator.checked_options()
+        return calibrator
 
     # -- cost -------------------------------------------------------------
     @classmethod
@@ -279,7 +222,7 @@ class Calibrator(BaseEstimator):
         -------
         self
         """
-        options = self._validate_params()
+        options = self.checked_options()
         x, y = as_scores_and_labels(scores, labels, kind)
         fit_info = self._fit(x, y, kind=kind, options=options, progress=progress or _no_progress)
         for name, shape in self.fitted_arrays.items():
@@ -306,7 +249,7 @@ class Calibrator(BaseEstimator):
         y : ndarray of shape (n_samples,), int64
         kind : {"logits", "probabilities"}
         options : dict
-            The canonical options (:meth:`_validate_params`).
+            The canonical options (:meth:`checked_options`).
         progress : callable
 
         Returns
@@ -428,7 +371,7 @@ class Calibrator(BaseEstimator):
             "method": self.method,
             "n_classes": self.n_classes_,
             "kind": self.kind_,
-            "options": self.get_options(),
+            "options": self.checked_options(),
         }
         for name, shape in self.fitted_arrays.items():
             value = getattr(self, f"{name}_")
@@ -481,7 +424,7 @@ class Calibrator(BaseEstimator):
                 f"params method must be {cls.method!r}. Got {_short(method)}."
             )
         options = params.get("options")
-        cal = cls.from_options({} if options is None else options)
+        cal = cls.with_options({} if options is None else options)
         cal._load_format(fmt)
         cal._load_params(params)
         return cal
@@ -508,7 +451,7 @@ class Calibrator(BaseEstimator):
         k = params["n_classes"]
         if not isinstance(k, int) or isinstance(k, bool) or k < 2:
             raise CalibrationInputError(f"params n_classes must be an integer >= 2. Got {k!r}.")
-        options = self._validate_params()
+        options = self.checked_options()
         arrays = {}
         for name, shape in self.fitted_arrays.items():
             value = params.get(name)

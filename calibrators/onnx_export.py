@@ -19,7 +19,7 @@ numpy path to float32 rounding. Weights are float64 initializers holding the
 fitted numbers bit for bit.
 
 The subgraph of the ``softmax(W * phi(z) + b)`` family (:func:`linear_subgraph`,
-and :func:`linear_softmax_model` for the whole model) picks the smallest graph
+inside :func:`softmax_model` for the whole model) picks the smallest graph
 for the structure of ``W``: a scalar ``Mul`` (temperature), a broadcast ``Mul``
 by a (K,) vector (vector scaling) or a ``MatMul`` by ``W.T`` (matrix, Dirichlet).
 
@@ -126,40 +126,6 @@ class GraphBuilder:
 
 
 Forward = Callable[[GraphBuilder, str], str]
-
-
-def _float64_array(name: str, value, shape: tuple[int, ...]) -> np.ndarray:
-    """``value`` as a finite float64 array of ``shape``, or raise."""
-    arr = np.asarray(value)
-    if arr.dtype == np.bool_ or not (
-        np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)
-    ):
-        raise CalibrationInputError(f"{name} must be real numbers. Got dtype {arr.dtype}.")
-    if arr.shape != shape:
-        raise CalibrationInputError(f"{name} must have shape {shape}. Got shape {arr.shape}.")
-    arr = arr.astype(np.float64)
-    if not np.isfinite(arr).all():
-        raise CalibrationInputError(f"{name} must be finite. Got {arr[~np.isfinite(arr)][0]}.")
-    return arr
-
-
-def _weight(n_classes: int, weight) -> np.ndarray:
-    """The weight as float64 of shape () (scalar), (K,) (diagonal) or (K, K) (full)."""
-    ndim = np.ndim(weight)
-    if ndim not in (0, 1, 2):
-        raise CalibrationInputError(
-            f"weight must be a scalar, an array of shape ({n_classes},) or "
-            f"({n_classes}, {n_classes}). Got {ndim} dimensions, shape {np.shape(weight)}."
-        )
-    shape = ((), (n_classes,), (n_classes, n_classes))[ndim]
-    return _float64_array("weight", weight, shape)
-
-
-def _check_arguments(n_classes, feature, metadata) -> None:
-    _check_n_classes_and_metadata(n_classes, metadata)
-    if feature not in FEATURES:
-        expected = " or ".join(repr(f) for f in FEATURES)
-        raise CalibrationInputError(f"feature must be {expected}. Got {feature!r}.")
 
 
 def _check_n_classes_and_metadata(n_classes, metadata) -> None:
@@ -379,8 +345,8 @@ def linear_subgraph(
     """Append ``u = W * phi(z) + b`` to ``g``; the name of ``u``.
 
     The ONNX side of the ``softmax(W * phi(z) + b)`` family. ``weight`` and
-    ``bias`` are used as given (validated float64 values: see
-    :func:`linear_softmax_model`).
+    ``bias`` are used as given (float64 values the calibrator's params have
+    validated).
 
     Parameters
     ----------
@@ -411,90 +377,3 @@ def linear_subgraph(
     if bias is None:
         return wx
     return g.node("Add", [wx, g.constant(bias, "bias")], "u")
-
-
-def linear_softmax_model(
-    n_classes: int,
-    *,
-    weight,
-    bias=None,
-    feature: Feature = "logits",
-    doc_string: str = "",
-    metadata: dict[str, str] | None = None,
-) -> onnx.ModelProto:
-    """The ONNX model of ``softmax(W * phi(z) + b)``, computed in float64.
-
-    Parameters
-    ----------
-    n_classes : int
-        K, the number of classes (at least 2); fixed in the graph's shapes.
-    weight : float or ndarray of shape (K,) or (K, K)
-        A scalar ``beta`` (``u = beta * phi(z)``), a per-class scale ``w``
-        (``u = phi(z) * w``) or a full matrix ``W``
-        (``u_i = sum_j W[i, j] * phi(z)_j``, i.e. ``u = phi(z) @ W.T``).
-    bias : ndarray of shape (K,), optional
-        Added to ``u``; no ``Add`` node when None.
-    feature : {"logits", "clr", "log_softmax"}
-        ``phi``: the identity, the centred log-ratio (vector and matrix scaling) or
-        the row-wise log-softmax (Dirichlet scaling).
-    doc_string : str
-        Stored as the model's ``doc_string``.
-    metadata : dict of str to str, optional
-        Stored as the model's ``metadata_props`` (e.g. method, K, version).
-
-    Returns
-    -------
-    onnx.ModelProto
-        The interface of :func:`softmax_model`.
-
-    Raises
-    ------
-    CalibrationInputError
-        If ``n_classes``, ``weight``, ``bias``, ``feature`` or ``metadata`` do
-        not have the form described above, or the numbers are not finite.
-
-    Examples
-    --------
-    >>> model = linear_softmax_model(3, weight=0.5, metadata={"method": "temperature"})
-    >>> [o.name for o in model.graph.output]
-    ['probabilities', 'confidence', 'label', 'entropy']
-    """
-    _check_arguments(n_classes, feature, metadata)
-    k = int(n_classes)
-    w = _weight(k, weight)
-    b = None if bias is None else _float64_array("bias", bias, (k,))
-    return softmax_model(
-        k,
-        lambda g, z: linear_subgraph(g, z, weight=w, bias=b, feature=feature),
-        graph_name="linear_softmax",
-        doc_string=doc_string,
-        metadata=metadata,
-    )
-
-
-def linear_softmax_onnx(
-    n_classes: int,
-    *,
-    weight,
-    bias=None,
-    feature: Feature = "logits",
-    doc_string: str = "",
-    metadata: dict[str, str] | None = None,
-) -> bytes:
-    """:func:`linear_softmax_model`, serialised (the bytes ONNX Runtime loads).
-
-    Parameters and errors are those of :func:`linear_softmax_model`.
-
-    Returns
-    -------
-    bytes
-        The serialised ``onnx.ModelProto``.
-    """
-    return linear_softmax_model(
-        n_classes,
-        weight=weight,
-        bias=bias,
-        feature=feature,
-        doc_string=doc_string,
-        metadata=metadata,
-    ).SerializeToString()

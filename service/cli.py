@@ -344,13 +344,13 @@ def migrate_command(args: argparse.Namespace) -> int:
 
 
 def _fit_arguments(p: argparse.ArgumentParser) -> None:
-    from calibrators import offline
+    from service import offline
 
     offline.add_arguments(p)
 
 
 def fit(args: argparse.Namespace) -> int:
-    from calibrators import offline
+    from service import offline
 
     return offline.run(args)
 

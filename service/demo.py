@@ -20,7 +20,7 @@ import numpy as np
 from sqlalchemy import Engine
 from sqlalchemy.orm import sessionmaker
 
-from calibrators.holdout import DEFAULT_HOLDOUT
+from calibrators.evaluation.holdout import DEFAULT_HOLDOUT
 from service.api.codecs.rules import validated
 from service.errors import NotFound
 from service.jobs.attempts import execute

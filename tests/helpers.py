@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from calibrators.holdout import split_indices
+from calibrators.evaluation.holdout import split_indices
 
 #: What the wheel is built from: the files the Dockerfile's build stage copies.
 WHEEL_SOURCES = ("pyproject.toml", "README.md", "calibrators", "service", "migrations")

@@ -73,7 +73,7 @@ def calibrator_params(draw, cls, *, min_classes=3, max_classes=8):
     shapes with entries in [-3, 3], absent ones None. Default options.
     """
     k = draw(st.integers(min_classes, max_classes))
-    sizes = {"n_classes": k, **cls().get_options()}
+    sizes = {"n_classes": k, **cls().checked_options()}
     params = {"method": cls.method, "n_classes": k}
     for name, shape in cls.fitted_arrays.items():
         if shape is None:

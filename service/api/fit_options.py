@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
 import calibrators
-from calibrators.base import Integer
+from calibrators.options import Integer
 from service.vocabulary import AUTO
 
 

@@ -16,7 +16,7 @@ from pydantic import (
     model_validator,
 )
 
-from calibrators.holdout import DEFAULT_HOLDOUT
+from calibrators.evaluation.holdout import DEFAULT_HOLDOUT
 from service.api.fit_options import OPTIONS_SCHEMA
 from service.api.pagination import NextCursor
 from service.storage.db import as_utc
@@ -162,7 +162,7 @@ class DatasetOut(BaseModel):
     sha256: str = Field(description="sha256 over the kind and the stored .npy arrays.")
     created_at: Timestamp
     metrics: dict[str, Any] | None = Field(
-        None, description="calibrators.metrics.report of the raw scores."
+        None, description="calibrators.evaluation.metrics.report of the raw scores."
     )
 
 

@@ -9,7 +9,7 @@ at the time of its outcome.
 
 Two policies. The model's ``argmax_policy`` (``require``: no held-out predicted class
 may change). And, whatever that policy, the held-out NLL: a calibrator whose held-out
-NLL is worse than the uncalibrated scores' (:func:`calibrators.checks.nll_report`) by
+NLL is worse than the uncalibrated scores' (:func:`calibrators.evaluation.checks.nll_report`) by
 more than :data:`NLL_RELATIVE_TOLERANCE` of it *and* more than
 :data:`NLL_STANDARD_ERRORS` standard errors of the paired per-row difference is
 rejected (:data:`~service.vocabulary.NLL_WORSE`). Both conditions, because a hold-out
@@ -31,9 +31,10 @@ import numpy as np
 import orjson
 
 import calibrators
-from calibrators import CalibrationInputError, checks, metrics
+from calibrators import CalibrationInputError
 from calibrators.base import Calibrator
-from calibrators.holdout import split_indices
+from calibrators.evaluation import checks, metrics
+from calibrators.evaluation.holdout import split_indices
 from service.errors import InvalidInput
 from service.vocabulary import ARGMAX_CHANGED, NLL_WORSE, REJECTION_REASONS, check_text
 
@@ -58,7 +59,7 @@ MAX_FIT_INFO_STRING = 1024
 
 
 def nll_worse(nll: Mapping[str, Any]) -> bool:
-    """Whether :func:`calibrators.checks.nll_report`'s ``nll`` is worse than the raw
+    """Whether :func:`calibrators.evaluation.checks.nll_report`'s ``nll`` is worse than the raw
     scores beyond both tolerances (:data:`NLL_RELATIVE_TOLERANCE`,
     :data:`NLL_STANDARD_ERRORS`). One held-out row cannot tell (no standard error)."""
     se = nll["standard_error"]
@@ -72,9 +73,9 @@ def nll_worse(nll: Mapping[str, Any]) -> bool:
 def evaluate(
     cal: Calibrator, x_hold: np.ndarray, y_hold: np.ndarray, *, kind: str, argmax_policy: str
 ) -> dict[str, Any]:
-    """``metrics`` (calibrators.metrics.report of the calibrated held-out rows),
-    ``argmax`` (calibrators.checks.argmax_report), ``nll``
-    (calibrators.checks.nll_report), ``rejected_for`` (the reasons the policies refuse
+    """``metrics`` (calibrators.evaluation.metrics.report of the calibrated held-out rows),
+    ``argmax`` (calibrators.evaluation.checks.argmax_report), ``nll``
+    (calibrators.evaluation.checks.nll_report), ``rejected_for`` (the reasons the policies refuse
     it, :data:`~service.vocabulary.REJECTION_REASONS`) and ``allowed`` (none)."""
     probs = cal.predict_proba(x_hold, kind=kind)
     argmax = checks.argmax_report(x_hold, probs, kind=kind)

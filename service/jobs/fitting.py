@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 import calibrators
-from calibrators import metrics
-from calibrators.holdout import split_indices, split_sizes
+from calibrators.evaluation import metrics
+from calibrators.evaluation.holdout import split_indices, split_sizes
 from service.errors import FitTooLarge
 from service.jobs import evaluation
 from service.vocabulary import AUTO

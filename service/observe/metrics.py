@@ -481,7 +481,8 @@ DB_GAUGES: dict[str, GaugeSpec] = {
         ),
         "live_ece_bound": (
             "welltempered_live_ece_bound_ratio",
-            "Live ECE above which the drift verdict is 'drift' (calibrators.drift bound); "
+            "Live ECE above which the drift verdict is 'drift' "
+            "(calibrators.evaluation.drift bound); "
             "absent while the window has too few labelled rows.",
             _LIVE,
         ),

@@ -3,13 +3,13 @@
 Feedback rows are never stored. Each ``POST /feedback`` is calibrated by the version
 that served it, reduced to per-bin sums over the 15 equal-width confidence bins of
 the hold-out ECE (rows, correct rows, confidence, NLL, entropy, Brier: the
-sufficient statistics of :func:`calibrators.metrics.bin_statistics` plus the means
+sufficient statistics of :func:`calibrators.evaluation.metrics.bin_statistics` plus the means
 a report needs), and *added* to one row per (version, time bucket, bin) of
 ``feedback_bins`` with ``INSERT ... ON CONFLICT DO UPDATE SET x = x + excluded.x``.
 The increment happens in SQL, so concurrent writers (several workers, several
 replicas) never lose an update, and any window is one ``SUM ... GROUP BY bin``.
 
-The live figures of a window are exactly those of :func:`calibrators.metrics.report`
+The live figures of a window are exactly those of :func:`calibrators.evaluation.metrics.report`
 on the same calibrated rows for every metric that is a function of per-bin or per-row
 sums (``n``, ``accuracy``, ``nll``, ``brier``, ``entropy``, ``ece``, ``mce``, ``bins``,
 and the debiased ECE with its interval, ``ece_debiased``, ``ece_debiased_lower``,
@@ -38,7 +38,7 @@ import numpy as np
 from scipy.special import entr
 from sqlalchemy.orm import Session, sessionmaker
 
-from calibrators import drift, metrics
+from calibrators.evaluation import drift, metrics
 from calibrators.numerics import row_chunks
 from calibrators.validation import PROBABILITY_FLOOR
 from service.errors import InvalidInput, NotReady
@@ -53,7 +53,7 @@ log = logging.getLogger("welltempered.monitoring")
 
 N_BINS = metrics.DEFAULT_N_BINS
 EDGES = metrics.bin_edges(N_BINS)
-#: Keys of ``calibrators.metrics.report`` that need the rows, not their sums: ``None``
+#: Keys of ``calibrators.evaluation.metrics.report`` that need the rows, not their sums: ``None``
 #: in a live report.
 NOT_FROM_AGGREGATES = (
     "nll_median",
@@ -140,11 +140,11 @@ def feedback_statistics(probs: np.ndarray, labels: np.ndarray) -> dict[str, np.n
     dict
         For each name of :data:`SUMS`, an ndarray of shape (15,): ``count``,
         ``correct_count`` and ``confidence_sum`` are
-        :func:`calibrators.metrics.bin_statistics` of the top label (confidence = row
+        :func:`calibrators.evaluation.metrics.bin_statistics` of the top label (confidence = row
         maximum, correct = first argmax equals the label); ``nll_sum`` adds
         ``-log max(p_y, 2**-149)``, ``entropy_sum`` ``-sum p log p`` (nats) and
         ``brier_sum`` ``sum_k (p_k - [y = k])**2`` of the rows in each bin: the same
-        per-row quantities as :func:`calibrators.metrics.report`.
+        per-row quantities as :func:`calibrators.evaluation.metrics.report`.
 
     Computed a row chunk at a time (:func:`calibrators.numerics.row_chunks`), the
     chunks' sums added (:func:`add_statistics`): float64 copies of one chunk, never of
@@ -231,7 +231,7 @@ def window_statistics(
 
 
 def live_report(stats: Mapping[str, np.ndarray], n_classes: int) -> dict[str, Any]:
-    """The keys of :func:`calibrators.metrics.report`, from per-bin sums.
+    """The keys of :func:`calibrators.evaluation.metrics.report`, from per-bin sums.
 
     Keys in :data:`NOT_FROM_AGGREGATES` are ``None`` (listed under
     ``not_from_aggregates``); with no rows every metric is ``None`` and ``n`` is 0.
@@ -291,7 +291,8 @@ def holdout_report(row: CalibratorVersion) -> dict[str, Any]:
 
 
 def drift_verdict(holdout_bins: Mapping, stats: Mapping[str, np.ndarray]) -> dict[str, Any]:
-    """:func:`calibrators.drift.detect_drift` of the live sums against the hold-out bins."""
+    """:func:`calibrators.evaluation.drift.detect_drift` of the live sums against the hold-out
+    bins."""
     live = {
         "count": stats["count"],
         "confidence_sum": stats["confidence_sum"],

@@ -25,7 +25,7 @@ its counts are ``<rect class="count">`` in a ``<g class="counts"
 data-series="i">``, the legend is ``<g class="legend">`` and its key of the
 marks ``<g class="key">``.
 
-The input is the ``bins`` dict of :func:`calibrators.metrics.report` (or of
+The input is the ``bins`` dict of :func:`calibrators.evaluation.metrics.report` (or of
 ``ece_from_bin_statistics``): ``edges``, ``count``, ``mean_confidence`` and
 ``accuracy`` (``None`` for an empty bin).
 """
@@ -106,7 +106,7 @@ def reliability_svg(series: Sequence[Mapping], title: str) -> str:
     ----------
     series : list of dict
         One entry per series, drawn in order: ``label`` (str), ``bins`` (the
-        reliability bins of :func:`calibrators.metrics.report`: ``edges``,
+        reliability bins of :func:`calibrators.evaluation.metrics.report`: ``edges``,
         ``count``, ``mean_confidence``, ``accuracy``) and ``ece`` (float or
         None, shown in the legend). Series may have different bins.
     title : str

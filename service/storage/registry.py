@@ -35,7 +35,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from calibrators import metrics
+from calibrators.evaluation import metrics
 from service.errors import ArgmaxChanged, Conflict, InUse, InvalidInput, NotFound, NotReady
 from service.storage import array_refs, usage
 from service.storage.arrays import ArrayStore

@@ -21,9 +21,10 @@ from sklearn.base import clone
 
 import calibrators
 from calibrators import CALIBRATORS, CalibrationInputError, NotFittedError
-from calibrators.base import Calibrator, Integer, Positive
+from calibrators.base import Calibrator
 from calibrators.linear_softmax import LinearSoftmax
 from calibrators.onnx_export import INPUT_NAME, OUTPUT_NAMES
+from calibrators.options import Integer, Positive
 
 #: Quick fits with non-default options (explicit penalties skip the cross-validated
 #: search; the grid is deliberately unsorted, with a repeat).
@@ -166,16 +167,16 @@ def assert_estimator_contract(cls: type[Calibrator], options: dict, z, y) -> Non
     # Learned state ends in "_"; to_params stores the canonical options.
     learned = set(vars(cal)) - set(signature)
     assert learned and all(name.endswith("_") for name in learned), learned
-    assert cal.to_params()["options"] == cal.get_options()
-    # Every invalid value of an integer or positive option is refused by check_params,
+    assert cal.to_params()["options"] == cal.checked_options()
+    # Every invalid value of an integer or positive option is refused by checked_options,
     # by fit and by create, with a message that ends with "Got <value>.".
     for name, check in cls.option_checks.items():
         for bad in _bad_values(check):
             broken = clone(cal).set_params(**{name: bad})
             with pytest.raises(CalibrationInputError, match=name) as info:
-                broken.check_params()
+                broken.checked_options()
             assert str(info.value).endswith(f"Got {bad!r}."), str(info.value)
             with pytest.raises(CalibrationInputError, match=name):
                 broken.fit(z, y)
             with pytest.raises(CalibrationInputError, match=name):
-                cls.from_options({**options, name: bad})
+                cls.with_options({**options, name: bad})

@@ -1,6 +1,6 @@
-"""calibrators.checks.argmax_report: crafted ranks, ties, an identity, a loop
+"""calibrators.evaluation.checks.argmax_report: crafted ranks, ties, an identity, a loop
 oracle on hypothesis inputs, and column permutations of the shared CIFAR outputs.
-calibrators.checks.nll_report: the metrics' NLL on both sides, a per-row oracle,
+calibrators.evaluation.checks.nll_report: the metrics' NLL on both sides, a per-row oracle,
 chunking, and its refusals."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 import calibrators
-from calibrators import metrics, numerics
-from calibrators.checks import RANK_BUCKETS, argmax_report, nll_report
+from calibrators import numerics
+from calibrators.evaluation import metrics
+from calibrators.evaluation.checks import RANK_BUCKETS, argmax_report, nll_report
 from calibrators.validation import CalibrationInputError
 
 

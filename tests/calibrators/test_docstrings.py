@@ -15,21 +15,23 @@ import calibrators
 MODULES = [
     "calibrators",
     "calibrators.base",
-    "calibrators.checks",
     "calibrators.cost",
-    "calibrators.drift",
-    "calibrators.ensemble",
-    "calibrators.holdout",
-    "calibrators.linear",
     "calibrators.linear_softmax",
-    "calibrators.metrics",
     "calibrators.numerics",
     "calibrators.onnx_export",
-    "calibrators.order_preserving",
-    "calibrators.structured",
-    "calibrators.parameterized",
-    "calibrators.temperature",
     "calibrators.validation",
+    "calibrators.evaluation.checks",
+    "calibrators.evaluation.drift",
+    "calibrators.evaluation.holdout",
+    "calibrators.evaluation.metrics",
+    "calibrators.methods._structured",
+    "calibrators.methods.ets",
+    "calibrators.methods.iop",
+    "calibrators.methods.matrix",
+    "calibrators.methods.pts",
+    "calibrators.methods.sms",
+    "calibrators.methods.svs",
+    "calibrators.methods.temperature",
 ]
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
@@ -47,7 +49,7 @@ def test_docstring_examples(name):
 
 def test_the_list_names_every_module_with_examples():
     package = ["calibrators"] + [
-        f"calibrators.{info.name}" for info in pkgutil.iter_modules(calibrators.__path__)
+        info.name for info in pkgutil.walk_packages(calibrators.__path__, "calibrators.")
     ]
     unlisted = [name for name in package if name not in MODULES]
     with_examples = [name for name in unlisted if _examples(importlib.import_module(name))]

@@ -1,4 +1,4 @@
-"""calibrators.drift: the verdict on real CIFAR outputs, and the test's own invariants."""
+"""calibrators.evaluation.drift: the verdict on real CIFAR outputs, and the test's invariants."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from calibrators import CalibrationInputError, TemperatureScaler, metrics
-from calibrators.drift import METHOD, as_bin_statistics, detect_drift
+from calibrators import CalibrationInputError, TemperatureScaler
+from calibrators.evaluation import metrics
+from calibrators.evaluation.drift import METHOD, as_bin_statistics, detect_drift
 
 
 def _statistics(probs: np.ndarray, labels: np.ndarray) -> dict:

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 import calibrators
 from calibrators import CALIBRATORS, METHODS, CalibrationInputError
-from calibrators.base import Calibrator, Integer
+from calibrators.base import Calibrator
+from calibrators.options import Integer
 from tests.calibrators.helpers import FIT_OPTIONS, assert_estimator_contract, labelled_logits
 from tests.strategies import JSON_VALUES, calibrator_params
 
@@ -62,7 +63,7 @@ def malformed_params(draw, cls):
     """Valid params of ``cls`` with one to three fields (top level, or one option) replaced
     by any JSON value or odd Python object; the fields include unknown and absent ones."""
     params = draw(calibrator_params(cls, min_classes=2, max_classes=5))
-    params["options"] = cls().get_options()
+    params["options"] = cls().checked_options()
     params["fit_info"] = {"converged": True}
     keys = st.sampled_from(sorted({*params, "format", "extra"}))
     for _ in range(draw(st.integers(1, 3))):
@@ -152,7 +153,7 @@ def test_check_options_gives_what_to_params_stores(method):
     assert cal.to_params()["options"] == canonical
     assert json.loads(json.dumps(canonical, allow_nan=False)) == canonical
     again = calibrators.from_params(json.loads(json.dumps(cal.to_params())))
-    assert again.get_options() == canonical
+    assert again.checked_options() == canonical
 
 
 @pytest.mark.parametrize("bad", [None, [("tol", 1.0)], "tol=1"])
@@ -251,7 +252,7 @@ def test_params_with_an_integer_option_out_of_range_are_refused():
 def test_grid_is_stored_sorted_strongest_first_without_repeats(method):
     cal = calibrators.create(method, grid=[1, 100.0, 10, 100])
     assert cal.grid == [1, 100.0, 10, 100]  # __init__ keeps it as given
-    assert cal.get_options()["grid"] == [100.0, 10.0, 1.0]
+    assert cal.checked_options()["grid"] == [100.0, 10.0, 1.0]
 
 
 @pytest.mark.parametrize(

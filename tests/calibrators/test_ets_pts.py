@@ -20,8 +20,9 @@ from scipy.optimize import minimize
 
 import calibrators
 from calibrators import CalibrationInputError
-from calibrators.ensemble import simplex_weights
-from calibrators.parameterized import features, nll_terms
+from calibrators.methods.ets import simplex_weights
+from calibrators.methods.pts import features
+from calibrators.solvers.tempered import nll_terms
 from tests.calibrators.helpers import (
     assert_onnx_matches_numpy,
     assert_order_kept,

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 import calibrators
-from calibrators.base import Calibrator, Integer
+from calibrators.base import Calibrator
 from calibrators.numerics import log_softmax
+from calibrators.options import Integer
 from calibrators.validation import logits64
 from tests.calibrators.helpers import (
     assert_estimator_contract,

@@ -33,7 +33,7 @@ def test_matrix_and_dirichlet_are_two_maps_on_either_kind(kind):
 def test_the_summary_says_inf_when_a_structured_search_keeps_the_identity():
     """Scores that say nothing about the labels: svs keeps its centre (infinite
     multipliers, stored as None), and the CLI's summary says so rather than failing."""
-    from calibrators import offline
+    from service import offline
 
     rng = np.random.default_rng(0)
     z, y = rng.normal(size=(300, 4)) * 3.0, rng.integers(0, 4, 300)

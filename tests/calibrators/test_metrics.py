@@ -1,4 +1,4 @@
-"""calibrators.metrics: hand-computed examples, a loop-over-bins oracle on
+"""calibrators.evaluation.metrics: hand-computed examples, a loop-over-bins oracle on
 hypothesis inputs, parity with netcal and scikit-learn on the shared CIFAR
 outputs, and the sufficient statistics the service accumulates."""
 
@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from scipy.special import entr
 
-from calibrators import metrics, numerics
-from calibrators.metrics import (
+from calibrators import numerics
+from calibrators.evaluation import metrics
+from calibrators.evaluation.metrics import (
     accuracy_score,
     bin_edges,
     bin_statistics,

@@ -1,4 +1,4 @@
-"""calibrators.metrics: the calibration errors with intervals (debiased L2 ECE, smooth
+"""calibrators.evaluation.metrics: the calibration errors with intervals (debiased L2 ECE, smooth
 ECE). Coverage by simulation on calibrated synthetic data (issue 23's acceptance), the
 bias of the plain binned ECE there, and the smooth ECE against a loop-based oracle
 written straight from the paper's definition."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy.integrate import simpson
 
-from calibrators import metrics
+from calibrators.evaluation import metrics
 from calibrators.validation import CalibrationInputError
 
 N_TRIALS = 200

@@ -1,4 +1,4 @@
-"""The ODIR objective and its solvers (calibrators/linear.py), checked from first principles.
+"""The ODIR objective and its solvers (calibrators/solvers/, calibrators/methods/_linear.py).
 
 The objective's gradient against finite differences, the canonical projection
 against its definition (NLL unchanged, penalty not increased, a projection,
@@ -13,7 +13,9 @@ import pytest
 from scipy.optimize import minimize
 from scipy.special import log_softmax
 
-from calibrators import linear
+from calibrators.methods import _linear
+from calibrators.methods.matrix import MatrixScaler
+from calibrators.solvers import crossval, penalised
 
 
 def problem(structure: str, feature: str, lam: float, mu: float, n=400, k=5, seed=0):
@@ -22,7 +24,7 @@ def problem(structure: str, feature: str, lam: float, mu: float, n=400, k=5, see
     z = rng.normal(size=(n, k)) * 3.0
     z[np.arange(n), y] += 2.5
     x = log_softmax(z, axis=1) if feature == "log_softmax" else z
-    return linear._Problem(x, y, structure, lam, mu)
+    return _linear._Problem(x, y, structure, lam, mu)
 
 
 def random_theta(prob, seed=1):
@@ -79,7 +81,7 @@ def test_curvature_blocks_are_the_exact_per_class_hessian(feature, monkeypatch):
     """With no damping and every row used, block i is the Hessian of the loss in
     (W[i], b[i]) with the other classes held fixed (finite differences of the
     analytic gradient)."""
-    monkeypatch.setattr(linear, "DAMPING", 0.0)
+    monkeypatch.setattr(penalised, "DAMPING", 0.0)
     prob = problem("full", feature, lam=20.0, mu=4.0, n=300, k=4)
     theta = random_theta(prob)
     blocks = prob.curvature_blocks(theta)
@@ -131,7 +133,7 @@ def test_solve_uses_the_blocks_up_to_max_block_classes(monkeypatch):
             monkeypatch.setattr(p, name, lambda *a, name=name, **kw: calls.append(name))
     prob.solve(prob.initial(), max_iter=10, tol=1e-6)
     vector.solve(vector.initial(), max_iter=10, tol=1e-6)
-    monkeypatch.setattr(linear, "MAX_BLOCK_CLASSES", 4)
+    monkeypatch.setattr(penalised, "MAX_BLOCK_CLASSES", 4)
     prob.solve(prob.initial(), max_iter=10, tol=1e-6)
     assert calls == ["_solve_blocks", "_solve_scaled", "_solve_rank_one"]
 
@@ -147,7 +149,7 @@ def test_whitening_factors_are_consistent_and_whiten():
     weight = rng.uniform(0.05, 0.3, k)
     blocks = np.stack([np.diag(diag[i]) + np.outer(mean[i], mean[i]) / weight[i] for i in range(k)])
     v = rng.normal(size=(k, k + 1))
-    for a in (linear._RankOne(diag, mean, weight), linear._Blocks(blocks)):
+    for a in (penalised._RankOne(diag, mean, weight), penalised._Blocks(blocks)):
         for i in range(k):
             A = np.stack([a.apply(np.eye(k + 1)[None, j].repeat(k, 0))[i] for j in range(k + 1)], 1)
             np.testing.assert_allclose(A.T @ blocks[i] @ A, np.eye(k + 1), atol=1e-9)
@@ -177,9 +179,9 @@ def test_the_walk_goes_on_across_ties_and_stops_after_real_rises(tie, tried):
     """With ``tie``, candidates within that fraction of the best CV NLL are not rises:
     a flat stretch (the solver's noise) does not end the walk; real rises do."""
     scores = [1.3, 1.2, 1.2 + 1e-8, 1.2 + 5e-8, 1.25, 1.26, 1.27]
-    got, _, _ = linear.cross_validate_path(
+    got, _, _ = crossval.cross_validate_path(
         lambda x, y, cand: _Scripted(scores[cand]), np.zeros((6, 2)), np.zeros(6, dtype=int),
-        linear.fold_assignment(6, 3, 0), range(len(scores)), [None] * 3, lambda _: None,
+        crossval.fold_assignment(6, 3, 0), range(len(scores)), [None] * 3, lambda _: None,
         max_iter=1, tol=1e-6, patience=2, tie=tie,
     )
     assert got == scores[:tried]
@@ -206,9 +208,9 @@ def test_the_walk_goes_on_across_rises_the_rows_cannot_tell_from_noise(spread, t
     among per-row differences of spread 0.5 on 60 rows (SE about 0.09) do not, and
     the walk reaches the weakest candidate, here the best."""
     scores = [1.30, 1.20, 1.21, 1.22, 1.21, 1.20, 1.10]
-    got, _, _ = linear.cross_validate_path(
+    got, _, _ = crossval.cross_validate_path(
         lambda x, y, cand: _ScriptedRows(scores[cand], spread, cand),
-        np.zeros((60, 2)), np.zeros(60, dtype=int), linear.fold_assignment(60, 3, 0),
+        np.zeros((60, 2)), np.zeros(60, dtype=int), crossval.fold_assignment(60, 3, 0),
         range(len(scores)), [None] * 3, lambda _: None, max_iter=1, tol=1e-6,
         patience=2, noise=1.0,
     )
@@ -218,13 +220,13 @@ def test_the_walk_goes_on_across_rises_the_rows_cannot_tell_from_noise(spread, t
 
 def test_odir_searches_with_the_noise_rule(monkeypatch):
     seen = []
-    original = linear.cross_validate_path
+    original = crossval.cross_validate_path
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("noise"))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(linear, "cross_validate_path", spy)
+    monkeypatch.setattr(_linear, "cross_validate_path", spy)
     prob = problem("full", "identity", 1.0, 1.0, n=120, k=3)
-    linear.MatrixScaler(grid=[10.0, 1.0]).fit(prob.x, prob.y)
-    assert seen and set(seen) == {linear.NOISE}
+    MatrixScaler(grid=[10.0, 1.0]).fit(prob.x, prob.y)
+    assert seen and set(seen) == {crossval.NOISE}

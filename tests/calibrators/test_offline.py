@@ -1,4 +1,4 @@
-"""calibrators.offline, the ``welltempered fit`` CLI: run in-process on synthetic
+"""service.offline, the ``welltempered fit`` CLI: run in-process on synthetic
 and real files, its JSON checked against metrics/checks computed here on the same
 split, the array-name and kind rules, the rounding of the split, every user error
 (exit 2, one line on stderr, no traceback), and ``--demo``."""
@@ -12,11 +12,12 @@ import sys
 import numpy as np
 import pytest
 
-from calibrators import METHODS, create, offline
-from calibrators.checks import argmax_report
-from calibrators.holdout import split_indices
-from calibrators.metrics import report
-from calibrators.offline import main
+from calibrators import METHODS, create
+from calibrators.evaluation.checks import argmax_report
+from calibrators.evaluation.holdout import split_indices
+from calibrators.evaluation.metrics import report
+from service import offline
+from service.offline import main
 from tests.helpers import DATA_DIR
 
 N, K = 90, 4  # K >= 3, N != K
@@ -54,7 +55,7 @@ def _strict_json(path):
 
 
 def _split(n, holdout=0.2, seed=0):
-    # The rule of calibrators.holdout, written out independently.
+    # The rule of calibrators.evaluation.holdout, written out independently.
     perm = np.random.default_rng(seed).permutation(n)
     n_fit = n - round(n * holdout)
     return perm[:n_fit], perm[n_fit:]
@@ -356,7 +357,7 @@ def test_welltempered_fit_subcommand(logits_npz, capsys):
 @pytest.mark.process
 def test_python_dash_m(logits_npz):
     proc = subprocess.run(
-        [sys.executable, "-m", "calibrators.offline", str(logits_npz), "--holdout", "2"],
+        [sys.executable, "-m", "service.offline", str(logits_npz), "--holdout", "2"],
         capture_output=True, text=True, timeout=60, check=False,
     )
     assert proc.returncode == 2

@@ -21,7 +21,7 @@ from sklearn.base import clone
 
 import calibrators
 from calibrators import CalibrationInputError, NotFittedError
-from calibrators.order_preserving import FEATURE_RANKS, FLOOR, N_KNOTS, IntraOrderPreserving
+from calibrators.methods.iop import FEATURE_RANKS, FLOOR, N_KNOTS, IntraOrderPreserving
 from tests.calibrators.helpers import (
     assert_onnx_matches_numpy,
     assert_order_kept,
@@ -264,7 +264,7 @@ def test_params_round_trip_bit_for_bit_through_json():
     assert set(stored) == {"format", "method", "n_classes", "kind", "options", "beta", "rank_scale",
                            "weight", "fit_info"}
     again = calibrators.from_params(stored)
-    assert type(again) is IntraOrderPreserving and again.get_options() == cal.get_options()
+    assert type(again) is IntraOrderPreserving and again.checked_options() == cal.checked_options()
     assert again.predict_proba(z).tobytes() == cal.predict_proba(z).tobytes()
 
 

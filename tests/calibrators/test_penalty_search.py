@@ -1,4 +1,4 @@
-"""The penalised searches of vector, matrix and Dirichlet scaling (calibrators/linear.py):
+"""The penalised searches of vector, matrix and Dirichlet scaling (calibrators/methods/_linear.py):
 their path starts at temperature scaling and can end there, and it goes past the
 grid's weakest value when the data asks for it.
 
@@ -15,8 +15,8 @@ import pytest
 from scipy.special import softmax
 
 import calibrators
-from calibrators import linear
-from calibrators.temperature import TemperatureScaler
+from calibrators.methods import _linear
+from calibrators.methods.temperature import TemperatureScaler
 
 LINEAR = ("vector", "matrix", "dirichlet")
 
@@ -59,7 +59,7 @@ def test_the_walk_goes_past_the_grid_while_its_weakest_value_is_the_best(method)
     cal = calibrators.create(method, grid=[1e4, 1e3]).fit(z, y)
     tried = cal.fit_info_["cross_validation"]["candidates"]
     weakest = min(c["reg_lambda"] for c in tried if c["reg_lambda"] is not None)
-    assert weakest < 1e3 / linear.EXTEND_FACTOR / 2  # two steps past the grid at least
+    assert weakest < 1e3 / _linear.EXTEND_FACTOR / 2  # two steps past the grid at least
     assert cal.fit_info_["reg_lambda"] < 1e3
     assert not cal.fit_info_["temperature_scaling"]
 
@@ -78,5 +78,5 @@ def test_given_penalties_fit_once_at_temperature_scalings_centre():
 def test_infinite_penalties_must_come_together():
     z, y = noise_labels()
     with pytest.raises(ValueError, match="both infinite"):
-        linear._Problem(z, y, "full", math.inf, 1.0)
-    assert linear._Problem(z, y, "diagonal", math.inf, math.inf, beta=0.5).at_centre()
+        _linear._Problem(z, y, "full", math.inf, 1.0)
+    assert _linear._Problem(z, y, "diagonal", math.inf, math.inf, beta=0.5).at_centre()

@@ -22,7 +22,7 @@ from calibrators import (
     TemperatureScaler,
     VectorScaler,
 )
-from calibrators.temperature import _pass
+from calibrators.methods.temperature import _pass
 from calibrators.validation import PROBABILITY_FLOOR
 from tests.calibrators.helpers import (
     FIT_OPTIONS,
@@ -117,7 +117,7 @@ def test_entropy_target_out_of_range_and_constant_scores_raise():
         TemperatureScaler(target_entropy=0.5).fit(np.ones((4, 3)), [0, 1, 2, 0])
     with pytest.raises(CalibrationInputError, match="target_entropy"):
         calibrators.create("temperature", target_entropy=-1.0)
-    TemperatureScaler(target_entropy=-1.0)  # __init__ only stores; check_params and fit check
+    TemperatureScaler(target_entropy=-1.0)  # __init__ only stores; checked_options and fit check
     with pytest.raises(CalibrationInputError, match="target_entropy"):
         TemperatureScaler(target_entropy=-1.0).fit(z, [0, 1])
 

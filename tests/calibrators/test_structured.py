@@ -15,9 +15,10 @@ from scipy.optimize import minimize
 from sklearn.base import clone
 
 import calibrators
-from calibrators import CalibrationInputError, numerics, structured
+from calibrators import CalibrationInputError, numerics
+from calibrators.methods import _structured as structured
+from calibrators.methods._structured import structured_features
 from calibrators.numerics import log_softmax, softmax
-from calibrators.structured import structured_features
 from tests.calibrators.helpers import labelled_logits, onnx_outputs
 from tests.helpers import load_shared
 

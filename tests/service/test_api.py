@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import calibrators
+from calibrators.evaluation import metrics
 from service.vocabulary import DEFAULT_ALIAS
 from tests.service.helpers import (
     assert_problem,
@@ -83,7 +84,7 @@ def test_dataset_json_upload_metrics_and_dedup(client):
     m = got["metrics"]
     for key in ("accuracy", "nll", "nll_median", "nll_p95", "ece", "entropy", "brier"):
         assert key in m
-    expected = calibrators.metrics.report(
+    expected = metrics.report(
         np.exp(logits - logits.max(1, keepdims=True))
         / np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True),
         labels,
@@ -141,7 +142,7 @@ def test_fit_lifecycle_alias_predict(client):
     cal = calibrators.from_params(v["params"])
     perm = np.random.default_rng(7).permutation(400)
     hold = perm[300:]
-    after = calibrators.metrics.report(cal.predict_proba(logits[hold]), labels[hold])
+    after = metrics.report(cal.predict_proba(logits[hold]), labels[hold])
     assert after["nll"] == pytest.approx(v["metrics"]["after"]["nll"], rel=1e-9)
     refit = calibrators.create("temperature").fit(logits[perm[:300]], labels[perm[:300]])
     assert refit.to_params()["weight"] == pytest.approx(v["params"]["weight"], rel=1e-9)

@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 import calibrators
-from calibrators.holdout import split_sizes
+from calibrators.evaluation.holdout import split_sizes
 from service.api.app import create_app
 from service.errors import FitTooLarge
 from service.jobs.fitting import _largest_k, auto_candidates, hold_bytes, import_job, job_bytes

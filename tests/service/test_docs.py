@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 import calibrators
-from calibrators.base import Integer
+from calibrators.options import Integer
 from service.api.app import create_app
 from service.api.fit_options import OPTION_MODELS
 from tests.service.helpers import make_settings

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import calibrators
-from calibrators.holdout import split_indices
+from calibrators.evaluation.holdout import split_indices
 from service.demo import digits_logits
 from service.jobs import evaluation
 from service.jobs.fitting import fit_job

@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import calibrators
-from calibrators import metrics
-from calibrators.holdout import split_indices
-from calibrators.offline import main as offline_main
+from calibrators.evaluation import metrics
+from calibrators.evaluation.holdout import split_indices
 from service.api.app import create_app
+from service.offline import main as offline_main
 from service.vocabulary import DEFAULT_ALIAS, FITTED
 from tests.service.helpers import (
     assert_problem,

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy.orm import sessionmaker
 
-from calibrators import metrics
+from calibrators.evaluation import metrics
 from service.api.app import create_app
 from service.observe import monitoring
 from service.security import keys
@@ -62,12 +62,12 @@ def feed(client, model: str, kind: str, scores, labels, batches: int = 1, **extr
 
 
 # ---------------------------------------------------------------------------
-# acceptance: live ECE equals calibrators.metrics on the same calibrated rows
+# acceptance: live ECE equals calibrators.evaluation.metrics on the same calibrated rows
 
 
 def test_live_ece_equals_report_on_cifar100(client, cifar100):
     """The 5,000 held-out CIFAR-100 rows fed back in 5 batches: the live figures from the
-    time-bucketed sums equal calibrators.metrics.report on the served rows."""
+    time-bucketed sums equal calibrators.evaluation.metrics.report on the served rows."""
     fit_probs, fit_labels = cifar100.fit
     probs, labels = cifar100.test
     create_model(client, "wrn", k=100)

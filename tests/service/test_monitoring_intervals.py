@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from calibrators import metrics
+from calibrators.evaluation import metrics
 from service.observe import monitoring
 from service.vocabulary import DEFAULT_NAMESPACE
 from tests.service.helpers import create_model, families, logits_data, promote, upload

@@ -1,6 +1,6 @@
 """The CLI and the service choose the same rows for the same (N, holdout, seed).
 
-Both go through calibrators.holdout.split_indices; this test holds the two entry
+Both go through calibrators.evaluation.holdout.split_indices; this test holds the two entry
 points against each other on an odd N (where the old CLI and service rules
 disagreed: 450 against 449 fit rows at N = 899, holdout 0.5).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from calibrators.offline import compare
+from service.offline import compare
 from tests.service.helpers import create_model, fit, logits_data, upload
 
 

@@ -9,7 +9,8 @@ import xml.etree.ElementTree as ET
 import numpy as np
 import pytest
 
-from calibrators import TemperatureScaler, metrics
+from calibrators import TemperatureScaler
+from calibrators.evaluation import metrics
 from service.observe import svg as svg_module
 from service.observe.svg import reliability_svg
 

@@ -9,7 +9,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request, Response
 from sqlalchemy.orm import Session
 
-from calibrators.holdout import split_indices
+from calibrators.evaluation.holdout import split_indices
 from service.api.deps import AppState, ModelDep, SessionDep, StateDep, VersionDep
 from service.api.idempotent import Claim, IdempotentJson
 from service.api.openapi import BINARY, OCTET_STREAM

@@ -308,7 +308,7 @@ def get_monitoring(
     state: StateDep,
 ) -> dict[str, Any]:
     """Live calibration of a version over a window, its hold-out figures, and the drift
-    verdict (``calibrators.drift.detect_drift``: method, bound, p-value)."""
+    verdict (``calibrators.evaluation.drift.detect_drift``: method, bound, p-value)."""
     info, stats = _live(session, state, row, seconds)
     holdout = monitoring.holdout_report(row)
     return {

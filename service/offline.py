@@ -5,7 +5,7 @@
     welltempered fit FILE.npz --method temperature|vector|matrix|dirichlet|all
                      [--kind logits|probabilities] [--holdout 0.2] [--seed 0] [--json OUT]
     welltempered fit --demo [--method ...]          # scikit-learn digits, no file needed
-    python -m calibrators.offline ...                # the same, without the service
+    python -m service.offline ...                # the same, without the service
 
 Input
 -----
@@ -21,15 +21,16 @@ The archive holds one score array and one label array:
 
 Split
 -----
-:func:`calibrators.holdout.split_indices`, the rule the service uses too: the
+:func:`calibrators.evaluation.holdout.split_indices`, the rule the service uses too: the
 same ``(N, holdout, seed)`` selects the same rows in both. ``--holdout 0.5`` on an
 even ``N`` is the half/half convention of the shared CIFAR data.
 
 Output
 ------
 A table on stdout, one row for the uncalibrated scores (softmax of the logits, or
-the probabilities as given) and one per method, with the :func:`calibrators.metrics.report`
-metrics on the held-out rows, the :func:`calibrators.checks.argmax_report`
+the probabilities as given) and one per method, with the
+:func:`calibrators.evaluation.metrics.report`
+metrics on the held-out rows, the :func:`calibrators.evaluation.checks.argmax_report`
 agreement and changes, and the fit time; then, per method, its key fitted numbers
 and where the changed predictions came from. ``--json OUT`` writes the same
 content (see :func:`compare`) as strict JSON (non-finite numbers become ``null``).
@@ -53,9 +54,9 @@ from typing import Any
 import numpy as np
 
 from calibrators import METHODS, create
-from calibrators.checks import RANK_BUCKETS, argmax_report
-from calibrators.holdout import DEFAULT_HOLDOUT, check_holdout, split_indices
-from calibrators.metrics import report
+from calibrators.evaluation.checks import RANK_BUCKETS, argmax_report
+from calibrators.evaluation.holdout import DEFAULT_HOLDOUT, check_holdout, split_indices
+from calibrators.evaluation.metrics import report
 from calibrators.validation import (
     KINDS,
     CalibrationInputError,
@@ -169,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m calibrators.offline``: parse ``argv`` and :func:`run`; returns the exit code."""
+    """``python -m service.offline``: parse ``argv`` and :func:`run`; returns the exit code."""
     parser = argparse.ArgumentParser(
         prog=PROG, description="Fit calibrators on a .npz file and compare them on held-out rows."
     )
@@ -295,7 +296,7 @@ def compare(scores, labels, *, kind: str = "logits", methods=METHODS,
     kind : {"logits", "probabilities"}
     methods : sequence of str, default all of :data:`calibrators.METHODS`
     holdout : float, default=DEFAULT_HOLDOUT
-        Fraction of rows held out (see :func:`calibrators.holdout.split_indices`).
+        Fraction of rows held out (see :func:`calibrators.evaluation.holdout.split_indices`).
     seed : int, default 0
     progress : bool, default False
         Say on stderr which method is being fitted.
@@ -304,11 +305,11 @@ def compare(scores, labels, *, kind: str = "logits", methods=METHODS,
     -------
     dict
         JSON-serialisable: ``n``, ``n_classes``, ``kind``, ``holdout``, ``seed``,
-        ``n_fit``, ``n_holdout``, ``uncalibrated`` (the :func:`~calibrators.metrics.report`
-        of the uncalibrated held-out probabilities) and ``methods``, mapping each
-        method name to ``{"report", "argmax", "fit_seconds", "params"}``: the
-        report of its held-out probabilities, the
-        :func:`~calibrators.checks.argmax_report` of the held-out scores against
+        ``n_fit``, ``n_holdout``, ``uncalibrated`` (the
+        :func:`~calibrators.evaluation.metrics.report` of the uncalibrated held-out
+        probabilities) and ``methods``, mapping each method name to ``{"report",
+        "argmax", "fit_seconds", "params"}``: the report of its held-out probabilities, the
+        :func:`~calibrators.evaluation.checks.argmax_report` of the held-out scores against
         them, the seconds spent in ``fit`` and :meth:`~calibrators.base.Calibrator.to_params`.
 
     Raises

@@ -4,7 +4,7 @@
 (labelled feedback) with the *hold-out* reliability measured when the
 calibrator was fitted, and says ``"ok"``, ``"drift"`` or ``"insufficient_data"``.
 It needs only the equal-width bin statistics of both samples (see
-:func:`calibrators.metrics.bin_statistics`): no rows. Pure numpy; it knows
+:func:`calibrators.evaluation.metrics.bin_statistics`): no rows. Pure numpy; it knows
 nothing of HTTP or SQL.
 
 The test
@@ -121,10 +121,10 @@ def as_bin_statistics(bins: Mapping, name: str = "bins") -> dict:
     ----------
     bins : mapping
         Either sufficient statistics (keys ``count``, ``confidence_sum``,
-        ``correct_count``, as from :func:`calibrators.metrics.bin_statistics`
+        ``correct_count``, as from :func:`calibrators.evaluation.metrics.bin_statistics`
         or summed over time buckets), or reliability-diagram bins (keys
         ``count``, ``mean_confidence``, ``accuracy``, ``None`` for an empty bin,
-        as in ``calibrators.metrics.report(...)["bins"]``). ``edges`` is
+        as in ``calibrators.evaluation.metrics.report(...)["bins"]``). ``edges`` is
         optional in both.
     name : str
         Used in error messages.
@@ -242,7 +242,7 @@ def detect_drift(
     ----------
     holdout : mapping
         Equal-width bins of the hold-out sample measured at fit time: either
-        ``calibrators.metrics.report(...)["bins"]`` (``count``,
+        ``calibrators.evaluation.metrics.report(...)["bins"]`` (``count``,
         ``mean_confidence``, ``accuracy``) or bin statistics (``count``,
         ``confidence_sum``, ``correct_count``); see :func:`as_bin_statistics`.
     live : mapping

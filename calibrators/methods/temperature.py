@@ -44,10 +44,11 @@ from typing import ClassVar
 
 import numpy as np
 
-from calibrators.base import Integer, Positive, Progress
+from calibrators.base import Progress
 from calibrators.cost import FLOAT64, SWEEP_FLOPS, Cost, chunk_bytes
 from calibrators.linear_softmax import LinearSoftmax
 from calibrators.numerics import map_chunks
+from calibrators.options import Integer, Positive
 from calibrators.validation import (
     MAX_PASSES,
     CalibrationInputError,

@@ -58,11 +58,12 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from calibrators.base import Calibrator, Integer, Positive, Progress
+from calibrators.base import Calibrator, Progress
 from calibrators.cost import FLOAT64, SWEEP_FLOPS, Cost, chunk_bytes
+from calibrators.methods.temperature import TemperatureScaler
 from calibrators.numerics import log_softmax
-from calibrators.parameterized import nll_terms
-from calibrators.temperature import TemperatureScaler
+from calibrators.options import Integer, Positive
+from calibrators.solvers.tempered import nll_terms
 from calibrators.validation import MAX_PASSES, CalibrationInputError
 
 if TYPE_CHECKING:  # ONNX is imported by to_onnx only, not with the package

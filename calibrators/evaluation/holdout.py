@@ -1,6 +1,6 @@
 """The one hold-out split: which rows a calibrator is fitted on and which evaluate it.
 
-The CLI (``welltempered fit``), the library's :func:`calibrators.offline.compare`
+The CLI (``welltempered fit``), the library's :func:`service.offline.compare`
 and the service all call :func:`split_indices`, so the same ``(n, holdout, seed)``
 always selects the same rows everywhere.
 

@@ -69,11 +69,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from calibrators.base import Calibrator, Integer, Positive, Progress
+from calibrators.base import Calibrator, Progress
 from calibrators.cost import FLOAT64, SWEEP_FLOPS, Cost, chunk_bytes
-from calibrators.linear import check_grid
+from calibrators.methods.temperature import TemperatureScaler
 from calibrators.numerics import map_chunks
-from calibrators.temperature import TemperatureScaler
+from calibrators.options import Integer, Positive, check_grid
+from calibrators.solvers.tempered import nll_terms
 from calibrators.validation import MAX_PASSES, MAX_TOP, CalibrationInputError, logits64
 
 if TYPE_CHECKING:  # ONNX is imported by to_onnx only, not with the package
@@ -90,45 +91,6 @@ PATIENCE = 2
 ARMIJO = 1e-4
 #: Largest change of any standardised parameter in one Newton step.
 MAX_STEP = 2.0
-
-
-def nll_terms(x: np.ndarray, y: np.ndarray, kind: str, beta) -> np.ndarray:
-    """Per row, ``f(beta_n) = logsumexp(beta_n c_n) - beta_n c_n,y`` and its two derivatives.
-
-    One pass over the scores in row chunks (``c = z - max z``; float64
-    temporaries of one chunk per thread).
-
-    Parameters
-    ----------
-    x : ndarray of shape (n_samples, n_classes)
-        Validated scores.
-    y : ndarray of shape (n_samples,), int
-    kind : {"logits", "probabilities"}
-    beta : float or ndarray of shape (n_samples,)
-        Inverse temperature, one for all rows or one per row (> 0).
-
-    Returns
-    -------
-    ndarray of shape (n_samples, 3)
-        ``f``, ``f' = E_p[c] - c_y`` and ``f'' = Var_p(c) >= 0``, with
-        ``p = softmax(beta_n c_n)``; ``-f`` is the log-probability of the label.
-    """
-    per_row = np.ndim(beta) == 1
-
-    def chunk(rows: slice) -> np.ndarray:
-        c = logits64(x[rows], kind)
-        c -= c.max(axis=1, keepdims=True)
-        cy = np.take_along_axis(c, y[rows, None], axis=1)[:, 0]
-        b = beta[rows] if per_row else np.full(c.shape[0], float(beta))
-        e = np.multiply(c, b[:, None])
-        np.exp(e, out=e)
-        total = e.sum(axis=1)
-        m1 = np.einsum("ij,ij->i", e, c) / total
-        e *= c
-        m2 = np.einsum("ij,ij->i", e, c) / total
-        return np.stack([np.log(total) - b * cy, m1 - cy, np.maximum(m2 - m1 * m1, 0.0)], axis=1)
-
-    return np.concatenate(map_chunks(chunk, *x.shape))
 
 
 def features(z: np.ndarray, n_top: int, *, overwrite: bool = False) -> np.ndarray:

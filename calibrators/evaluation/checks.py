@@ -119,7 +119,7 @@ def nll_report(scores_before, probs_after, labels, *, kind: str = "logits") -> d
     difference is: the mean and standard error of the per-row differences.
 
     With :math:`\\ell_i = -\\log \\max(p_{i, y_i}, 2^{-149})` (the floor of
-    :func:`calibrators.metrics.log_loss_summary`) of the raw scores' probabilities
+    :func:`calibrators.evaluation.metrics.log_loss_summary`) of the raw scores' probabilities
     (the softmax of logits) and :math:`\\ell'_i` of the calibrated ones, the paired
     differences :math:`d_i = \\ell'_i - \\ell_i` give
 
@@ -148,7 +148,7 @@ def nll_report(scores_before, probs_after, labels, *, kind: str = "logits") -> d
     -------
     dict
         Plain Python types: ``n`` (int); ``before_loss`` and ``after_loss`` (mean NLL
-        in nats, lower is better: :func:`calibrators.metrics.nll_loss` of each, to
+        in nats, lower is better: :func:`calibrators.evaluation.metrics.nll_loss` of each, to
         rounding); ``difference`` (:math:`\\bar d`, ``after_loss - before_loss``);
         ``standard_error`` (se; None for a single row).
 

@@ -11,7 +11,7 @@ Both fit ``u = W x + b`` on robust log-probability features ``x`` of the logits
                  + lam_b K / N * sum_j b_j**2
 
 The preprocessing is fitted first: ``beta`` is the exact temperature-scaling
-optimum (:class:`calibrators.temperature.TemperatureScaler`), and ``c = 1 / (N K)``
+optimum (:class:`calibrators.methods.temperature.TemperatureScaler`), and ``c = 1 / (N K)``
 mixes the tempered probabilities with the uniform distribution at weight
 ``1 / (N + 1)``, so every feature lies in ``[log(c / (1 + K c)), 0]``: extreme or
 ``-inf`` log-probabilities cannot dominate the fit. With ``W = I, b = 0`` the model
@@ -33,7 +33,7 @@ for SMS, whose evaluations cost ``O(N K**2)``, scoring two folds rather than all
 four halves the search's work and on the shared CIFAR outputs chooses the same
 penalties; SVS's search is cheap and its CV curve flatter (two folds mislead it
 on CIFAR-100), so it scores all (``bench/README.md`` has both). Every fit is solved to
-optimality by the solver of :class:`calibrators.linear.PenalisedSoftmax` (L-BFGS-B
+optimality by the solver of :class:`calibrators.solvers.penalised.PenalisedSoftmax` (L-BFGS-B
 in variables whitened by per-class curvature blocks: diagonal + rank-1 for a full
 ``W``, exact 2 x 2 blocks of ``(w_i, b_i)`` for a diagonal one). Only the ranking
 of the candidates matters in the search, so its fits run on float32 copies of the
@@ -68,16 +68,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from calibrators.base import Calibrator, Integer, Positive, Progress
+from calibrators.base import Calibrator, Progress
 from calibrators.cost import FLOAT64, SWEEP_FLOPS, Cost, chunk_bytes, lbfgs_bytes
-from calibrators.linear import (
-    DAMPING,
-    PenalisedSoftmax,
-    check_grid,
-    cross_validate_path,
-    fold_assignment,
-)
 from calibrators.linear_softmax import WEIGHT_SHAPES
+from calibrators.methods.temperature import TemperatureScaler
 from calibrators.numerics import (
     log_softmax,
     map_chunks,
@@ -87,7 +81,9 @@ from calibrators.numerics import (
     softmax,
     softmax_terms,
 )
-from calibrators.temperature import TemperatureScaler
+from calibrators.options import Integer, Positive, check_grid
+from calibrators.solvers.crossval import cross_validate_path, fold_assignment
+from calibrators.solvers.penalised import DAMPING, PenalisedSoftmax
 from calibrators.validation import MAX_FOLDS, MAX_ITERATIONS, CalibrationInputError, logits64
 
 if TYPE_CHECKING:  # ONNX is imported by to_onnx only, not with the package
@@ -102,7 +98,7 @@ CV_TOL = 1e-3
 CV_BLOCK_ROWS = 1024
 #: The walk along the grid stops at the first candidate worse than the best by more
 #: than NOISE standard errors of the paired per-row difference
-#: (:func:`calibrators.linear.cross_validate_path`; a rule that stopped at any rise
+#: (:func:`calibrators.solvers.crossval.cross_validate_path`; a rule that stopped at any rise
 #: stopped sms at the strongest multiplier on one of five CIFAR-100 splits: 0.959
 #: held-out NLL against 0.885-0.936 on the others).
 PATIENCE = 1
@@ -117,7 +113,7 @@ FINAL_BLOCK_ROWS = 2048
 PRESOLVE_TOL = 1e-6
 #: Seed of the fold permutation.
 FOLD_SEED = 0
-#: Whitening of :meth:`calibrators.linear.PenalisedSoftmax.solve`: diagonal + rank-1
+#: Whitening of :meth:`calibrators.solvers.penalised.PenalisedSoftmax.solve`: diagonal + rank-1
 #: curvature blocks for a full W at any K (the penalty keeps them close to the
 #: exact blocks, for a fraction of their cost), 2 x 2 blocks for a diagonal W.
 SOLVER = {"block_classes": 0, "diagonal_blocks": True}
@@ -275,7 +271,7 @@ class FeatureRows:
 
 
 class _ChunkedDiagonal(PenalisedSoftmax):
-    """:class:`calibrators.linear.PenalisedSoftmax` with a diagonal ``W`` on
+    """:class:`calibrators.solvers.penalised.PenalisedSoftmax` with a diagonal ``W`` on
     :class:`FeatureRows`: the loss, gradient, curvature blocks and held-out NLL
     summed over row chunks (float64 accumulators), the solvers inherited. The same
     problem as on the held features, to the rounding of the sums."""
@@ -343,7 +339,7 @@ class _ChunkedDiagonal(PenalisedSoftmax):
 
 
 class _Problem(PenalisedSoftmax):
-    """:class:`calibrators.linear.PenalisedSoftmax` on held features, with a leaner
+    """:class:`calibrators.solvers.penalised.PenalisedSoftmax` on held features, with a leaner
     loss and gradient: the same numbers to rounding, fewer passes over the (N, K)
     logits.
 
@@ -485,7 +481,7 @@ def _coefficients(n: int, k: int, multipliers: dict[str, float]) -> dict[str, fl
     return {part: m * scale[part] for part, m in multipliers.items()}
 
 
-class _StructuredScaler(Calibrator):
+class StructuredScaler(Calibrator):
     """Shared fit of SVS and SMS (see the module docstring).
 
     Parameters
@@ -650,7 +646,7 @@ class _StructuredScaler(Calibrator):
         search = scored * scores + min(scored, n_threads()) * (
             2 * scores * (folds - 1) / folds + solver) if candidates else 0
         threads = min(scored, n_threads()) if candidates else 1
-        temperature = TemperatureScaler.fit_cost(n, k, TemperatureScaler().get_options())
+        temperature = TemperatureScaler.fit_cost(n, k, TemperatureScaler().checked_options())
         solutions = FLOAT64 * scored * candidates * params
         low = scores / 2 if full or candidates else 0
         memory = temperature.bytes + scores + low + max(
@@ -806,50 +802,3 @@ class _StructuredScaler(Calibrator):
                 "candidates": cv,
             } if cv else None,
         }
-
-
-class StructuredVectorScaler(_StructuredScaler):
-    """Structured vector scaling (SVS): ``softmax(w * x + b)`` on the robust features.
-
-    Parameters are those of the shared fit (see :mod:`calibrators.structured`);
-    ``reg_off_diagonal`` has no effect (there are no off-diagonal weights).
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> rng = np.random.default_rng(0)
-    >>> y = rng.integers(0, 3, 600)
-    >>> z = 4.0 * rng.normal(size=(600, 3))
-    >>> z[np.arange(600), y] += 4.0  # informative but over-confident logits
-    >>> cal = StructuredVectorScaler().fit(z, y)
-    >>> cal.weight_.shape, cal.fit_info_["converged"], 0 < cal.beta_ < 1
-    ((3,), True, True)
-    """
-
-    method = "svs"
-    structure = "diagonal"
-
-
-class StructuredMatrixScaler(_StructuredScaler):
-    """Structured matrix scaling (SMS): ``softmax(W x + b)`` on the robust features.
-
-    Parameters are those of the shared fit (see :mod:`calibrators.structured`).
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> from calibrators.metrics import nll_loss
-    >>> from calibrators.numerics import softmax
-    >>> rng = np.random.default_rng(0)
-    >>> y = rng.integers(0, 3, 600)
-    >>> z = 4.0 * rng.normal(size=(600, 3))
-    >>> z[np.arange(600), y] += 4.0  # informative but over-confident logits
-    >>> cal = StructuredMatrixScaler().fit(z, y)
-    >>> cal.weight_.shape, cal.fit_info_["converged"]
-    ((3, 3), True)
-    >>> nll_loss(cal.predict_proba(z), y) < nll_loss(softmax(z), y)
-    True
-    """
-
-    method = "sms"
-    structure = "full"

@@ -89,11 +89,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 from scipy.optimize import minimize
 
-from calibrators.base import Calibrator, Integer, Positive
+from calibrators.base import Calibrator
 from calibrators.cost import FLOAT64, SWEEP_FLOPS, Cost, chunk_bytes, lbfgs_bytes
-from calibrators.linear import check_grid, cross_validate_path, fold_assignment
+from calibrators.methods.temperature import TemperatureScaler
 from calibrators.numerics import row_chunks, single_threaded_blas
-from calibrators.temperature import TemperatureScaler
+from calibrators.options import Integer, Positive, check_grid
+from calibrators.solvers.crossval import cross_validate_path, fold_assignment
 from calibrators.validation import (
     INT64_MAX,
     INT64_MIN,
@@ -273,7 +274,7 @@ class _Problem:
 class IntraOrderPreserving(Calibrator):
     """Intra order-preserving calibration: sorted-logit gaps rescaled by a small network.
 
-    See :mod:`calibrators.order_preserving` for the map and the fit.
+    See :mod:`calibrators.methods.iop` for the map and the fit.
 
     Parameters
     ----------
@@ -364,8 +365,8 @@ class IntraOrderPreserving(Calibrator):
         self.max_iter = max_iter
         self.tol = tol
 
-    def _validate_params(self) -> dict:
-        options = super()._validate_params()
+    def checked_options(self) -> dict:
+        options = super().checked_options()
         searched = options["reg_lambda"] is None or options["reg_mu"] is None
         if searched and options["seed"] < 0:
             raise CalibrationInputError(
@@ -406,7 +407,7 @@ class IntraOrderPreserving(Calibrator):
                + FLOAT64 * n * (k + p + 4) * (3 + 2 * folds)
                + 6 * FLOAT64 * n * (k + 1)
                + 2 * lbfgs_bytes(k * (p + 1), 20))
-        first = TemperatureScaler.fit_cost(n, n_classes, TemperatureScaler().get_options())
+        first = TemperatureScaler.fit_cost(n, n_classes, TemperatureScaler().checked_options())
         return Cost(
             bytes=max(own, first.bytes),
             flops=first.flops + float(SWEEP_FLOPS) * n * n_classes * 2
@@ -533,7 +534,8 @@ class IntraOrderPreserving(Calibrator):
 
 
 class _Fold:
-    """A fold's problem in the interface of :func:`calibrators.linear.cross_validate_path`."""
+    """A fold's problem in the interface of
+    :func:`calibrators.solvers.crossval.cross_validate_path`."""
 
     def __init__(self, rows: _Rows, beta: float, index: np.ndarray, penalties):
         self.rows, self.beta = rows, beta
@@ -557,8 +559,8 @@ class _Fold:
 def _cross_validate(rows: _Rows, beta: float, cands, options, progress):
     """Choose (lam, mu) among temperature scaling and ``cands`` by the folds' NLL.
 
-    The candidates are walked by :func:`calibrators.linear.cross_validate_path`
-    on the folds of :func:`calibrators.linear.fold_assignment`; temperature
+    The candidates are walked by :func:`calibrators.solvers.crossval.cross_validate_path`
+    on the folds of :func:`calibrators.solvers.crossval.fold_assignment`; temperature
     scaling (the centre of the penalty) is scored on the same folds first. The
     folds share ``beta``, fitted on all rows: temperature scaling has seen every
     held-out fold, a bias towards keeping it. Returns ``((lam, mu), start, cv,
