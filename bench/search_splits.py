@@ -64,7 +64,7 @@ def summary(values) -> str:
     return f"{v.mean():.4f} [{v.min():.4f}, {v.max():.4f}]"
 
 
-def run_file(path: Path, methods, with_auto: bool) -> None:
+def run_file(path: Path, methods, with_auto: bool, refit: bool) -> None:
     with np.load(path) as f:
         p, y = f["predictions"], f["ground_truth"]
     print(f"\n## {path.name}: {p.shape[0]:,} x {p.shape[1]}")
@@ -83,7 +83,7 @@ def run_file(path: Path, methods, with_auto: bool) -> None:
         if with_auto:
             started = time.perf_counter()
             job = fit_job(p[fit], y[fit], kind="probabilities", method="auto", holdout=0.2,
-                          seed=0, options={}, argmax_policy="off")
+                          seed=0, options={}, argmax_policy="off", refit=refit)
             auto_secs.append(time.perf_counter() - started)
             auto.append(held_out_nll(calibrators.from_params(job["params"]), p[test], y[test]))
             auto_pick.append(job["chosen_method"])
@@ -102,7 +102,8 @@ def run_file(path: Path, methods, with_auto: bool) -> None:
           f"{per_split.mean() - np.mean(nll[best]):+.4f} against {best}")
     if with_auto:
         a = np.asarray(auto)
-        print(f"{'auto':<12} {summary(a):<30} {a.mean() - base.mean():>+8.4f} "
+        label = "auto refit" if refit else "auto"
+        print(f"{label:<12} {summary(a):<30} {a.mean() - base.mean():>+8.4f} "
               f"{int(np.sum(a > base + 1e-12)):>4}/5 {np.mean(auto_secs):>7.2f}  "
               + " | ".join(auto_pick))
         print(f"auto - best single method ({best}, {np.mean(nll[best]):.4f}): "
@@ -116,6 +117,9 @@ def main() -> None:
     parser.add_argument("--methods", nargs="*", default=None,
                         help="methods (default: all; temperature is always included)")
     parser.add_argument("--no-auto", action="store_true", help="leave out auto")
+    parser.add_argument("--refit", action="store_true",
+                        help="auto refits its choice on the whole fit half (the fit request's "
+                        "refit); default: served as fitted on the inner fit part")
     args = parser.parse_args()
     files = [DATA / f for f in args.files] if args.files else sorted(DATA.glob("*.npz"))
     methods = tuple(args.methods or calibrators.METHODS)
@@ -124,7 +128,8 @@ def main() -> None:
     print("# bench/search_splits.py")
     print(f"start: load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for path in files:
-        run_file(path, methods, with_auto=not args.no_auto and args.methods is None)
+        run_file(path, methods, with_auto=not args.no_auto and args.methods is None,
+                 refit=args.refit)
     print(f"\nend: load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -12,6 +12,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    StrictBool,
     WithJsonSchema,
     model_validator,
 )
@@ -188,6 +189,13 @@ class FitRequest(BaseModel):
         description="Keyword options of calibrators.create(method, ...); for 'auto', "
         'keyed by method: {"matrix": {...}}.',
     )
+    refit: StrictBool = Field(
+        False,
+        description="After the hold-out evaluation (and, for 'auto', the choice), fit the "
+        "chosen method again on every row of the dataset and serve that. The version's "
+        "metrics stay the hold-out estimate of the method fitted without the held-out "
+        "rows; its argmax report is the served calibrator's on the held-out rows.",
+    )
 
 
 class ParamsImport(BaseModel):
@@ -232,6 +240,10 @@ class VersionOut(BaseModel):
     holdout: float
     seed: int
     options: dict[str, Any]
+    refit: bool = Field(
+        description="Its params were fitted again on every row after the hold-out "
+        "evaluation (the fit request's refit)."
+    )
     params: dict[str, Any] | None = Field(
         None, description="Exactly what calibrators.from_params accepts."
     )

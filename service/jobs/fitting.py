@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 import calibrators
-from calibrators.evaluation import metrics
+from calibrators.evaluation import checks, metrics
 from calibrators.evaluation.holdout import split_indices, split_sizes
 from service.errors import FitTooLarge
 from service.jobs import evaluation
@@ -138,8 +138,10 @@ def affordable(
     itemsize: int,
     holdout: float,
     budget: int | None,
+    refit: bool = False,
 ) -> tuple[str, ...]:
-    """The candidate methods of a fit whose memory estimate fits ``budget``.
+    """The candidate methods of a fit whose memory estimate fits ``budget`` (with
+    ``refit``, fitted on every row: the refit is the larger fit).
 
     Raises :class:`service.errors.FitTooLarge` when none does (for an explicit method:
     when it does not), naming the method, the estimate and the largest K that fits.
@@ -148,6 +150,8 @@ def affordable(
     if budget is None:
         return candidates
     n_fit, n_hold = split_sizes(n_rows, holdout)
+    if refit:
+        n_fit = n_rows
     need = {
         m: job_bytes(m, _method_options(method, options, m), n_fit, n_hold, k, itemsize)
         for m in candidates
@@ -197,8 +201,17 @@ def fit_job(
     argmax_policy: str,
     progress: Callable[[float], None] | None = None,
     memory_budget: int | None = None,
+    refit: bool = False,
 ) -> dict[str, Any]:
     """Fit on the first part of the permutation, evaluate on the rest; no side effects.
+
+    With ``refit``, the chosen method is then fitted again on every row, and its params
+    are the ones returned: ``metrics_after`` stays the hold-out estimate of the method
+    (fitted without the held-out rows, the only honest figure there is), while
+    ``argmax`` and the warning are the served calibrator's on the held-out rows (the
+    argmax check needs no labels, so rows it was fitted on do not bias it). Under
+    ``require`` every candidate keeps the argmax by construction, so the refit cannot
+    break the policy the choice was made under.
 
     Returns the columns of the finished version: status (succeeded | rejected),
     chosen_method, params, metrics_before/after, argmax, candidates (auto only),
@@ -219,6 +232,7 @@ def fit_job(
         itemsize=scores.dtype.itemsize,
         holdout=holdout,
         budget=memory_budget,
+        refit=refit,
     )
     skipped = [
         m for m in (auto_candidates(argmax_policy) if method == AUTO else ()) if m not in methods
@@ -247,7 +261,13 @@ def fit_job(
     pool = allowed or list(methods)
     chosen = min(pool, key=lambda m: results[m]["metrics"]["nll"])
     best = results[chosen]
-    warnings = [w for w in [evaluation.warning(chosen, best["argmax"], argmax_policy)] if w]
+    served, argmax = best["cal"], best["argmax"]
+    if refit and allowed:
+        served = _create(chosen, _method_options(method, options, chosen)).fit(
+            np.asarray(scores), labels, kind=kind)
+        argmax = checks.argmax_report(x_hold, served.predict_proba(x_hold, kind=kind), kind=kind)
+        total = time.perf_counter() - started
+    warnings = [w for w in [evaluation.warning(chosen, argmax, argmax_policy)] if w]
     if skipped:
         warnings.append(
             f"auto skipped {', '.join(skipped)}: memory estimate above a fit worker's budget."
@@ -256,10 +276,10 @@ def fit_job(
     return {
         "status": "succeeded" if allowed else "rejected",
         "chosen_method": chosen,
-        "params": best["cal"].to_params(),
+        "params": served.to_params(),
         "metrics_before": before,
         "metrics_after": best["metrics"],
-        "argmax": best["argmax"],
+        "argmax": argmax,
         "candidates": (
             {
                 m: {

@@ -37,6 +37,7 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     event,
+    false,
 )
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -174,6 +175,9 @@ class CalibratorVersion(Base):
     holdout: Mapped[float] = mapped_column(Float)
     seed: Mapped[int] = mapped_column(BigInteger)
     options: Mapped[dict[str, Any]]
+    #: Fit the chosen method again on every row after the hold-out evaluation (the fit
+    #: request's ``refit``; always false for a version from posted params).
+    refit: Mapped[bool] = mapped_column(default=False, server_default=false())
     status: Mapped[str] = mapped_column(String(16), index=True)
     progress: Mapped[float] = mapped_column(Float, default=0.0)
     params: Mapped[dict[str, Any] | None] = mapped_column(deferred=True)

@@ -78,7 +78,7 @@ def claim(sessions: sessionmaker, version_id: int, worker: str, max_attempts: in
         if row.source == FROM_PARAMS:  # posted parameters to evaluate, not a fit
             params = dict(row.params)
         else:
-            spec |= {"method": row.method, "options": dict(row.options or {})}
+            spec |= {"method": row.method, "options": dict(row.options or {}), "refit": row.refit}
         return FitTask(spec, dataset.scores_sha256, dataset.labels_sha256, row.attempts, params)
 
 

@@ -262,6 +262,7 @@ def create_version(
     params: dict[str, Any] | None = None,
     quotas: Quotas | None = None,
     kind: str | None = None,
+    refit: bool = False,
 ) -> CalibratorVersion:
     """A queued version with the next number of this model (atomic UPDATE ... RETURNING).
 
@@ -272,7 +273,8 @@ def create_version(
     instead of fitting, and its outcome replaces them with the canonical ones; their
     bytes count against the namespace's quota from now on. ``kind``: the kind of scores
     the params were fitted on (:attr:`CalibratorVersion.kind`; default the dataset's,
-    what a fit is fitted on). With ``quotas``, the
+    what a fit is fitted on). ``refit``: the fit request's (:attr:`CalibratorVersion.refit`).
+    With ``quotas``, the
     ``versions`` and ``stored_bytes`` quotas (:func:`service.storage.usage.check_version`)
     are checked under the namespace's lock, in the transaction that inserts the row.
     """
@@ -303,6 +305,7 @@ def create_version(
         holdout=holdout,
         seed=seed,
         options=options,
+        refit=refit,
         status="queued",
         progress=0.0,
     )

@@ -57,6 +57,7 @@ def version_out(row: CalibratorVersion, model: Model) -> VersionOut:
         holdout=row.holdout,
         seed=row.seed,
         options=row.options,
+        refit=row.refit,
         params=row.params if fitted else None,
         metrics=({"before": row.metrics_before, "after": row.metrics_after} if fitted else None),
         argmax=row.argmax,
@@ -100,10 +101,11 @@ def start_fit(
         itemsize=np.dtype(dataset.dtype).itemsize,
         holdout=body.holdout,
         budget=state.fits.config.memory_budget,
+        refit=body.refit,
     )
     return _enqueue(
         model, dataset, session, state, response, claim, method=body.method,
-        holdout=body.holdout, seed=body.seed, options=body.options,
+        holdout=body.holdout, seed=body.seed, options=body.options, refit=body.refit,
     )
 
 
