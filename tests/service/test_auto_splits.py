@@ -21,11 +21,19 @@ import numpy as np
 import pytest
 
 import calibrators
+from calibrators.evaluation.holdout import split_indices
+from calibrators.evaluation.metrics import nll_loss
 from service.jobs.fitting import fit_job
 from tests.helpers import load_shared
 
 SEEDS = (0, 1, 2, 3, 4)
 MARGIN = 0.002
+#: The inner hold-out of auto given only the fit half (its choice's rows).
+INNER_HOLDOUT = 0.3
+
+
+def held_out_nll(cal, probs, labels) -> float:
+    return nll_loss(cal.predict_proba(probs, kind="probabilities"), labels)
 
 
 def five_splits(stem: str) -> tuple[dict[str, float], float]:
@@ -54,4 +62,32 @@ def test_no_method_loses_to_temperature_and_auto_keeps_up_with_the_best(stem):
     assert auto <= means[best] + MARGIN, (
         f"{stem}: auto {auto:.4f} against the best single method, {best} {means[best]:.4f} "
         f"({table})"
+    )
+
+
+@pytest.mark.slow
+def test_auto_given_only_the_fit_half_keeps_up_with_the_best_when_it_refits():
+    """The honest reading of ``auto`` on the protocol: given only the fit half, it
+    chooses on its own inner hold-out (``INNER_HOLDOUT``) and refits the choice on the
+    whole fit half (``refit``); scored on the other half, its mean is within ``MARGIN``
+    of the best single method fitted on the fit half. On lenet-5-cifar-10, where the
+    methods are closest (K = 10; CIFAR-100's auto picks iop on every split: see
+    bench/README.md for both files and for an inner hold-out of 0.2)."""
+    data = load_shared("lenet-5-cifar-10")
+    nll = {m: [] for m in calibrators.METHODS}
+    auto = []
+    for seed in SEEDS:
+        fit, test = split_indices(len(data.labels), 0.5, seed)
+        p_fit, y_fit = data.probs[fit], data.labels[fit]
+        for m in calibrators.METHODS:
+            cal = calibrators.create(m).fit(p_fit, y_fit, kind="probabilities")
+            nll[m].append(held_out_nll(cal, data.probs[test], data.labels[test]))
+        job = fit_job(p_fit, y_fit, kind="probabilities", method="auto", holdout=INNER_HOLDOUT,
+                      seed=0, options={}, argmax_policy="off", refit=True)
+        served = calibrators.from_params(job["params"])
+        auto.append(held_out_nll(served, data.probs[test], data.labels[test]))
+    means = {m: float(np.mean(v)) for m, v in nll.items()}
+    best = min(means, key=means.get)
+    assert float(np.mean(auto)) <= means[best] + MARGIN, (
+        f"auto {np.mean(auto):.4f} against {best} {means[best]:.4f} ({means})"
     )
