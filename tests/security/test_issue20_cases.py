@@ -18,7 +18,7 @@ costs the server less than :data:`RSS_BOUND`.
    ``nll-worse-than-uncalibrated``, and never served (409).
 7. class names with NUL, CR, LF, U+202E, or empty: 422 naming the code point.
 8. two serves on one host with the default metrics address: both start, on two ports
-   of the default range. tests/service/test_metrics_ports.py checks the mechanism on a
+   of the default range. tests/service/server/test_metrics_ports.py checks the mechanism on a
    block of free ports given explicitly; this one uses the default setting itself.
 
 Run: ``pytest -m "process and slow" tests/security/test_issue20_cases.py``; the table

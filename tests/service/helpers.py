@@ -73,7 +73,7 @@ def migrated_database(request, backend: str, directory: Path) -> Iterator[str]:
     Neither is migrated here: the file is a copy of one Alembic migrated once per test
     process (the ``sqlite_template`` fixture), the schema an emptied one of the
     ``pg_schemas`` pool (:class:`SchemaPool`); both take a fraction of the migrations'
-    time. tests/service/test_migrations.py migrates empty databases and checks that
+    time. tests/service/storage/test_migrations.py migrates empty databases and checks that
     models and migrations agree; tests/service/test_isolation.py that these are empty
     and at head."""
     if backend == "sqlite":
@@ -216,7 +216,7 @@ def make_settings(database_url: str, tmp_path: Path, **overrides) -> Settings:
         "fit_executor": "thread",
         "progress_interval_seconds": 0.05,
         # The API tests predate keys: they run with auth off (namespace "default");
-        # tests/service/test_auth.py runs with it on.
+        # tests/service/security/test_auth.py runs with it on.
         "auth": "off",
     }
     values.update(overrides)

@@ -1,4 +1,4 @@
-"""The API's happy paths, on SQLite and PostgreSQL (see conftest)."""
+"""The API's happy paths (service/api/routers/), on SQLite and PostgreSQL (see conftest)."""
 
 from __future__ import annotations
 

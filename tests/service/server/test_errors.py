@@ -31,7 +31,7 @@ from tests.service.helpers import (
     upload,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The serving routes' short way past Starlette's and FastAPI's layers (service/api/hotpath.py).
+"""The serving routes' short way past Starlette's and FastAPI's layers (service/server/hotpath.py).
 
 Starlette builds an app's middleware stack on its first request through it; a POST to
 predict that leaves ``app.middleware_stack`` unbuilt never entered the full stack.

@@ -1,10 +1,10 @@
-"""The header deadline of both HTTP parsers, in process (service/api/timeouts.py).
+"""The header deadline of both HTTP parsers, in process (service/server/timeouts.py).
 
 A real socket pair and a real event loop, with a short deadline: a request whose
 handler runs longer than the deadline is answered, not cut off; a connection that
 sends part of its headers gets a 408; one that sends nothing is closed silently; a
 keep-alive connection gets the deadline again after each answer.
-tests/service/test_timeouts.py drives the same rules through `welltempered serve`.
+tests/service/server/test_timeouts.py drives the same rules through `welltempered serve`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The writes of one event-loop step leave as one (service/api/transport.py), on a
+"""The writes of one event-loop step leave as one (service/server/transport.py), on a
 recording transport and on a real connection through ``welltempered serve``'s protocol."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Database faults: reads replayed once, writes answered 503 with ``applied`` and
-``Retry-After``, feedback counted once under an Idempotency-Key (service/api/faults.py,
+``Retry-After``, feedback counted once under an Idempotency-Key (service/server/faults.py,
 service/storage/retry.py, service/storage/idempotency.py).
 
 In-process tests inject faults into the app's engine; the PostgreSQL test runs a real

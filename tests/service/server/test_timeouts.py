@@ -1,5 +1,5 @@
 """Slow clients against a real `welltempered serve`: headers sent one byte a second,
-silent connections, uploads trickling at one byte a second (service/api/timeouts.py).
+silent connections, uploads trickling at one byte a second (service/server/timeouts.py).
 
 Short timeouts (2 s) keep the test short; the defaults (10 s, 20 s) only scale it.
 The figures before the guards existed (every socket still held after 30 s) are in

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.observe import metrics as obs
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 LIVE = {"namespace": "team-a", "model": "m", "version": 2}
 HOLD = {**LIVE, "alias": "production"}

@@ -15,7 +15,7 @@ from service.serving.inference import SessionCache, as_onnx_input, run
 from service.vocabulary import DEFAULT_ALIAS, KINDS
 from tests.service.helpers import logits_data
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.process

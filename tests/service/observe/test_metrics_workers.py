@@ -1,6 +1,7 @@
 """The real server with 2 workers (``welltempered serve --workers 2``) on SQLite and
-PostgreSQL: /metrics adds up whichever worker answers, and a real Prometheus scraping it
-evaluates every PromQL expression of the dashboard and the alert rules.
+PostgreSQL: /metrics (service/observe/metrics.py) adds up whichever worker answers, and
+a real Prometheus scraping it evaluates every PromQL expression of the dashboard and the
+alert rules.
 
 One server per backend (module-scoped), traffic sent once; the Prometheus test reuses it.
 """
@@ -36,7 +37,7 @@ from tests.test_deploy import ALERTS_YML, DASHBOARD, alert_exprs, dashboard_expr
 
 pytestmark = [pytest.mark.slow, pytest.mark.process]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 WELLTEMPERED = str(Path(sys.executable).with_name("welltempered"))
 PREDICT_ROUTE = "/v1/models/{model}/predict"
 FEEDBACK_ROUTE = "/v1/models/{model}/feedback"
@@ -254,7 +255,7 @@ def query(c: httpx.Client, base: str, expr: str) -> dict:
 
 
 #: Dashboard metrics this server cannot produce: it runs with auth off, so no request
-#: is ever rate limited (tests/service/test_auth.py checks that counter on a server
+#: is ever rate limited (tests/service/security/test_auth.py checks that counter on a server
 #: with keys and a limit; tests/test_deploy.py that the dashboard names it right).
 NOT_FROM_THIS_SERVER = ("welltempered_rate_limited_requests_total",)
 #: ... and on SQLite, where the serve process runs fits without a job engine, no

@@ -3,7 +3,7 @@ their path starts at temperature scaling and can end there, and it goes past the
 grid's weakest value when the data asks for it.
 
 Issue 21's bar on the shared files (every method's 5-split mean against temperature
-scaling's) is tests/service/test_auto_splits.py.
+scaling's) is tests/service/jobs/test_auto_splits.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Lifecycle beyond create and delete (issue 13, item 3): PATCH of a model, rejection
 reasons on the version, class names in predictions, and versions from posted
-parameters; on SQLite and PostgreSQL. Pagination is tests/service/test_pagination.py."""
+parameters; on SQLite and PostgreSQL. Pagination is tests/service/api/test_pagination.py."""
 
 from __future__ import annotations
 

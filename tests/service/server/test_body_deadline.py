@@ -1,4 +1,4 @@
-"""The body deadline in process (service/api/timeouts.py, Deadlines): a wait past its
+"""The body deadline in process (service/server/timeouts.py, Deadlines): a wait past its
 deadline is a 408, someone else's cancellation is not, a body that is there costs no
 timer, and one middleware serves several event loops in turn. The same rules against a
 real server, slow clients included, are in test_timeouts.py."""

@@ -34,7 +34,7 @@ from tests.service.helpers import (
     npz,
     upload,
 )
-from tests.service.test_db_faults import FailNext
+from tests.service.server.test_db_faults import FailNext
 
 MODEL = "/v1/models/m"
 OCTET = {"content-type": "application/octet-stream"}

@@ -1,4 +1,4 @@
-"""The header deadline arms no timer per request (service/api/timeouts.py, Deadlines):
+"""The header deadline arms no timer per request (service/server/timeouts.py, Deadlines):
 one server's connections share one timer, and a silent connection is still closed."""
 
 from __future__ import annotations

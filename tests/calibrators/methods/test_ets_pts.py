@@ -3,7 +3,7 @@ construction, exact fits against independent oracles, ONNX parity, bad params, a
 shared CIFAR outputs (0 changed predictions, NLL at or below temperature scaling's).
 
 The estimator contract, option checks and params round trip of both run with every
-registered method in ``test_estimator_contract.py``.
+registered method in ``tests/calibrators/test_estimator_contract.py``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Fits run in a worker pool: the API answers while they run (measured, not assumed)."""
+"""Fits run in a worker pool (service/jobs/): the API answers while they run (measured,
+not assumed)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The fit queue inside one process: attempts, cancel, fairness, the queue's gauges
 (the same rules on SQLite's embedded queue and on PostgreSQL's job engine). The fleet
-of processes is tested in test_fleet.py."""
+of processes is tested in tests/service/test_fleet.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ construction, the fit against an independent optimality check, the penalty searc
 ONNX parity, params, bad input, the cost model, and the shared CIFAR outputs.
 
 The estimator contract, option checks and params round trip with random arrays run
-with every registered method in ``test_estimator_contract.py``.
+with every registered method in ``tests/calibrators/test_estimator_contract.py``.
 """
 
 from __future__ import annotations

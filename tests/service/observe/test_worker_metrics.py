@@ -1,6 +1,7 @@
 """A dedicated ``welltempered worker`` exports the fits it ran on its own metrics
-listener (WELLTEMPERED_WORKER_METRICS_ADDRESS): fit durations and its array read cache,
-no database gauges, no tenant; a real worker process, the API in this process."""
+listener (WELLTEMPERED_WORKER_METRICS_ADDRESS, service/observe/metrics.py): fit
+durations and its array read cache, no database gauges, no tenant; a real worker
+process, the API in this process."""
 
 from __future__ import annotations
 
