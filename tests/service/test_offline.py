@@ -19,6 +19,7 @@ from calibrators.evaluation.metrics import report
 from service import offline
 from service.offline import main
 from tests.helpers import DATA_DIR
+from tests.oracles import softmax
 
 N, K = 90, 4  # K >= 3, N != K
 
@@ -31,12 +32,6 @@ def _synthetic(seed: int = 1):
     p /= p.sum(axis=1, keepdims=True)
     y = np.minimum((rng.random(N)[:, None] > np.cumsum(p, axis=1)).sum(axis=1), K - 1)
     return z.astype(np.float32), y.astype(np.int64)
-
-
-def _softmax(z):
-    z = np.asarray(z, dtype=np.float64)
-    e = np.exp(z - z.max(axis=1, keepdims=True))
-    return e / e.sum(axis=1, keepdims=True)
 
 
 @pytest.fixture
@@ -130,7 +125,7 @@ def test_json_numbers_equal_a_fit_and_report_made_here(holdout, seed, logits_npz
     z, y = _synthetic()
     fit_idx, test_idx = _split(N, holdout, seed)
     assert (result["n_fit"], result["n_holdout"]) == (len(fit_idx), len(test_idx))
-    expected = report(_softmax(z[test_idx]), y[test_idx])
+    expected = report(softmax(z[test_idx]), y[test_idx])
     got = result["uncalibrated"]
     assert got.keys() == expected.keys()
     assert got["bins"]["count"] == expected["bins"]["count"]
@@ -148,13 +143,13 @@ def test_json_numbers_equal_a_fit_and_report_made_here(holdout, seed, logits_npz
 def test_matrix_and_dirichlet_with_probabilities_input(tmp_path, capsys):
     z, y = _synthetic(seed=3)
     path = tmp_path / "probs.npz"
-    np.savez(path, probabilities=_softmax(z), labels=y)
+    np.savez(path, probabilities=softmax(z), labels=y)
     out_path = tmp_path / "out.json"
     assert main([str(path), "--method", "dirichlet", "--json", str(out_path)]) == 0
     result = _strict_json(out_path)
     assert result["kind"] == "probabilities"
     fit_idx, test_idx = _split(N)
-    p = _softmax(z)
+    p = softmax(z)
     cal = create("dirichlet").fit(p[fit_idx], y[fit_idx], kind="probabilities")
     probs = cal.predict_proba(p[test_idx], kind="probabilities")
     assert result["uncalibrated"] == report(p[test_idx], y[test_idx])
@@ -207,7 +202,7 @@ def test_lenet_cifar10(method, cifar10, tmp_path, capsys):
 )
 def test_score_array_and_kind_resolution(arrays, kind_flag, expected, tmp_path):
     z, y = _synthetic()
-    data = {name: (z if name == "logits" else _softmax(z)) for name in arrays}
+    data = {name: (z if name == "logits" else softmax(z)) for name in arrays}
     path = tmp_path / "in.npz"
     np.savez(path, ground_truth=y, **data)
     out_path = tmp_path / "out.json"

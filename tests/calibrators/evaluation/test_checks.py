@@ -6,7 +6,6 @@ chunking, and its refusals."""
 from __future__ import annotations
 
 import json
-import tracemalloc
 
 import numpy as np
 import pytest
@@ -19,12 +18,7 @@ from calibrators import numerics
 from calibrators.evaluation import metrics
 from calibrators.evaluation.checks import RANK_BUCKETS, argmax_report, nll_report
 from calibrators.validation import CalibrationInputError
-
-
-def _softmax(z):
-    z = np.asarray(z, dtype=np.float64)
-    e = np.exp(z - z.max(axis=1, keepdims=True))
-    return e / e.sum(axis=1, keepdims=True)
+from tests.oracles import softmax, traced_peak
 
 
 def _bucket(rank: int) -> str:
@@ -69,7 +63,7 @@ def test_crafted_changes_from_known_ranks():
     }
     assert out == _reference(before, after)
     # the same scores given as probabilities rank the same way
-    assert argmax_report(_softmax(before), after, kind="probabilities") == out
+    assert argmax_report(softmax(before), after, kind="probabilities") == out
 
 
 def test_identity_keeps_every_argmax(shared):
@@ -176,12 +170,7 @@ def test_thousand_classes_in_bounded_memory():
     probs /= probs.sum(axis=1, keepdims=True)
     # nearly every argmax changes; contiguous, or validation would copy it
     after = np.ascontiguousarray(probs[:, rng.permutation(k)])
-    tracemalloc.start()
-    try:
-        out = argmax_report(probs, after, kind="probabilities")
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    out, peak = traced_peak(argmax_report, probs, after, kind="probabilities")
     assert out["changed"] > 0.99 * n
     # each input is 40 MB; comparing all changed rows at once would gather 40 MB
     # of float32 scores and 10 MB of bools on top of the validation's masks
@@ -196,7 +185,7 @@ def _nll_oracle(before, after, labels, kind):
     """Per-row differences by the documented definition, one row at a time."""
     rows = []
     for b, a, y in zip(np.asarray(before), np.asarray(after), labels, strict=True):
-        p = b if kind == "probabilities" else _softmax([b])[0]
+        p = b if kind == "probabilities" else softmax([b])[0]
         rows.append(-np.log(max(a[y], 2.0**-149)) + np.log(max(p[y], 2.0**-149)))
     d = np.array(rows)
     return d.mean(), d.std(ddof=1) / np.sqrt(d.size)
@@ -207,7 +196,7 @@ def test_nll_report_is_the_metrics_nll_on_both_sides(kind):
     rng = np.random.default_rng(3)
     z = rng.normal(size=(37, 5)) * 3  # K >= 3, N != K
     y = rng.integers(0, 5, 37)
-    before = z if kind == "logits" else _softmax(z)
+    before = z if kind == "logits" else softmax(z)
     cal = calibrators.create("vector").fit(z, y)
     after = cal.predict_proba(z)
     out = nll_report(before, after, y, kind=kind)
@@ -239,7 +228,7 @@ def test_nll_report_of_one_hot_probabilities_is_far_worse():
 
 def test_chunked_nll_report_equals_unchunked(monkeypatch, cifar100):
     probs, labels = cifar100.probs[:700], cifar100.labels[:700]
-    after = _softmax(np.log(probs) / 1.7)
+    after = softmax(np.log(probs) / 1.7)
     whole = nll_report(probs, after, labels, kind="probabilities")
     monkeypatch.setattr(numerics, "CHUNK_ELEMENTS", 350)  # 3 rows of 100 per chunk
     chunked = nll_report(probs, after, labels, kind="probabilities")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import tracemalloc
 import warnings
 from unittest import mock
 
@@ -38,6 +37,7 @@ from calibrators.evaluation.metrics import (
 )
 from calibrators.numerics import softmax
 from calibrators.validation import PROBABILITY_FLOOR, CalibrationInputError
+from tests.oracles import traced_peak
 from tests.strategies import logits_and_labels, tied_extreme_logits
 
 # N = 4 rows, K = 3 classes. Confidences 0.7, 0.6, 0.5, 0.8; predictions 0, 0, 1, 2,
@@ -298,23 +298,13 @@ def test_chunking_does_not_change_results(monkeypatch):
             assert chunked[key] == value, key
 
 
-def traced_peak(fn, *args) -> int:
-    """The peak of the memory numpy and Python allocate while ``fn(*args)`` runs."""
-    tracemalloc.start()
-    try:
-        fn(*args)
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-
-
 def test_large_float32_input_needs_no_full_size_float64_temporary():
     n, k = 10_000, 1_000
     rng = np.random.default_rng(0)
     probs = rng.random((n, k), dtype=np.float32)
     probs /= probs.sum(axis=1, keepdims=True)
     labels = rng.integers(0, k, size=n)
-    peak = traced_peak(report, probs, labels)
+    _, peak = traced_peak(report, probs, labels)
     # the input is 40 MB; one float64 copy of it would be 80 MB
     assert peak < probs.nbytes, f"peak {peak / 2**20:.1f} MiB"
 
@@ -717,7 +707,7 @@ def test_scores_report_memory_is_chunks_and_sums_of_k_not_copies():
     rng = np.random.default_rng(0)
     z = rng.standard_normal((n, k), dtype=np.float32) * 3
     y = rng.integers(0, k, n)
-    peak = traced_peak(scores_report, z, y)
+    _, peak = traced_peak(scores_report, z, y)
     # The input is 64 MiB; one float64 copy of it would be 128. What may remain: each
     # thread's float64 chunk (2 MiB), its probabilities and a few smaller temporaries,
     # and twice the classwise sums (K x 15 float64, 1.9 MiB).

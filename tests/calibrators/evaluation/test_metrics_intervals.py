@@ -13,6 +13,7 @@ from scipy.integrate import simpson
 
 from calibrators.evaluation import metrics
 from calibrators.validation import CalibrationInputError
+from tests.oracles import softmax
 
 N_TRIALS = 200
 SIZES = (200, 1_000, 5_000)
@@ -26,8 +27,7 @@ def calibrated_sample(rng: np.random.Generator, n: int, k: int = 4):
     """``n`` rows of ``k``-class probabilities and labels drawn from them: calibrated
     in every sense, so the true calibration error of the top label is 0."""
     logits = rng.normal(scale=2.0, size=(n, k))
-    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
-    probs /= probs.sum(axis=1, keepdims=True)
+    probs = softmax(logits)
     labels = (rng.random((n, 1)) > probs.cumsum(axis=1)).sum(axis=1)
     return probs, np.minimum(labels, k - 1)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import tracemalloc
 
 import numpy as np
 import pytest
@@ -30,6 +29,7 @@ from tests.calibrators.helpers import (
     labelled_logits,
     onnx_outputs,
 )
+from tests.oracles import softmax, traced_peak
 from tests.strategies import tied_extreme_logits
 
 METHODS = ("ets", "pts")
@@ -200,8 +200,7 @@ def test_features_are_shift_invariant_linear_in_k_and_padded():
     assert not phi[:, 2:4].any() and not phi[:, 6:8].any()  # gaps 3 and 4: K - 1 = 2
     top = -np.sort(-z, axis=1)
     np.testing.assert_allclose(phi[:, :2], np.exp(top[:, 1:] - top[:, :1]), rtol=1e-12)
-    p = np.exp(z - z.max(axis=1, keepdims=True))
-    p /= p.sum(axis=1, keepdims=True)
+    p = softmax(z)
     np.testing.assert_allclose(phi[:, 8], -np.log(p.max(axis=1)) / np.log(3), rtol=1e-12)
     np.testing.assert_allclose(phi[:, 9], -(p * np.log(p)).sum(axis=1) / np.log(3), rtol=1e-12)
 
@@ -228,8 +227,7 @@ def test_onnx_parity(method, k):
     test[2, 0] = -1e4
     assert_onnx_matches_numpy(cal, test, ATOL)
     # probabilities fed as their log, with a zero (-inf)
-    q = np.exp(test - test.max(axis=1, keepdims=True))
-    q = (q / q.sum(axis=1, keepdims=True)).astype(np.float32)
+    q = softmax(test).astype(np.float32)
     q[3, 0] = 0.0
     q[3] /= q[3].sum()
     with np.errstate(divide="ignore"):
@@ -291,12 +289,7 @@ def test_language_model_vocabulary_fits_in_a_few_chunks(method):
     z = rng.standard_normal((n, k), dtype=np.float32)
     y = rng.integers(0, k, n)
     z[np.arange(n), y] += 8.0
-    tracemalloc.start()
-    try:
-        cal = calibrators.create(method).fit(z, y)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    cal, peak = traced_peak(lambda: calibrators.create(method).fit(z, y))
     cost = calibrators.estimate_cost(method, n, k)
     assert peak <= cost.bytes
     assert peak < z.nbytes / 4  # a few one-row chunks, not a copy of the scores

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import json
-import tracemalloc
 
 import numpy as np
 import pytest
@@ -30,6 +29,7 @@ from tests.calibrators.helpers import (
     onnx_outputs,
 )
 from tests.helpers import load_shared
+from tests.oracles import softmax, traced_peak
 from tests.strategies import tied_extreme_logits
 
 #: Largest allowed |ONNX - numpy| on probabilities, confidence and entropy.
@@ -136,8 +136,7 @@ def test_the_map_is_the_formula_of_the_docstring():
         u = beta * (row - s[n_top])  # the tail
         for j in range(n_top + 1):
             u[order[j]] = sum(m[i] * (s[i] - s[i + 1]) for i in range(j, n_top))
-        want = np.exp(u - u.max())
-        np.testing.assert_allclose(got, want / want.sum(), rtol=1e-10)
+        np.testing.assert_allclose(got, softmax(u), rtol=1e-10)
 
 
 # -- the fit ---------------------------------------------------------------------
@@ -226,8 +225,7 @@ def test_huge_penalties_are_temperature_scaling():
 
 def test_probabilities_in_are_their_log():
     z, y = labelled_logits(n=120, k=5, seed=2)
-    p = np.exp(z - z.max(axis=1, keepdims=True))
-    p /= p.sum(axis=1, keepdims=True)
+    p = softmax(z)
     options = {"n_top": 3, "reg_lambda": 1.0, "reg_mu": 1.0}
     a = calibrators.create("iop", **options).fit(p, y, kind="probabilities")
     b = calibrators.create("iop", **options).fit(np.log(p), y)
@@ -248,8 +246,7 @@ def test_onnx_parity(k, n_top):
     test[3, : k // 2 + 1] = 2.5  # ties, across the top n_top + 1 when k > n_top
     assert_onnx_matches_numpy(cal, test, ATOL)
     # probabilities fed as their log, with a zero (-inf)
-    q = np.exp(test - test.max(axis=1, keepdims=True))
-    q = (q / q.sum(axis=1, keepdims=True)).astype(np.float32)
+    q = softmax(test).astype(np.float32)
     q[4, 0] = 0.0
     q[4] /= q[4].sum()
     with np.errstate(divide="ignore"):
@@ -309,12 +306,7 @@ def _measured_peak(options: dict, n: int, k: int) -> int:
     z = rng.standard_normal((n, k), dtype=np.float32) * 2
     z[np.arange(n), y] += 3.0
     gc.collect()
-    tracemalloc.start()
-    try:
-        calibrators.create("iop", **options).fit(z, y)
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    return traced_peak(lambda: calibrators.create("iop", **options).fit(z, y))[1]
 
 
 MEASURED = [

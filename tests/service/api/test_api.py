@@ -10,6 +10,7 @@ import pytest
 import calibrators
 from calibrators.evaluation import metrics
 from service.vocabulary import DEFAULT_ALIAS
+from tests.oracles import softmax
 from tests.service.helpers import (
     assert_problem,
     create_model,
@@ -85,8 +86,7 @@ def test_dataset_json_upload_metrics_and_dedup(client):
     for key in ("accuracy", "nll", "nll_median", "nll_p95", "ece", "entropy", "brier"):
         assert key in m
     expected = metrics.report(
-        np.exp(logits - logits.max(1, keepdims=True))
-        / np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True),
+        softmax(logits),
         labels,
     )
     assert m["accuracy"] == pytest.approx(expected["accuracy"])
@@ -104,8 +104,7 @@ def test_dataset_npz_upload(client, score_key, label_key):
     logits, labels = logits_data(seed=3)
     scores = logits.astype(np.float32)
     if score_key != "logits":
-        e = np.exp(logits - logits.max(1, keepdims=True))
-        scores = (e / e.sum(1, keepdims=True)).astype(np.float32)
+        scores = softmax(logits).astype(np.float32)
     body = npz_bytes(**{score_key: scores, label_key: labels})
     r = client.post(
         "/v1/models/m/datasets", content=body, headers={"content-type": "application/octet-stream"}
@@ -182,8 +181,7 @@ def test_fit_lifecycle_alias_predict(client):
     np.testing.assert_allclose(np.load(io.BytesIO(r.content)), expected, atol=1e-6)
 
     # probabilities in: the same calibrated output
-    p = np.exp(x - x.max(1, keepdims=True))
-    p /= p.sum(1, keepdims=True)
+    p = softmax(x)
     r = client.post("/v1/models/m/predict?version=1", json={"probabilities": p.tolist()})
     v1 = calibrators.from_params(client.get("/v1/models/m/calibrators/1").json()["params"])
     np.testing.assert_allclose(

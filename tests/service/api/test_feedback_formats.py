@@ -21,6 +21,7 @@ import service.observe.monitoring
 from service.api.app import create_app
 from service.storage.db import FeedbackBin
 from service.vocabulary import DEFAULT_ALIAS
+from tests.oracles import softmax
 from tests.service.helpers import (
     assert_problem,
     create_model,
@@ -37,11 +38,6 @@ URL = "/v1/models/m/feedback"
 OCTET = {"content-type": "application/octet-stream"}
 X_NPZ = {"content-type": "application/x-npz"}
 LIMIT = 50
-
-
-def softmax(z: np.ndarray) -> np.ndarray:
-    e = np.exp(z - z.max(axis=1, keepdims=True))
-    return e / e.sum(axis=1, keepdims=True)
 
 
 def promoted(client: TestClient) -> TestClient:

@@ -18,6 +18,7 @@ from calibrators.evaluation.holdout import split_indices
 from service.api.app import create_app
 from service.offline import main as offline_main
 from service.vocabulary import DEFAULT_ALIAS, FITTED
+from tests.oracles import wait_for_version
 from tests.service.helpers import (
     assert_problem,
     create_model,
@@ -29,7 +30,6 @@ from tests.service.helpers import (
     npz,
     promote,
     upload,
-    wait_for,
 )
 from tests.strategies import JSON_VALUES
 
@@ -184,7 +184,7 @@ def test_import_evaluates_posted_params_like_a_fit(client):
     queued = r.json()
     assert queued["status"] == "queued"
     assert r.headers["location"] == queued["status_url"] == "/v1/models/m/calibrators/1"
-    v = wait_for(client, "m", queued["version"])
+    v = wait_for_version(client, "m", queued["version"])
     assert (v["status"], v["source"], v["method"], v["chosen_method"]) == (
         "succeeded", "params", "temperature", "temperature"
     )
@@ -349,4 +349,4 @@ def test_any_params_are_a_202_or_a_422(client, changes, method):
     r = client.post(IMPORT, json={"dataset_id": 1, "params": params})
     assert r.status_code in (202, 422), r.text
     if r.status_code == 202:  # refused now, or evaluated: never a failed job
-        assert wait_for(client, "m", r.json()["version"])["status"] in FITTED
+        assert wait_for_version(client, "m", r.json()["version"])["status"] in FITTED

@@ -26,6 +26,7 @@ from service.security import keys
 from service.serving import inference
 from service.storage.db import make_engine
 from service.vocabulary import DEFAULT_ALIAS
+from tests.oracles import softmax
 from tests.service.helpers import (
     assert_problem,
     create_model,
@@ -70,11 +71,6 @@ def served(module_client) -> TestClient:
 
 def rows(n: int = 5, k: int = K, seed: int = 7) -> np.ndarray:
     return (np.random.default_rng(seed).normal(size=(n, k)) * 3).astype(np.float32)
-
-
-def softmax(z: np.ndarray) -> np.ndarray:
-    e = np.exp(z - z.max(axis=1, keepdims=True))
-    return e / e.sum(axis=1, keepdims=True)
 
 
 def tensor(arr: np.ndarray, datatype: str = "FP32", **extra) -> dict:

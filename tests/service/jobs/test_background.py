@@ -12,7 +12,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.api.app import create_app
-from tests.service.helpers import create_model, fit, logits_data, make_settings, upload, wait_for
+from tests.oracles import wait_for_version
+from tests.service.helpers import create_model, fit, logits_data, make_settings, upload
 
 
 def test_fit_in_a_worker_process(database_url, tmp_path):
@@ -86,7 +87,7 @@ def test_predict_is_not_blocked_by_a_running_fit(tmp_path):
                 ]
                 if all(s in ("succeeded", "rejected", "failed") for s in states):
                     break
-        fits = [wait_for(c, "heavy", n) for n in versions]
+        fits = [wait_for_version(c, "heavy", n) for n in versions]
         assert all(f["status"] == "succeeded" for f in fits), fits
         windows = [(_stamp(f["started_at"]), _stamp(f["finished_at"])) for f in fits]
         during = np.array(

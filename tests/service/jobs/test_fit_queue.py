@@ -18,6 +18,7 @@ from service.jobs.attempts import HANDED_BACK, WorkerConfig
 from service.jobs.local import LocalQueue
 from service.storage import fits, registry
 from service.vocabulary import DEFAULT_NAMESPACE
+from tests.oracles import wait_for_version
 from tests.service.helpers import (
     assert_problem,
     create_model,
@@ -26,7 +27,6 @@ from tests.service.helpers import (
     logits_data,
     make_settings,
     upload,
-    wait_for,
 )
 
 
@@ -118,7 +118,7 @@ def test_cancel_a_running_fit_frees_the_worker(database_url, tmp_path):
         t0 = time.monotonic()
         r = c.post(f"/v1/models/m/calibrators/{slow}/cancel")
         assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
-        after = wait_for(c, "m", quick, timeout=30)
+        after = wait_for_version(c, "m", quick, timeout=30)
         assert after["status"] == "succeeded", after
         assert time.monotonic() - t0 < 15  # the worker was freed: the dirichlet fit takes minutes
         assert c.get(f"/v1/models/m/calibrators/{slow}").json()["status"] == "cancelled"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import tracemalloc
 import zlib
 
 import numpy as np
@@ -23,6 +22,7 @@ from fastapi.testclient import TestClient
 from service.api.app import create_app
 from service.api.codecs import oip
 from service.server import budget
+from tests.oracles import traced_peak
 from tests.service.helpers import (
     assert_problem,
     create_model,
@@ -155,12 +155,7 @@ def test_a_compression_bomb_inflates_no_further_than_the_rows_can_need(served, r
         url, headers["content-type"] = "/v2/models/m/infer", "application/octet-stream"
         headers[oip.HEADER_LENGTH] = "100"
     settings = served.app.state.welltempered.settings
-    tracemalloc.start()
-    try:
-        r = served.post(url, content=bomb, headers=headers)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    r, peak = traced_peak(served.post, url, content=bomb, headers=headers)
     assert r.status_code in (400, 413), r.text
     rows = settings.max_predict_rows
     # the largest body K = 4 and the row limit allow, as JSON (48 bytes a number, 64 a row)

@@ -80,7 +80,8 @@ def test_a_worker_that_shares_only_the_store_and_the_database(pg_schema, tmp_pat
     """The API replica and the worker each have their own data folder; the arrays are
     behind a URL (local:// standing in for an object store)."""
     from service.storage import migrate
-    from tests.service.test_fleet import FAST_HEARTBEATS, npz, version, wait_until
+    from tests.oracles import wait_for_version
+    from tests.service.test_fleet import FAST_HEARTBEATS, npz, version
 
     migrate.upgrade(pg_schema)
     store = f"local://{tmp_path / 'object-store'}"
@@ -109,7 +110,7 @@ def test_a_worker_that_shares_only_the_store_and_the_database(pg_schema, tmp_pat
             "/v1/models/m/calibrators", json={"dataset_id": r.json()["id"], "method": "temperature"}
         )
         v = r.json()["version"]
-        done = wait_until(c, "m", v, lambda b: b["status"] not in ("queued", "running"))
+        done = wait_for_version(c, "m", v, lambda b: b["status"] not in ("queued", "running"))
         assert done["status"] == "succeeded", done
         assert version(c, "m", v)["params"]["method"] == "temperature"
     assert not (tmp_path / "api" / "arrays").exists()

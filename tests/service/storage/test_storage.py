@@ -15,7 +15,8 @@ from service.storage import fits, registry
 from service.storage.arrays import ArrayStore
 from service.storage.db import make_engine
 from service.vocabulary import DEFAULT_NAMESPACE
-from tests.service.helpers import create_model, dead_process_temp, logits_data, upload, wait_for
+from tests.oracles import wait_for_version
+from tests.service.helpers import create_model, dead_process_temp, logits_data, upload
 
 
 def test_put_is_content_addressed_and_atomic(tmp_path, monkeypatch):
@@ -83,6 +84,6 @@ def test_fits_left_by_a_dead_process_run_at_the_next_start(settings):
     finally:
         engine.dispose()
     with TestClient(create_app(settings)) as c:
-        done = [wait_for(c, "m", v) for v in left]
+        done = [wait_for_version(c, "m", v) for v in left]
     assert [v["status"] for v in done] == ["succeeded", "succeeded"], done
     assert [v["attempts"] for v in done] == [1, 2 if settings.is_sqlite else 1]
