@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import socket
 import sys
 import tempfile
@@ -34,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sqlalchemy import create_engine, text
 
 from service.storage import migrate
+from tests.oracles import wait_for_version
 from tests.service.helpers import PG_URL, logits_data, new_schema
 from tests.service.servers import Server
 
@@ -107,8 +109,8 @@ def kill(args) -> None:
             z, y = logits_data(300, 3)
             d = c.post(f"{m}/datasets", json={"logits": z.tolist(), "labels": y.tolist()}).json()
             c.post(f"{m}/calibrators", json={"dataset_id": d["id"], "method": "temperature"})
-            while c.get(f"{m}/calibrators/1").json()["status"] != "succeeded":
-                time.sleep(0.1)
+            body = wait_for_version(c, "m", 1, timeout=math.inf, interval=0.1)
+            assert body["status"] == "succeeded", body
             assert c.put(f"{m}/aliases/production", json={"version": 1}).status_code == 200
             stop, kills = threading.Event(), [0]
 

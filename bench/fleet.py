@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import io
 import json
+import math
 import os
 import sys
 import tempfile
@@ -49,6 +50,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tests.oracles import wait_for_version  # noqa: E402
 from tests.service.helpers import PG_URL, logits_data, new_schema  # noqa: E402
 from tests.service.servers import Server, Worker  # noqa: E402
 
@@ -252,11 +254,7 @@ def one_at_a_time(c: httpx.Client, model: str, ds: int, count: int) -> dict:
     for i in range(count):
         t0 = time.perf_counter()
         v = submit(c, model, ds, "temperature", seed=i)
-        while True:
-            body = version(c, model, v)
-            if body["status"] in FINISHED:
-                break
-            time.sleep(0.01)
+        body = wait_for_version(c, model, v, timeout=math.inf, interval=0.01)
         client.append(time.perf_counter() - t0)
         if body["status"] != "succeeded":
             raise RuntimeError(f"fit {v}: {body['status']} {body['error']}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import signal
 import socket
@@ -30,6 +31,10 @@ import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.oracles import wait_for_version  # noqa: E402
+
 K = 10
 
 
@@ -130,8 +135,9 @@ def prepare(base: str, key: str, model: str) -> None:
         ds = c.post(f"/v1/models/{model}/datasets", json=body).json()["id"]
         fit = {"dataset_id": ds, "method": "temperature"}
         v = c.post(f"/v1/models/{model}/calibrators", json=fit).json()["version"]
-        while c.get(f"/v1/models/{model}/calibrators/{v}").json()["status"] != "succeeded":
-            time.sleep(0.1)
+        body = wait_for_version(c, model, v, timeout=math.inf, interval=0.1)
+        if body["status"] != "succeeded":
+            raise RuntimeError(f"fit {body['version']}: {body['status']} {body['error']}")
         c.put(f"/v1/models/{model}/aliases/production", json={"version": v}).raise_for_status()
 
 

@@ -33,6 +33,7 @@ import argparse
 import math
 import os
 import platform
+import sys
 import time
 import tracemalloc
 from pathlib import Path
@@ -43,6 +44,10 @@ from threadpoolctl import threadpool_limits
 import calibrators
 from calibrators.evaluation.metrics import report
 from calibrators.methods import _linear
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.oracles import softmax
 
 #: The shared CIFAR outputs (``--refine``).
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -194,7 +199,7 @@ def main(argv=None) -> None:
     z, y = make_logits(args.n, args.k, 0)
     zt, yt = make_logits(args.n, args.k, 1)
     print(f"data: fit {z.shape} float32 ({z.nbytes / 2**20:.1f} MiB), test {zt.shape}; seed {SEED}")
-    raw = report(_softmax(zt), yt)
+    raw = report(softmax(zt), yt)
     rows = [("uncalibrated", None, None, raw, None, None)]
     breakdowns = {}
     for method in methods:
@@ -343,14 +348,6 @@ def refine(files: list[str], rounds: int, factor: float) -> None:
 
 def _fmt(value) -> str:
     return "-" if value is None else f"{value:g}"
-
-
-def _softmax(z: np.ndarray) -> np.ndarray:
-    u = z.astype(np.float64)
-    u -= u.max(axis=1, keepdims=True)
-    np.exp(u, out=u)
-    u /= u.sum(axis=1, keepdims=True)
-    return u
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ def run_file(path: Path, methods, with_auto: bool, refit: bool) -> None:
     best = min(methods, key=lambda m: np.mean(nll[m]))
     per_split = np.min([nll[m] for m in methods], axis=0)
     print(f"best candidate per split (auto run on the whole file at holdout 0.5, as "
-          f"tests/service/test_auto_splits.py runs it): {summary(per_split)}, "
+          f"tests/service/jobs/test_auto_splits.py runs it): {summary(per_split)}, "
           f"{per_split.mean() - np.mean(nll[best]):+.4f} against {best}")
     if with_auto:
         a = np.asarray(auto)

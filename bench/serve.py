@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import math
 import os
 import socket
 import subprocess
@@ -28,6 +29,11 @@ from pathlib import Path
 import numpy as np
 import orjson
 from fastapi import Request, Response
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.oracles import wait_for_version  # noqa: E402
 
 K = 1000
 MODEL = "bench"
@@ -173,8 +179,9 @@ def setup(port: int) -> None:
         )
         r.raise_for_status()
         version = r.json()["version"]
-        while c.get(f"/v1/models/{MODEL}/calibrators/{version}").json()["status"] != "succeeded":
-            time.sleep(0.1)
+        body = wait_for_version(c, MODEL, version, timeout=math.inf, interval=0.1)
+        if body["status"] != "succeeded":
+            raise RuntimeError(f"fit {body['version']}: {body['status']} {body['error']}")
         c.put(f"/v1/models/{MODEL}/aliases/production", json={"version": version})
 
 

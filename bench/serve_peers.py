@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import os
 import socket
 import subprocess
@@ -43,6 +44,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.oracles import wait_for_version  # noqa: E402
+
 K = 1000
 MODEL = "bench"
 
@@ -230,8 +235,7 @@ def prepare_ours(tmp: Path, **settings: str) -> tuple[subprocess.Popen, int, Pat
         c.post(
             f"/v1/models/{MODEL}/calibrators", json={"dataset_id": ds, "method": "temperature"}
         ).raise_for_status()
-        while c.get(f"/v1/models/{MODEL}/calibrators/1").json()["status"] in ("queued", "running"):
-            time.sleep(0.1)
+        wait_for_version(c, MODEL, 1, timeout=math.inf, interval=0.1)
         c.put(f"/v1/models/{MODEL}/aliases/production", json={"version": 1}).raise_for_status()
         onnx = tmp / "model.onnx"
         onnx.write_bytes(c.get(f"/v1/models/{MODEL}/calibrators/1/onnx").content)

@@ -163,7 +163,7 @@ def softmax_entropy(u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
     a sum of two non-negative terms: one log per row and a dot product instead of a
     log per entry. It equals ``scipy.special.entr(p).sum(axis=1)`` to rounding
-    (``tests/calibrators/test_metrics.py`` checks 1e-12 relative). ``u`` is
+    (``tests/calibrators/evaluation/test_metrics.py`` checks 1e-12 relative). ``u`` is
     overwritten with ``d``.
 
     Parameters

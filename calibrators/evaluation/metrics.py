@@ -89,13 +89,13 @@ from a small sample. Two estimators come with an interval at ``level`` (0.95):
 Both intervals are clipped at 0 and can contain it: the true error of a calibrated
 model is exactly 0, and the lower bound is 0 unless the data show more error than
 a calibrated model's noise (a one-sided test at about ``(1 - level) / 2``), so it
-is the figure to alert on. ``tests/calibrators/test_metrics_intervals.py`` checks
+is the figure to alert on. ``tests/calibrators/evaluation/test_metrics_intervals.py`` checks
 the coverage by simulation.
 
 Differences from netcal
 -----------------------
 netcal (``netcal.metrics.ECE`` / ``MCE`` / ``ACE``, version 1.4) is the test
-oracle: ``tests/calibrators/test_metrics.py`` compares the two on the shared
+oracle: ``tests/calibrators/evaluation/test_metrics.py`` compares the two on the shared
 CIFAR files, where they agree to 1e-6. What differs, and why:
 
 * Equal-width ECE and MCE: same edges, same half-open rule (numpy's

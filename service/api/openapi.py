@@ -6,7 +6,7 @@ service answers every error as RFC 9457 ``application/problem+json``
 (:mod:`service.security.auth`). :func:`install` post-processes the generated document
 once: a ``Problem`` schema, the error statuses each operation can return, and
 the ``bearer`` security scheme on every non-open operation. The fuzz test
-(tests/service/test_fuzz.py) checks the responses against this document.
+(tests/service/api/test_fuzz.py) checks the responses against this document.
 """
 
 from __future__ import annotations

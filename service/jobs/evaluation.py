@@ -49,7 +49,7 @@ NLL_STANDARD_ERRORS = 5.0
 #: The most bytes the ``fit_info`` of posted parameters may take, serialised as it is
 #: stored (compact JSON, UTF-8): it is stored with the version and answered by every
 #: GET of it. Every method's own ``fit_info`` is far inside these bounds at any K
-#: (tests/service/test_import_bounds.py).
+#: (tests/service/jobs/test_import_bounds.py).
 MAX_FIT_INFO_BYTES = 64 * 1024
 #: The deepest nesting of objects and arrays in a posted ``fit_info`` (``fit_info``
 #: itself is the first level).

@@ -679,7 +679,7 @@ def _observe_many(child, values: np.ndarray) -> None:
     in multiprocess mode. Its histogram keeps non-cumulative bucket counters
     (``_buckets``, one per ``_upper_bounds`` entry, the last +Inf) and ``_sum``, and
     ``observe`` puts ``v`` in the first bucket with ``v <= bound``: that is
-    ``searchsorted(bounds, v, side="left")``. tests/service/test_observability.py
+    ``searchsorted(bounds, v, side="left")``. tests/service/observe/test_observability.py
     checks the result equals per-row ``observe``.
     """
     v = np.asarray(values, dtype=np.float64).ravel()

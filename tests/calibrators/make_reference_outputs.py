@@ -46,6 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.oracles import softmax
+
 PATH = Path(__file__).resolve().parent / "data" / "reference_outputs.npz"
 
 #: The machine the file was first written on: numpy's SIMD dispatch and OpenBLAS's
@@ -83,8 +85,7 @@ def dataset() -> dict[str, np.ndarray]:
     labels = rng.integers(0, N_CLASSES, N_ROWS)
     logits = rng.normal(size=(N_ROWS, N_CLASSES)) * 2.0
     logits[np.arange(N_ROWS), labels] += 1.5
-    e = np.exp(logits - logits.max(axis=1, keepdims=True))
-    probabilities = e / e.sum(axis=1, keepdims=True)
+    probabilities = softmax(logits)
     probabilities[N_FIT + 1, (labels[N_FIT + 1] + 1) % N_CLASSES] = 0.0  # a log of -inf
     probabilities[N_FIT + 1] /= probabilities[N_FIT + 1].sum()
     return {"logits": logits, "labels": labels, "probabilities": probabilities}

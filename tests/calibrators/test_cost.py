@@ -6,7 +6,6 @@ ratio, loosely). No timing is asserted."""
 from __future__ import annotations
 
 import gc
-import tracemalloc
 from itertools import pairwise
 
 import numpy as np
@@ -16,6 +15,7 @@ import calibrators
 from calibrators import CALIBRATORS, METHODS, CalibrationInputError, Cost
 from calibrators.base import Calibrator
 from calibrators.cost import conservative_cost, largest_classes, lbfgs_bytes
+from tests.oracles import traced_peak
 
 
 # -- the entry points ------------------------------------------------------------
@@ -105,12 +105,7 @@ def _measured_peak(method: str, options: dict, n: int, k: int) -> int:
     z = rng.standard_normal((n, k), dtype=np.float32) * 2
     z[np.arange(n), y] += 3.0
     gc.collect()
-    tracemalloc.start()
-    try:
-        calibrators.create(method, **options).fit(z, y)
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    return traced_peak(lambda: calibrators.create(method, **options).fit(z, y))[1]
 
 
 #: (method, options, (N, K) small, (N, K) large): the two sizes of each check.

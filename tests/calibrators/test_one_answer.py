@@ -18,17 +18,13 @@ import calibrators
 from calibrators.base import PARAMS_FORMAT_1
 from calibrators.validation import KINDS, KindError
 from tests.calibrators.helpers import onnx_outputs
+from tests.oracles import softmax
 from tests.strategies import same_distribution
 
 #: The agreement the issue asks for.
 ATOL = 1e-6
 #: Each method's fit is the slow part: a bounded number of examples per method.
 EXAMPLES = 12
-
-
-def softmax(z: np.ndarray) -> np.ndarray:
-    e = np.exp(z - z.max(axis=1, keepdims=True))
-    return e / e.sum(axis=1, keepdims=True)
 
 
 @pytest.mark.parametrize("method", calibrators.METHODS)

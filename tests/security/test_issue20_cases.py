@@ -18,7 +18,7 @@ costs the server less than :data:`RSS_BOUND`.
    ``nll-worse-than-uncalibrated``, and never served (409).
 7. class names with NUL, CR, LF, U+202E, or empty: 422 naming the code point.
 8. two serves on one host with the default metrics address: both start, on two ports
-   of the default range. tests/service/test_metrics_ports.py checks the mechanism on a
+   of the default range. tests/service/server/test_metrics_ports.py checks the mechanism on a
    block of free ports given explicitly; this one uses the default setting itself.
 
 Run: ``pytest -m "process and slow" tests/security/test_issue20_cases.py``; the table
@@ -50,8 +50,8 @@ from service.vocabulary import (
     MAX_CLASS_NAME_CHARS,
     MAX_CLASS_NAMES_BYTES,
     NLL_WORSE,
-    UNFINISHED,
 )
+from tests.oracles import wait_for_version
 from tests.security.budget_cases import Reply, exchange
 from tests.security.memory import RssMonitor
 from tests.service.servers import Server
@@ -91,16 +91,6 @@ def data(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return z, y
 
 
-def wait_for(c: httpx.Client, version: int, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        body = c.get(f"/v1/models/{MODEL}/calibrators/{version}").json()
-        if body["status"] not in UNFINISHED:
-            return body
-        assert time.monotonic() < deadline, body
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, request):
     """The server; model :data:`MODEL` (K=10, argmax policy off, the longest class
@@ -121,7 +111,7 @@ def served(tmp_path_factory, request):
             r = c.post(f"/v1/models/{MODEL}/calibrators",
                        json={"dataset_id": dataset, "method": "temperature"})
             assert r.status_code == 202, r.text
-            assert wait_for(c, r.json()["version"])["status"] == "succeeded"
+            assert wait_for_version(c, MODEL, r.json()["version"])["status"] == "succeeded"
             r = c.put(f"/v1/models/{MODEL}/aliases/{DEFAULT_ALIAS}",
                       json={"version": r.json()["version"]})
             assert r.status_code == 200, r.text
@@ -433,7 +423,7 @@ def test_6_import_of_one_hot_parameters_is_rejected_and_never_served(served):
             r = c.post(f"/v1/models/{MODEL}/calibrators/import",
                        json={"dataset_id": served["dataset"], "params": params})
             assert r.status_code == 202, r.text
-            version = wait_for(c, r.json()["version"])
+            version = wait_for_version(c, MODEL, r.json()["version"])
             predict = c.post(f"/v1/models/{MODEL}/predict?version={version['version']}",
                              json={"logits": z[:2].tolist()})
             return version, predict

@@ -14,6 +14,7 @@ import pytest
 
 from calibrators.validation import CalibrationInputError, as_labels, as_scores
 from service.api.codecs import rules
+from tests.oracles import softmax
 from tests.security import payloads as pl
 from tests.service.helpers import assert_problem
 
@@ -27,8 +28,7 @@ K = 4
 
 def probabilities(n: int = 20, seed: int = 0) -> np.ndarray:
     z = np.random.default_rng(seed).normal(size=(n, K)) * 3
-    p = np.exp(z - z.max(axis=1, keepdims=True))
-    return p / p.sum(axis=1, keepdims=True)
+    return softmax(z)
 
 
 def labelled_npz(name: str, scores: np.ndarray) -> bytes:

@@ -13,7 +13,6 @@ import os
 import sqlite3
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
@@ -29,7 +28,8 @@ from sqlalchemy.engine import make_url
 
 from service.settings import Settings
 from service.storage import migrate
-from service.vocabulary import DEFAULT_ALIAS, UNFINISHED
+from service.vocabulary import DEFAULT_ALIAS
+from tests.oracles import wait_for_version
 
 PG_URL = os.environ.get(
     "WELLTEMPERED_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -73,7 +73,7 @@ def migrated_database(request, backend: str, directory: Path) -> Iterator[str]:
     Neither is migrated here: the file is a copy of one Alembic migrated once per test
     process (the ``sqlite_template`` fixture), the schema an emptied one of the
     ``pg_schemas`` pool (:class:`SchemaPool`); both take a fraction of the migrations'
-    time. tests/service/test_migrations.py migrates empty databases and checks that
+    time. tests/service/storage/test_migrations.py migrates empty databases and checks that
     models and migrations agree; tests/service/test_isolation.py that these are empty
     and at head."""
     if backend == "sqlite":
@@ -216,7 +216,7 @@ def make_settings(database_url: str, tmp_path: Path, **overrides) -> Settings:
         "fit_executor": "thread",
         "progress_interval_seconds": 0.05,
         # The API tests predate keys: they run with auth off (namespace "default");
-        # tests/service/test_auth.py runs with it on.
+        # tests/service/security/test_auth.py runs with it on.
         "auth": "off",
     }
     values.update(overrides)
@@ -267,26 +267,13 @@ def upload(client: TestClient, model: str, logits, labels, kind: str = "logits")
     return r.json()
 
 
-def wait_for(client: TestClient, model: str, version: int, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        r = client.get(f"/v1/models/{model}/calibrators/{version}")
-        assert r.status_code == 200, r.text
-        body = r.json()
-        if body["status"] not in UNFINISHED:
-            return body
-        if time.monotonic() > deadline:
-            raise AssertionError(f"fit still {body['status']} after {timeout}s: {body}")
-        time.sleep(0.02)
-
-
 def fit(client: TestClient, model: str, dataset_id: int, method: str = "temperature", **extra):
     r = client.post(
         f"/v1/models/{model}/calibrators",
         json={"dataset_id": dataset_id, "method": method, **extra},
     )
     assert r.status_code == 202, r.text
-    return wait_for(client, model, r.json()["version"])
+    return wait_for_version(client, model, r.json()["version"], interval=0.02)
 
 
 def import_params(client: TestClient, model: str, dataset_id: int, params: dict, **extra):
@@ -297,7 +284,7 @@ def import_params(client: TestClient, model: str, dataset_id: int, params: dict,
     )
     assert r.status_code == 202, r.text
     assert r.headers["location"] == r.json()["status_url"]
-    return wait_for(client, model, r.json()["version"])
+    return wait_for_version(client, model, r.json()["version"], interval=0.02)
 
 
 def assert_problem(r, status: int, *words: str) -> dict:

@@ -22,6 +22,7 @@ from sqlalchemy.engine import make_url
 
 import calibrators
 from service.storage.arrays import ArrayStore
+from tests.oracles import status_is, wait_for_version
 from tests.service.helpers import logits_data
 from tests.service.servers import Server
 
@@ -32,16 +33,6 @@ def npz_bytes(logits: np.ndarray, labels: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.savez(buf, logits=logits.astype(np.float32), labels=labels)
     return buf.getvalue()
-
-
-def wait_status(c: httpx.Client, model: str, version: int, statuses, timeout=120) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        body = c.get(f"/v1/models/{model}/calibrators/{version}").json()
-        if body["status"] in statuses:
-            return body
-        assert time.monotonic() < deadline, body
-        time.sleep(0.05)
 
 
 def slow_body(payload: bytes, pieces: int, pause: float, stop: threading.Event):
@@ -72,11 +63,11 @@ def test_sigkill_during_fit_and_upload_leaves_nothing_half_written(database_url,
         assert r.status_code == 201, r.text
         ds = r.json()["id"]
         r = c.post("/v1/models/m/calibrators", json={"dataset_id": ds, "method": "temperature"})
-        assert wait_status(c, "m", r.json()["version"], ("succeeded",))["version"] == 1
+        assert wait_for_version(c, "m", r.json()["version"], status_is("succeeded"))["version"] == 1
         assert c.put("/v1/models/m/aliases/production", json={"version": 1}).status_code == 200
         r = c.post("/v1/models/m/calibrators", json={"dataset_id": ds, "method": "matrix"})
         assert r.status_code == 202 and r.json()["version"] == 2
-        wait_status(c, "m", 2, ("running",))
+        wait_for_version(c, "m", 2, status_is("running"))
         # an upload streaming in while the server dies
         stop = threading.Event()
         other = npz_bytes(*logits_data(5_000, 40, seed=2))
@@ -105,7 +96,7 @@ def test_sigkill_during_fit_and_upload_leaves_nothing_half_written(database_url,
     with Server(database_url, data, **FAST_HEARTBEATS) as server, server.client() as c:
         # Handed back, never failed: the restart (SQLite) or the heartbeat expiry of the
         # dead process's worker (PostgreSQL) queues it again as its second attempt.
-        v2 = wait_status(c, "m", 2, ("running",))
+        v2 = wait_for_version(c, "m", 2, status_is("running"))
         deadline = time.monotonic() + 60
         while v2["attempts"] < 2:
             assert v2["status"] in ("queued", "running") and time.monotonic() < deadline, v2
@@ -204,7 +195,7 @@ def test_alias_moves_under_load_never_mix_versions(database_url, tmp_path):
             )
             body = {"dataset_id": r.json()["id"], "method": "temperature"}
             v = c.post("/v1/models/m/calibrators", json=body).json()["version"]
-            params[v] = wait_status(c, "m", v, ("succeeded",))["params"]
+            params[v] = wait_for_version(c, "m", v, status_is("succeeded"))["params"]
         expected = {v: calibrators.from_params(p).predict_proba(rows) for v, p in params.items()}
         assert np.abs(expected[1] - expected[2]).max() > 0.05  # distinguishable
         c.put("/v1/models/m/aliases/production", json={"version": 1})

@@ -12,7 +12,8 @@ import calibrators
 from service.api.app import create_app
 from service.vocabulary import DEFAULT_ALIAS
 from tests.helpers import DATA_DIR
-from tests.service.helpers import create_model, make_settings, wait_for
+from tests.oracles import wait_for_version
+from tests.service.helpers import create_model, make_settings
 
 # Fixed penalties and an iteration cap bound the K=100 matrix/Dirichlet fits
 # (no cross-validation), so `auto` takes seconds, not minutes.
@@ -54,7 +55,7 @@ def test_upload_auto_promote_predict(cifar100, database_url, tmp_path):
             },
         )
         assert r.status_code == 202, r.text
-        v = wait_for(c, "wrn", r.json()["version"], timeout=600)
+        v = wait_for_version(c, "wrn", r.json()["version"], timeout=600)
         assert v["status"] == "succeeded", v
         cands = v["candidates"]
         assert set(cands) == set(calibrators.METHODS)

@@ -16,6 +16,7 @@ from sqlalchemy.orm import sessionmaker
 
 from service.security.keys import create_key
 from service.storage.db import make_engine
+from tests.oracles import wait_for_version
 from tests.service.helpers import logits_data
 from tests.service.servers import Server, Worker
 
@@ -65,16 +66,6 @@ def version(c: httpx.Client, model: str, v: int) -> dict:
     return r.json()
 
 
-def wait_until(c: httpx.Client, model: str, v: int, check, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        body = version(c, model, v)
-        if check(body):
-            return body
-        assert time.monotonic() < deadline, body
-        time.sleep(0.05)
-
-
 def pid_of(body: dict) -> int:
     return int(body["worker"].split(":")[1])
 
@@ -95,7 +86,7 @@ def test_killed_worker_and_restarted_replicas(fleet_db, tmp_path):
     ):
         ds = prepare(ca, "m", 16000, 100)  # a fit that outlasts two replica starts
         v = submit(ca, "m", ds, "matrix")
-        running = wait_until(cb, "m", v, lambda body: body["status"] == "running")
+        running = wait_for_version(cb, "m", v, lambda body: body["status"] == "running")
         assert running["attempts"] == 1
         first = pid_of(running)
         assert first in (w1.pid, w2.pid)
@@ -109,7 +100,7 @@ def test_killed_worker_and_restarted_replicas(fleet_db, tmp_path):
         # the worker dies
         (w1 if first == w1.pid else w2).kill9()
         other = w2.pid if first == w1.pid else w1.pid
-        done = wait_until(
+        done = wait_for_version(
             cb, "m", v, lambda body: body["status"] not in ("queued", "running"), timeout=480
         )
         assert done["status"] == "succeeded", done
@@ -130,7 +121,7 @@ def test_sigterm_of_a_replica_running_fits_hands_the_fit_back(fleet_db, tmp_path
         with s.client() as c:
             ds = prepare(c, "m", 4000, 100)
             v = submit(c, "m", ds, "matrix")
-            wait_until(c, "m", v, lambda body: body["status"] == "running")
+            wait_for_version(c, "m", v, lambda body: body["status"] == "running")
         t0 = time.monotonic()
         assert s.stop() == 0
         took = time.monotonic() - t0
@@ -142,7 +133,7 @@ def test_sigterm_of_a_replica_running_fits_hands_the_fit_back(fleet_db, tmp_path
         body = version(c, "m", v)
         assert (body["status"], body["attempts"], body["error"]) == ("queued", 1, None), body
         with Worker(fleet_db, data, fit_executor="process", **FAST_HEARTBEATS):
-            done = wait_until(c, "m", v, lambda b: b["status"] not in ("queued", "running"))
+            done = wait_for_version(c, "m", v, lambda b: b["status"] not in ("queued", "running"))
         assert done["status"] == "succeeded" and done["attempts"] == 2, done
 
 
@@ -167,10 +158,12 @@ def test_a_busy_namespace_does_not_starve_another(fleet_db, tmp_path):
         ds_a = prepare(ca, "m", 4000, 100)
         ds_b = prepare(cb, "m", 1000, 10)
         busy = [submit(ca, "m", ds_a, "matrix", seed=i) for i in range(6)]
-        wait_until(ca, "m", busy[0], lambda body: body["status"] == "running")
+        wait_for_version(ca, "m", busy[0], lambda body: body["status"] == "running")
         t0 = time.monotonic()
         mine = submit(cb, "m", ds_b, "temperature")
-        done = wait_until(cb, "m", mine, lambda body: body["status"] == "succeeded", timeout=60)
+        done = wait_for_version(
+            cb, "m", mine, lambda body: body["status"] == "succeeded", timeout=60
+        )
         assert time.monotonic() - t0 < 10, done
         states = [version(ca, "m", v)["status"] for v in busy]
         assert states.count("running") <= 1 and states.count("queued") >= 4, states
@@ -190,14 +183,14 @@ def test_cancel_a_running_fit_on_a_worker(fleet_db, tmp_path):
     ):
         ds = prepare(c, "m", 2000, 1000)
         v = submit(c, "m", ds, "dirichlet")
-        wait_until(c, "m", v, lambda body: body["status"] == "running", timeout=60)
+        wait_for_version(c, "m", v, lambda body: body["status"] == "running", timeout=60)
         nxt = submit(c, "m", ds, "temperature")
         time.sleep(1.0)  # well into the fit
         assert version(c, "m", nxt)["status"] == "queued"
         t0 = time.monotonic()
         r = c.post(f"/v1/models/m/calibrators/{v}/cancel")
         assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
-        started = wait_until(c, "m", nxt, lambda body: body["status"] != "queued", timeout=30)
+        started = wait_for_version(c, "m", nxt, lambda body: body["status"] != "queued", timeout=30)
         assert time.monotonic() - t0 < 5, started
         assert pid_of(started) == w.pid
         assert version(c, "m", v)["status"] == "cancelled"
@@ -218,7 +211,7 @@ def test_rolling_restart_of_both_replicas_behind_the_load_balancer(fleet_db, tmp
     with a, b, a.client() as c:
         ds = prepare(c, "m", 1000, 10)
         v = submit(c, "m", ds, "temperature")
-        wait_until(c, "m", v, lambda body: body["status"] == "succeeded")
+        wait_for_version(c, "m", v, lambda body: body["status"] == "succeeded")
         assert c.put("/v1/models/m/aliases/production", json={"version": v}).status_code == 200
         row = {"logits": logits_data(n=1, k=10)[0].tolist()}
         with fleet_lb.running_haproxy([(a.host, a.port), (b.host, b.port)]) as lb:
@@ -272,13 +265,13 @@ def test_sigterm_of_a_worker_hands_its_fit_back(fleet_db, tmp_path):
             fleet_db, data, fit_executor="process", fit_grace_seconds="1", **FAST_HEARTBEATS
         ) as w:
             v = submit(c, "m", ds, "matrix")
-            wait_until(c, "m", v, lambda body: body["status"] == "running")
+            wait_for_version(c, "m", v, lambda body: body["status"] == "running")
             t0 = time.monotonic()
             assert w.terminate() == 0, w.output()
             assert time.monotonic() - t0 < 1 + 10
         body = version(c, "m", v)
         assert (body["status"], body["attempts"], body["error"]) == ("queued", 1, None), body
         with Worker(fleet_db, data, fit_executor="process", **FAST_HEARTBEATS) as other:
-            done = wait_until(c, "m", v, lambda b: b["status"] not in ("queued", "running"))
+            done = wait_for_version(c, "m", v, lambda b: b["status"] not in ("queued", "running"))
         assert done["status"] == "succeeded" and done["attempts"] == 2, done
         assert pid_of(done) == other.pid

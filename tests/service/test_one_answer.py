@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import calibrators
 from calibrators.base import PARAMS_FORMAT_1
 from calibrators.validation import KINDS
+from tests.oracles import softmax
 from tests.service.helpers import (
     assert_problem,
     create_model,
@@ -27,11 +28,6 @@ from tests.strategies import same_distribution
 K = 4
 #: The agreement the issue asks for.
 ATOL = 1e-6
-
-
-def softmax(z: np.ndarray) -> np.ndarray:
-    e = np.exp(z - z.max(axis=1, keepdims=True))
-    return e / e.sum(axis=1, keepdims=True)
 
 
 def model_name(kind: str) -> str:
