@@ -418,6 +418,26 @@ def as_labels(labels, n_samples: int, n_classes: int) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+def as_sequence_ids(groups, n: int) -> np.ndarray:
+    """The sequence of each of ``n`` rows as integer codes ``0 .. n_sequences - 1``
+    (``numpy.unique``'s order), or CalibrationInputError."""
+    arr = np.asarray(groups)
+    if arr.shape != (n,):
+        raise CalibrationInputError(
+            f"sequence ids must be one per row, shape ({n},). Got shape {arr.shape}."
+        )
+    values = arr.tolist() if arr.dtype.kind == "O" else []
+    if arr.dtype.kind not in "iuUSO" or not (
+        all(isinstance(g, str) for g in values)
+        or all(isinstance(g, int) and not isinstance(g, bool) for g in values)
+    ):
+        raise CalibrationInputError(
+            f"sequence ids must be all integers or all strings. Got dtype {arr.dtype}"
+            + (f" holding {type(values[0]).__name__}" if values else "") + "."
+        )
+    return np.unique(arr, return_inverse=True)[1].reshape(n).astype(np.int64)
+
+
 def as_scores_and_labels(scores, labels, kind: str = "logits"):
     """Validate a labelled score matrix; returns (scores (N, K), labels int64 (N,)).
 

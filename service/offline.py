@@ -18,12 +18,16 @@ The archive holds one score array and one label array:
   one score array (e.g. ``--kind logits`` for a ``predictions`` array that holds
   logits).
 * labels: ``labels`` or netcal's ``ground_truth``, integers in ``[0, K)``.
+* optionally ``sequence_ids``: the sequence (text) of each row, integers or strings,
+  when the rows are tokens of texts.
 
 Split
 -----
 :func:`calibrators.evaluation.holdout.split_indices`, the rule the service uses too: the
 same ``(N, holdout, seed)`` selects the same rows in both. ``--holdout 0.5`` on an
-even ``N`` is the half/half convention of the shared CIFAR data.
+even ``N`` is the half/half convention of the shared CIFAR data. With
+``sequence_ids`` the split is by sequence (no text on both sides), and the JSON
+reports add the per-token and per-sequence NLL (``sequences``).
 
 Output
 ------
@@ -56,7 +60,7 @@ import numpy as np
 from calibrators import METHODS, create
 from calibrators.evaluation.checks import RANK_BUCKETS, argmax_report
 from calibrators.evaluation.holdout import DEFAULT_HOLDOUT, check_holdout, split_indices
-from calibrators.evaluation.metrics import report
+from calibrators.evaluation.metrics import report, sequence_nll_summary
 from calibrators.validation import (
     KINDS,
     CalibrationInputError,
@@ -87,6 +91,8 @@ SCORE_ARRAYS = {
 DEMO_NAME = "demo: scikit-learn digits, logistic regression (temporary file)"
 #: Label array names, in order of preference.
 LABEL_ARRAYS = ("labels", "ground_truth")
+#: The optional array of the sequence (text) of each row, when rows are tokens.
+SEQUENCE_ARRAY = "sequence_ids"
 
 
 class OfflineError(ValueError):
@@ -183,11 +189,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_file(path: Path, methods, args: argparse.Namespace) -> dict[str, Any]:
-    scores, labels, kind, names = load_npz(path, kind=args.kind)
+    scores, labels, kind, names, sequences = load_npz(path, kind=args.kind)
     progress = sys.stderr.isatty()
     result = compare(
         scores, labels, kind=kind, methods=methods, holdout=args.holdout, seed=args.seed,
-        progress=progress,
+        progress=progress, sequences=sequences,
     )
     return {"file": str(path), "arrays": names, **result}
 
@@ -230,7 +236,10 @@ def load_npz(path, *, kind: str | None = None):
     labels : ndarray of shape (n_samples,)
     kind : {"logits", "probabilities"}
     names : dict
-        ``{"scores": name, "labels": name}``, the arrays used.
+        ``{"scores": name, "labels": name}``, the arrays used (and ``"sequences"``).
+    sequences : ndarray of shape (n_samples,) or None
+        The archive's ``sequence_ids``: the sequence (text) of each row, when its
+        rows are tokens; the split is then by sequence (see :func:`compare`).
 
     Raises
     ------
@@ -253,6 +262,7 @@ def load_npz(path, *, kind: str | None = None):
                     f"Got arrays {files}."
                 )
             scores, labels = archive[score_name], archive[label_name]
+            sequences = archive[SEQUENCE_ARRAY] if SEQUENCE_ARRAY in files else None
     except OfflineError:
         raise
     except FileNotFoundError:
@@ -261,7 +271,10 @@ def load_npz(path, *, kind: str | None = None):
         raise OfflineError(f"cannot read {path} as .npz: {exc}.") from None
     if kind is None:
         kind = SCORE_ARRAYS[score_name]
-    return scores, labels, kind, {"scores": score_name, "labels": label_name}
+    names = {"scores": score_name, "labels": label_name}
+    if sequences is not None:
+        names["sequences"] = SEQUENCE_ARRAY
+    return scores, labels, kind, names, sequences
 
 
 def _pick_scores(files: list[str], kind: str | None, path: Path) -> str:
@@ -284,7 +297,7 @@ def _pick_scores(files: list[str], kind: str | None, path: Path) -> str:
 
 def compare(scores, labels, *, kind: str = "logits", methods=METHODS,
             holdout: float = DEFAULT_HOLDOUT, seed: int = 0,
-            progress: bool = False) -> dict[str, Any]:
+            progress: bool = False, sequences=None) -> dict[str, Any]:
     """Fit each method on one part of the rows and evaluate it on the other.
 
     Parameters
@@ -298,6 +311,10 @@ def compare(scores, labels, *, kind: str = "logits", methods=METHODS,
     holdout : float, default=DEFAULT_HOLDOUT
         Fraction of rows held out (see :func:`calibrators.evaluation.holdout.split_indices`).
     seed : int, default 0
+    sequences : array-like of shape (n_samples,), optional
+        The sequence (text) of each row when rows are tokens: the split is then by
+        sequence (no text on both sides), and each report gains ``sequences``
+        (:func:`calibrators.evaluation.metrics.sequence_nll_summary` of the held-out rows).
     progress : bool, default False
         Say on stderr which method is being fitted.
 
@@ -322,13 +339,22 @@ def compare(scores, labels, *, kind: str = "logits", methods=METHODS,
     """
     x, y = as_scores_and_labels(scores, labels, kind)
     n, k = x.shape
-    fit_idx, test_idx = split_indices(n, holdout, seed)
+    fit_idx, test_idx = split_indices(n, holdout, seed, groups=sequences)
     x_fit, y_fit = x[fit_idx], y[fit_idx]
     x_test, y_test = x[test_idx], y[test_idx]
+    seq_test = None if sequences is None else np.asarray(sequences)[test_idx]
+
+    def summary(probs) -> dict[str, Any]:
+        out = report(probs, y_test)
+        if seq_test is not None:
+            out["sequences"] = sequence_nll_summary(probs, y_test, seq_test)
+        return out
+
     out: dict[str, Any] = {
         "n": int(n), "n_classes": int(k), "kind": kind, "holdout": float(holdout),
         "seed": int(seed), "n_fit": int(fit_idx.shape[0]), "n_holdout": int(test_idx.shape[0]),
-        "uncalibrated": report(to_probabilities(x_test, kind), y_test),
+        "n_sequences": None if sequences is None else len(np.unique(sequences)),
+        "uncalibrated": summary(to_probabilities(x_test, kind)),
         "methods": {},
     }
     for method in methods:
@@ -343,7 +369,7 @@ def compare(scores, labels, *, kind: str = "logits", methods=METHODS,
         seconds = time.perf_counter() - started
         probs = cal.predict_proba(x_test, kind=kind)
         out["methods"][method] = {
-            "report": report(probs, y_test),
+            "report": summary(probs),
             "argmax": argmax_report(x_test, probs, kind=kind),
             "fit_seconds": seconds,
             "params": cal.to_params(),

@@ -7,6 +7,14 @@ always selects the same rows everywhere.
 Rule: ``perm = numpy.random.default_rng(seed).permutation(n)``; the last
 ``n_holdout = round(n * holdout)`` entries of ``perm`` are held out (Python's
 ``round``, halves to even), the first ``n - n_holdout`` are fitted on.
+
+Rows of one sequence (the tokens of one text, given as ``groups``) are correlated: a
+split by rows puts some of a text's tokens on each side, and the held-out figures are
+optimistic. With ``groups`` the split is by sequence: ``perm`` permutes the distinct
+sequences (``numpy.unique`` order), and the whole sequences at the end of ``perm``
+whose rows come nearest ``round(n * holdout)`` are held out (at least one; on a tie,
+fewer): the held-out share is ``holdout`` to within one sequence. No sequence is on
+both sides.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ import math
 
 import numpy as np
 
-from calibrators.validation import CalibrationInputError
+from calibrators.validation import CalibrationInputError, as_sequence_ids
 
 #: Fraction of rows held out when the caller does not say.
 DEFAULT_HOLDOUT = 0.2
@@ -49,7 +57,7 @@ def split_sizes(n: int, holdout: float = DEFAULT_HOLDOUT) -> tuple[int, int]:
 
 
 def split_indices(
-    n: int, holdout: float = DEFAULT_HOLDOUT, seed: int = 0
+    n: int, holdout: float = DEFAULT_HOLDOUT, seed: int = 0, *, groups=None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Row indices of the fit part and the held-out part.
 
@@ -61,16 +69,24 @@ def split_indices(
         Fraction of rows held out, in (0, 1).
     seed : int, default=0
         Seed of the permutation.
+    groups : array-like of shape (n,), optional
+        The sequence of each row (integers or strings): the split is then by
+        sequence (see the module docstring).
 
     Returns
     -------
     fit_idx : ndarray of shape (n - round(n * holdout),), int64
     holdout_idx : ndarray of shape (round(n * holdout),), int64
+        Without ``groups``; with them, whole sequences, the held-out part the nearest
+        to ``round(n * holdout)`` rows whole sequences allow, each part's rows in the order of
+        their sequences in the permutation and then of the rows.
 
     Raises
     ------
     CalibrationInputError
-        ``holdout`` outside (0, 1), or a part would be too small.
+        ``holdout`` outside (0, 1), or a part would be too small (by sequence: both
+        parts need a sequence, and the fit part ``MIN_FIT_ROWS`` rows), or ``groups``
+        not one id per row.
 
     Examples
     --------
@@ -79,7 +95,36 @@ def split_indices(
     (7, 3)
     >>> sorted(np.concatenate([fit_idx, test_idx]).tolist()) == list(range(10))
     True
+    >>> fit_idx, test_idx = split_indices(6, 0.5, seed=0, groups=["a", "a", "b", "b", "c", "c"])
+    >>> sorted(test_idx.tolist())
+    [2, 3]
     """
-    n_fit, _ = split_sizes(n, holdout)
-    perm = np.random.default_rng(seed).permutation(n)
-    return perm[:n_fit], perm[n_fit:]
+    if groups is None:
+        n_fit, _ = split_sizes(n, holdout)
+        perm = np.random.default_rng(seed).permutation(n)
+        return perm[:n_fit], perm[n_fit:]
+    return _split_groups(n, check_holdout(holdout), seed, groups)
+
+
+def _split_groups(n: int, holdout: float, seed: int, groups) -> tuple[np.ndarray, np.ndarray]:
+    codes = as_sequence_ids(groups, n)
+    n_groups = int(codes.max()) + 1 if n else 0
+    sizes = np.bincount(codes, minlength=n_groups)
+    perm = np.random.default_rng(seed).permutation(n_groups)
+    want = round(n * holdout)
+    # Held out: the tail of the permutation whose rows are nearest `want` (at least one
+    # sequence; on a tie, the shorter tail).
+    tail = np.cumsum(sizes[perm][::-1])
+    n_held_groups = max(1, int(np.argmin(np.abs(tail - want))) + 1)
+    n_fit_rows = n - int(tail[n_held_groups - 1])
+    if n_held_groups < 1 or n_held_groups == n_groups or n_fit_rows < MIN_FIT_ROWS:
+        raise CalibrationInputError(
+            f"holdout={holdout:g} by sequence leaves {n_groups - n_held_groups} of "
+            f"{n_groups} sequences ({n_fit_rows} rows) to fit on; both parts need a "
+            f"sequence, and the fit part {MIN_FIT_ROWS} rows. Got {n} rows."
+        )
+    rank = np.empty(n_groups, dtype=np.int64)
+    rank[perm] = np.arange(n_groups)
+    order = np.lexsort((np.arange(n), rank[codes]))  # by sequence in perm, then by row
+    split = n_fit_rows
+    return order[:split], order[split:]

@@ -152,6 +152,7 @@ from calibrators.validation import (
     CalibrationInputError,
     as_labels,
     as_scores,
+    as_sequence_ids,
     check_integer,
     check_kind,
     probabilities_to_logits,
@@ -1146,6 +1147,49 @@ def log_loss_summary(probs, labels) -> dict:
     """
     probs, labels = _probs_and_labels(probs, labels)
     return _log_loss_summary(probs, labels)
+
+
+def sequence_nll_summary(probs, labels, sequences) -> dict:
+    """The NLL per token and per sequence, for rows that are the tokens of texts.
+
+    Tokens of one text are correlated, so the per-token figures alone overstate how
+    much evidence there is, and one long text can dominate them; the mean NLL of each
+    sequence, summarised over the sequences, weighs texts equally.
+
+    Parameters
+    ----------
+    probs : array-like of shape (n_samples, n_classes)
+    labels : array-like of shape (n_samples,)
+    sequences : array-like of shape (n_samples,)
+        The sequence (text) of each row: integers or strings.
+
+    Returns
+    -------
+    dict
+        ``tokens``: :func:`log_loss_summary` of the rows and their ``count``;
+        ``sequences``: the ``median``, ``p95`` and ``mean`` of the per-sequence mean
+        NLL, and their ``count``.
+
+    Examples
+    --------
+    >>> p = [[0.5, 0.5], [0.5, 0.5], [0.9, 0.1]]
+    >>> out = sequence_nll_summary(p, [0, 1, 0], ["a", "a", "b"])
+    >>> out["sequences"]["count"], round(out["sequences"]["median"], 6)
+    (2, 0.399254)
+    """
+    probs, labels = _probs_and_labels(probs, labels)
+    codes = as_sequence_ids(sequences, probs.shape[0])
+    nll = _nll_rows(probs, labels)
+    counts = np.bincount(codes)
+    per_sequence = np.bincount(codes, weights=nll) / counts
+    median, p95 = np.percentile(per_sequence, [50.0, 95.0])
+    return {
+        "tokens": {**_log_loss_summary(probs, labels), "count": int(nll.size)},
+        "sequences": {
+            "median": float(median), "p95": float(p95), "mean": float(per_sequence.mean()),
+            "count": int(per_sequence.size),
+        },
+    }
 
 
 def nll_loss(probs, labels) -> float:

@@ -357,3 +357,26 @@ def test_python_dash_m(logits_npz):
     )
     assert proc.returncode == 2
     assert proc.stderr.startswith("welltempered fit: error: holdout must be")
+
+
+def test_sequence_ids_split_by_sequence_and_report_per_sequence(tmp_path):
+    rng = np.random.default_rng(9)
+    sizes = rng.integers(1, 25, 40)
+    sequences = np.repeat([f"text-{i}" for i in range(40)], sizes)
+    n = len(sequences)
+    labels = rng.integers(0, 5, n)
+    logits = rng.normal(size=(n, 5)) * 3
+    logits[np.arange(n), labels] += 2
+    path = tmp_path / "tokens.npz"
+    np.savez(path, logits=logits, labels=labels, sequence_ids=sequences)
+    out = tmp_path / "out.json"
+    assert main([str(path), "--method", "temperature", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["arrays"]["sequences"] == "sequence_ids" and result["n_sequences"] == 40
+    fit_idx, test_idx = split_indices(n, 0.2, 0, groups=sequences)
+    assert not set(sequences[fit_idx]) & set(sequences[test_idx])
+    assert result["n_holdout"] == len(test_idx)
+    got = result["methods"]["temperature"]["report"]["sequences"]
+    assert got["sequences"]["count"] == len(set(sequences[test_idx]))
+    assert got["tokens"]["count"] == len(test_idx)
+    assert "sequences" in result["uncalibrated"]
