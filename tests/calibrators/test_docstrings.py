@@ -24,6 +24,7 @@ MODULES = [
     "calibrators.evaluation.drift",
     "calibrators.evaluation.holdout",
     "calibrators.evaluation.metrics",
+    "calibrators.evaluation.pair",
     "calibrators.methods._structured",
     "calibrators.methods.ets",
     "calibrators.methods.iop",
