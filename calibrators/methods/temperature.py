@@ -34,11 +34,22 @@ the most of a float64 pass), so the search is staged:
 
 float32 only moves the start: the root is float64's. Logits beyond float32's
 range (or differing only below its resolution) skip the float32 stages.
+
+Logits whose within-row differences are far from 1 (beyond ``2**WELL_SCALED``
+or below ``2**-WELL_SCALED``: 1e-300 or 1e300 would underflow or overflow the
+moments ``E_p[z**3]``) are fitted multiplied by a power of two ``2**m`` that
+brings the largest difference into [0.5, 1), and ``beta`` is multiplied back
+by ``2**m``. Both products are exact in floating point (no rounding), so
+``beta * z`` is the same number either way: the answer is the one for the
+well-scaled logits. When that ``beta`` is not a normal float64 (logits beyond
+about 2**1020, or differing by less than about 2**-1000), the fit refuses with
+:class:`CalibrationInputError`.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -67,6 +78,10 @@ START_TOL = 1e-6
 #: (relative) and the error it leaves is predicted at most PREDICTED_ERROR.
 FINAL_STEP = 1e-6
 PREDICTED_ERROR = 1e-18
+#: Logits whose largest within-row difference lies in [2**-WELL_SCALED,
+#: 2**WELL_SCALED] are fitted as given (their moments stay within float32's range);
+#: others are rescaled by a power of two (see the module's docstring).
+WELL_SCALED = 32
 
 
 @dataclass(frozen=True)
@@ -81,32 +96,53 @@ class _Pass:
     spread: float  # mean (max z - mean z): the scale of the logits
 
 
-def _shifted(block: np.ndarray, kind: str, dtype) -> np.ndarray:
-    """A fresh ``dtype`` copy of a block of scores as logits, shifted so that every
-    row's maximum is 0 (softmax is shift-invariant)."""
+def _exponent(z: np.ndarray, kind: str) -> int | None:
+    """The ``m`` of the fit's rescale by ``2**m`` (see the module's docstring), None
+    when every row of the logits ``z`` is constant. 0 for probabilities (their logits
+    lie in [log 2**-1074, 0]) and when the largest within-row difference of ``z`` is
+    within ``2**+-WELL_SCALED``; else the one that brings that difference into
+    [0.5, 1)."""
+    if kind == "probabilities":
+        return 0
+    top, bottom = z.max(axis=1), z.min(axis=1)
+    # Rescaled by the largest magnitude first: top - bottom may overflow (1e308 - -1e308).
+    big = math.frexp(max(float(np.max(top)), -float(np.min(bottom))))[1]
+    width = float(np.max(np.ldexp(top, -big) - np.ldexp(bottom, -big)))
+    if width == 0.0:
+        return None
+    e = math.frexp(width)[1] + big  # the largest difference is in [2**(e-1), 2**e)
+    return 0 if -WELL_SCALED <= e <= WELL_SCALED else -e
+
+
+def _shifted(block: np.ndarray, kind: str, dtype, exponent: int = 0) -> np.ndarray:
+    """A fresh ``dtype`` copy of a block of scores as logits, times ``2**exponent``
+    (exact), shifted so that every row's maximum is 0 (softmax is shift-invariant)."""
     if dtype == np.float64:
         c = logits64(block, kind)
+        if exponent:
+            np.ldexp(c, exponent, out=c)
     elif kind == "probabilities":
         c = probabilities_to_logits(block, out_dtype=np.float32)
     elif block.dtype == np.float32:
-        c = block.astype(np.float32)
+        c = np.ldexp(block, exponent) if exponent else block.astype(np.float32)
     else:  # float64 logits: shifted in float64, where the difference is exact, then rounded
-        return (block - block.max(axis=1, keepdims=True)).astype(np.float32)
+        c = np.ldexp(block, exponent) if exponent else block
+        return (c - c.max(axis=1, keepdims=True)).astype(np.float32)
     c -= c.max(axis=1, keepdims=True)
     return c
 
 
 def _chunk_sums(x: np.ndarray, y: np.ndarray, kind: str, beta: float, rows: slice,
-                dtype=np.float64) -> np.ndarray:
-    if dtype == np.float64:
-        return _moments(x, y, kind, beta, rows, dtype)
-    with np.errstate(over="ignore", invalid="ignore"):  # (non-finite sums: see _fit)
-        return _moments(x, y, kind, beta, rows, dtype)
+                dtype, exponent: int) -> np.ndarray:
+    # Non-finite sums (float32's range, or rows beyond the subsample's scale) are
+    # seen by _fit, which starts again in float64 or on another scale.
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _moments(x, y, kind, beta, rows, dtype, exponent)
 
 
 def _moments(x: np.ndarray, y: np.ndarray, kind: str, beta: float, rows: slice,
-             dtype) -> np.ndarray:
-    c = _shifted(x[rows], kind, dtype)  # now max c = 0 per row
+             dtype, exponent: int) -> np.ndarray:
+    c = _shifted(x[rows], kind, dtype, exponent)  # now max c = 0 per row
     zy = np.take_along_axis(c, y[rows, None], axis=1)[:, 0].astype(np.float64)
     e = np.multiply(c, c.dtype.type(beta))
     np.exp(e, out=e)
@@ -135,10 +171,13 @@ def _moments(x: np.ndarray, y: np.ndarray, kind: str, beta: float, rows: slice,
     )
 
 
-def _pass(x: np.ndarray, y: np.ndarray, kind: str, beta: float, dtype=np.float64) -> _Pass:
-    """One sweep over the data: mean NLL, its two derivatives and entropy at ``beta``,
-    computed in ``dtype`` (float64 accumulators either way)."""
-    parts = map_chunks(lambda rows: _chunk_sums(x, y, kind, beta, rows, dtype), *x.shape)
+def _pass(x: np.ndarray, y: np.ndarray, kind: str, beta: float, dtype=np.float64,
+          exponent: int = 0) -> _Pass:
+    """One sweep over the data: mean NLL, its two derivatives and entropy at ``beta``
+    for the logits times ``2**exponent``, computed in ``dtype`` (float64 accumulators
+    either way)."""
+    parts = map_chunks(lambda rows: _chunk_sums(x, y, kind, beta, rows, dtype, exponent),
+                       *x.shape)
     total = np.sum(parts, axis=0) / x.shape[0]
     return _Pass(*map(float, total))
 
@@ -149,6 +188,11 @@ def _finite(r: _Pass) -> bool:
 
 class _Float32Overflow(ArithmeticError):
     """A float32 pass gave a non-finite sum: the start falls back to float64."""
+
+
+class _BeyondScale(ArithmeticError):
+    """A float64 pass gave a non-finite sum: rows outside the subsample reach beyond
+    the scale taken from it, so the fit starts again on the scale of every row."""
 
 
 def _taylor(r: _Pass, beta: float, d: float) -> _Pass:
@@ -219,7 +263,7 @@ def _safeguarded_newton(f, lo, hi, x, *, tol, max_passes, increasing, first=None
         x_new, newton = _next(x, value, deriv, second, lo, hi)
         step = abs(x_new - x) / x
         if (extrapolate is not None and newton and step <= FINAL_STEP and (
-                converged or (last_step and step**3 * (step / last_step**3) <= PREDICTED_ERROR))):
+                converged or (last_step and step * (step / last_step)**3 <= PREDICTED_ERROR))):
             d = x_new - x
             return (x_new, value + d * (deriv + d * second / 2), extrapolate(extra, x, d),
                     passes, "extrapolated")
@@ -325,12 +369,6 @@ class TemperatureScaler(LinearSoftmax):
                 f"target_entropy must lie in (0, log K) = (0, {math.log(k):.6g}) nats for "
                 f"K = {k}. Got {target!r}."
             )
-        # The start: the root for a strided subsample (every row when n is small),
-        # in float32, where a pass costs about a third of a float64 one. Then, for a
-        # subsample, one float32 pass over every row and its Halley step; then the
-        # float64 passes over every row, the last step usually extrapolated (see
-        # _safeguarded_newton): float32's rounding only moves the start, the root
-        # is float64's.
         if SUBSAMPLE_ROWS and n > 2 * SUBSAMPLE_ROWS:
             # Every step-th row, a view: the start costs no copy of the scores
             # (a copy of 8,192 rows is 8 GiB at K = 262,144).
@@ -338,16 +376,58 @@ class TemperatureScaler(LinearSoftmax):
             zs, ys = z[::step], y[::step]
         else:
             zs, ys = z, y
+        # The scale of the subsample's rows, or of every row when those are constant
+        # or when the other rows reach beyond it (a float64 pass overflows).
+        exponent = _exponent(zs, kind)
+        if exponent is None and zs is not z:
+            exponent = _exponent(z, kind)
+        try:
+            beta, r, passes, reason, start = self._search(z, y, zs, ys, kind, exponent or 0,
+                                                          options, progress)
+        except _BeyondScale:
+            exponent = _exponent(z, kind)
+            beta, r, passes, reason, start = self._search(z, y, zs, ys, kind, exponent,
+                                                          options, progress)
+        exponent = exponent or 0
+        weight = math.ldexp(beta, exponent)
+        if not sys.float_info.min <= weight < math.inf:
+            raise CalibrationInputError(
+                "temperature scaling of these logits needs an inverse temperature beyond "
+                "float64's normal range [2**-1022, 2**1024): their within-row differences "
+                f"reach 2**{-exponent} (give logits of a moderate scale, or probabilities). "
+                f"Got beta = {beta!r} * 2**{exponent}."
+            )
+        self.weight_ = weight
+        progress(1.0)
+        info = self._info(r, beta, exponent, passes, reason, target)
+        info.update(start)
+        return info
+
+    def _search(self, z, y, zs, ys, kind: str, exponent: int, options: dict,
+                progress: Progress):
+        """``(beta, last pass, passes, reason, start info)`` for the logits times
+        ``2**exponent`` (``beta`` in their units); raises _BeyondScale when a float64
+        pass over every row is not finite."""
+        target = options["target_entropy"]
+        # The start: the root for a strided subsample (every row when n is small),
+        # in float32, where a pass costs about a third of a float64 one. Then, for a
+        # subsample, one float32 pass over every row and its Halley step; then the
+        # float64 passes over every row, the last step usually extrapolated (see
+        # _safeguarded_newton): float32's rounding only moves the start, the root
+        # is float64's.
         start_dtype, first_on_sample = np.float32, True
-        first = _pass(zs, ys, kind, 1.0, np.float32)
+        first = _pass(zs, ys, kind, 1.0, np.float32, exponent)
         if not (first.spread > 0.0 and _finite(first)):
             # Rows that differ only below float32's resolution, logits beyond its
             # range, or a constant subsample: the start in float64, as the rest.
             start_dtype = np.float64
-            first = _pass(zs, ys, kind, 1.0)
+            first = _pass(zs, ys, kind, 1.0, exponent=exponent)
             if first.spread == 0.0 and zs is not z:
-                first = _pass(z, y, kind, 1.0)  # the subsample may be constant, the rest not
+                # The subsample may be constant, the rest not.
+                first = _pass(z, y, kind, 1.0, exponent=exponent)
                 first_on_sample = False
+                if not _finite(first):
+                    raise _BeyondScale
         if first.spread == 0.0:
             if target is not None:
                 raise CalibrationInputError(
@@ -355,8 +435,7 @@ class TemperatureScaler(LinearSoftmax):
                     "so the entropy is log K at any temperature. Got constant scores."
                 )
             # Every beta gives the same (uniform) prediction: keep beta = 1.
-            self.weight_ = 1.0
-            return self._info(first, 1.0, 1, "converged", target)
+            return 1.0, first, 1, "converged", {}
         lo, hi = BETA_MIN / first.spread, BETA_MAX / first.spread
         tol = options["tol"]
         max_passes = options["max_passes"]
@@ -374,9 +453,9 @@ class TemperatureScaler(LinearSoftmax):
             increasing = False
 
         def f(beta, zz=z, yy=y, dtype=np.float64):
-            r = _pass(zz, yy, kind, beta, dtype)
-            if dtype == np.float32 and not _finite(r):  # float32 overflowed
-                raise _Float32Overflow
+            r = _pass(zz, yy, kind, beta, dtype, exponent)
+            if not _finite(r):
+                raise _Float32Overflow if dtype == np.float32 else _BeyondScale
             return g(r, beta)
 
         def start(dtype, first):
@@ -411,29 +490,28 @@ class TemperatureScaler(LinearSoftmax):
                 f"target_entropy {target!r} is not reachable: the mean entropy only goes down to "
                 f"{r.entropy:.6g} nats (rows with tied top scores). Got {target!r}."
             )
-        self.weight_ = float(beta)
-        progress(1.0)
-        info = self._info(r, beta, passes, reason, target)
-        info.update(
-            float32_passes=float32_passes,
-            start_rows=int(zs.shape[0]),
-            start_passes=start_passes,
-            start_dtype=np.dtype(start_dtype).name,
-        )
-        return info
+        return beta, r, passes, reason, {
+            "float32_passes": float32_passes,
+            "start_rows": int(zs.shape[0]),
+            "start_passes": start_passes,
+            "start_dtype": np.dtype(start_dtype).name,
+        }
 
     @staticmethod
-    def _info(r: _Pass, beta, passes, reason, target) -> dict:
-        scale = r.spread
+    def _info(r: _Pass, beta, exponent, passes, reason, target) -> dict:
+        """fit_info_ from the last pass ``r`` at ``beta``, both for the logits times
+        ``2**exponent``: the gradient and scale are given back in the logits' units."""
+        scale = math.ldexp(r.spread, -exponent)
         return {
             "objective": "nll" if target is None else "target_entropy",
             "passes": passes,
             "reason": "converged" if reason == "extrapolated" else reason,
             "extrapolated": reason == "extrapolated",
-            "gradient": r.grad,
-            "relative_gradient": r.grad / scale if scale else 0.0,
+            "gradient": math.ldexp(r.grad, -exponent),
+            "relative_gradient": r.grad / r.spread if r.spread else 0.0,
             "nll": r.nll,
             "entropy": r.entropy,
             "scale": scale,
-            "temperature": 1.0 / beta,
+            "temperature": 1.0 / math.ldexp(beta, exponent),
+            "rescale_exponent": exponent,
         }
