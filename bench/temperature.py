@@ -133,9 +133,9 @@ def spy_passes(fn):
     """Run ``fn`` recording every data pass of our fit: [(rows, dtype name, seconds)]."""
     orig, log = _temperature_module._pass, []
 
-    def spy(x, y, kind, beta, dtype=np.float64):
+    def spy(x, y, kind, beta, dtype=np.float64, exponent=0):
         t0 = time.perf_counter()
-        out = orig(x, y, kind, beta, dtype)
+        out = orig(x, y, kind, beta, dtype, exponent)
         log.append((x.shape[0], np.dtype(dtype).name, time.perf_counter() - t0))
         return out
 

@@ -67,24 +67,26 @@ class Cost:
         return self.bytes + self.input_bytes
 
 
-def chunk_elements(n_classes: int) -> int:
+def chunk_elements(n_classes: int, elements: int = CHUNK_ELEMENTS) -> int:
     """Entries of one row chunk (:func:`calibrators.numerics.row_chunks`), bounded above.
 
-    ``max(CHUNK_ELEMENTS, K)``: a chunk holds ``max(1, CHUNK_ELEMENTS // K)`` whole
-    rows. The bound is non-decreasing in K (the exact size is not), so that
-    :func:`largest_classes` can bisect.
+    ``max(elements, K)``: a chunk holds ``max(1, elements // K)`` whole rows (``elements``:
+    the chunks' target size, default ``CHUNK_ELEMENTS``). The bound is non-decreasing
+    in K (the exact size is not), so that :func:`largest_classes` can bisect.
     """
-    return max(CHUNK_ELEMENTS, n_classes)
+    return max(elements, n_classes)
 
 
-def chunk_bytes(arrays: float, *, n_classes: int, threads: int | None = None) -> int:
-    """``arrays`` float64 temporaries of one row chunk in each of ``threads`` threads.
+def chunk_bytes(arrays: float, *, n_classes: int, threads: int | None = None,
+                elements: int = CHUNK_ELEMENTS) -> int:
+    """``arrays`` float64 temporaries of one row chunk (of about ``elements`` entries)
+    in each of ``threads`` threads.
 
     ``threads`` defaults to :func:`calibrators.numerics.n_threads`, the number of
     chunks :func:`calibrators.numerics.map_chunks` works on at once.
     """
     workers = n_threads() if threads is None else threads
-    return int(arrays * FLOAT64 * chunk_elements(n_classes) * workers)
+    return int(arrays * FLOAT64 * chunk_elements(n_classes, elements) * workers)
 
 
 def lbfgs_bytes(n_params: int, history: int = 10) -> int:

@@ -64,14 +64,17 @@ def map_rows(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> np.ndarra
     return out
 
 
-def map_chunks(fn: Callable[[slice], object], n_rows: int, n_cols: int) -> list:
+def map_chunks(fn: Callable[[slice], object], n_rows: int, n_cols: int,
+               chunk_elements: int | None = None) -> list:
     """``[fn(s) for s in row_chunks(...)]``, on a few threads when there are several chunks."""
-    return list(imap_chunks(fn, n_rows, n_cols))
+    return list(imap_chunks(fn, n_rows, n_cols, chunk_elements))
 
 
-def imap_chunks(fn: Callable[[slice], object], n_rows: int, n_cols: int) -> Iterator:
-    """``fn(s)`` for each ``s`` of :func:`row_chunks`, in order, computed ahead on
-    :func:`n_threads` threads with at most two chunks per thread in flight.
+def imap_chunks(fn: Callable[[slice], object], n_rows: int, n_cols: int,
+                chunk_elements: int | None = None) -> Iterator:
+    """``fn(s)`` for each ``s`` of :func:`row_chunks` (of about ``chunk_elements``
+    entries), in order, computed ahead on :func:`n_threads` threads with at most two
+    chunks per thread in flight.
 
     Results come in chunk order, so a caller that adds them up as they come gets the
     same sums, to the bit, with any number of threads. At most ``2 * n_threads()``
@@ -83,7 +86,7 @@ def imap_chunks(fn: Callable[[slice], object], n_rows: int, n_cols: int) -> Iter
     >>> [s.start for s in imap_chunks(lambda rows: rows, 5, 1 << 17)]
     [0, 2, 4]
     """
-    slices = list(row_chunks(n_rows, n_cols))
+    slices = list(row_chunks(n_rows, n_cols, chunk_elements))
     workers = n_threads()
     if workers == 1 or len(slices) < 2:
         yield from map(fn, slices)

@@ -300,9 +300,14 @@ def _check_block(block: np.ndarray, offset: int, kind: str) -> None:
         )
 
 
-def probabilities_to_logits(probs: np.ndarray, out_dtype=np.float64) -> np.ndarray:
-    """``log(max(p, 2**-149))``: finite logits for probabilities, zeros included."""
-    return np.log(np.maximum(probs, PROBABILITY_FLOOR), dtype=out_dtype)
+def probabilities_to_logits(probs: np.ndarray, out_dtype=np.float64,
+                            out: np.ndarray | None = None) -> np.ndarray:
+    """``log(max(p, 2**-149))``: finite logits for probabilities, zeros included (in
+    ``out``, of ``probs``'s shape, when given; else a new array of ``out_dtype``)."""
+    if out is None:
+        return np.log(np.maximum(probs, PROBABILITY_FLOOR), dtype=out_dtype)
+    np.maximum(probs, PROBABILITY_FLOOR, out=out)  # in probs' dtype, then cast, as above
+    return np.log(out, out=out)
 
 
 def as_logits(scores, kind: str = "logits", *, n_classes: int | None = None) -> np.ndarray:

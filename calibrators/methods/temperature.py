@@ -18,8 +18,8 @@ derivative of the variance) replaces Newton's when sound. ``beta > 0`` holds at
 every iterate, so the argmax never changes. Each pass is one sweep over the
 data in row chunks, with float64 accumulators.
 
-Passes in float32 cost about a third of float64 ones (numpy's float64 exp is
-the most of a float64 pass), so the search is staged:
+Passes in float32 cost about half of float64 ones (float64's exp and twice the
+bytes), so the search is staged:
 
 1. the root for a strided subsample of the rows (every row when N is small),
    in float32;
@@ -32,13 +32,34 @@ the most of a float64 pass), so the search is staged:
    below 1e-18 (relative), so that beta is float64's root to the last digits
    while the data are swept in float64 once or twice (``bench/README.md``).
 
-float32 only moves the start: the root is float64's. Logits beyond float32's
-range (or differing only below its resolution) skip the float32 stages.
+float32 only moves the start: the root is float64's. Logits differing only below
+float32's resolution (or a float32 pass that overflows) skip the float32 stages.
+
+Logits are fitted multiplied by the power of two ``2**m`` that brings their
+largest within-row difference into [0.5, 1), and ``beta`` is multiplied back by
+``2**m``. Both products are exact in floating point, so ``beta * z`` is the same
+number either way, and logits times ``2**e`` get the answer of the logits
+themselves: logits of 1e-300 or 1e300, whose moments ``E_p[z**3]`` would
+underflow or overflow, get the answer of logits near 1. Where ``|m| <=
+WELL_SCALED`` the entries are not multiplied: the per-row sums are (``_moments``),
+the same numbers for less work. The scale comes from the subsample; a pass over
+every row whose spread is far from the subsample's (rows beyond its scale) starts
+the fit again from every row. When the ``beta`` found is not a normal float64
+(logits near 1e308, or differing by less than about 2**-1000), the fit refuses
+with :class:`CalibrationInputError`. Probabilities are fitted as they are (their
+logits lie in [log 2**-149, 0]).
+
+A pass sweeps row chunks of ``PASS_CHUNK_ELEMENTS`` entries through two arrays
+per thread, reused from chunk to chunk, and takes its row sums as products with a
+vector of ones (BLAS) (``bench/README.md`` has the figures).
 """
 
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -47,12 +68,12 @@ import numpy as np
 from calibrators.base import Progress
 from calibrators.cost import FLOAT64, SWEEP_FLOPS, Cost, chunk_bytes
 from calibrators.linear_softmax import LinearSoftmax
-from calibrators.numerics import map_chunks
+from calibrators.numerics import map_chunks, single_threaded_blas
 from calibrators.options import Integer, Positive
 from calibrators.validation import (
     MAX_PASSES,
+    PROBABILITY_FLOOR,
     CalibrationInputError,
-    logits64,
     probabilities_to_logits,
 )
 
@@ -67,6 +88,13 @@ START_TOL = 1e-6
 #: (relative) and the error it leaves is predicted at most PREDICTED_ERROR.
 FINAL_STEP = 1e-6
 PREDICTED_ERROR = 1e-18
+#: A rescale by 2**m with |m| <= WELL_SCALED is applied to the per-row sums, not
+#: to every entry (see _moments): the logits' moments then stay within float32's range.
+WELL_SCALED = 16
+#: The subsample's spread must be within a factor 2**SAMPLE_SCALE of every row's.
+SAMPLE_SCALE = 10
+#: Entries per chunk of a pass: its two float64 temporaries (1 MiB) stay in L2.
+PASS_CHUNK_ELEMENTS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -81,43 +109,102 @@ class _Pass:
     spread: float  # mean (max z - mean z): the scale of the logits
 
 
-def _shifted(block: np.ndarray, kind: str, dtype) -> np.ndarray:
-    """A fresh ``dtype`` copy of a block of scores as logits, shifted so that every
-    row's maximum is 0 (softmax is shift-invariant)."""
-    if dtype == np.float64:
-        c = logits64(block, kind)
-    elif kind == "probabilities":
-        c = probabilities_to_logits(block, out_dtype=np.float32)
-    elif block.dtype == np.float32:
-        c = block.astype(np.float32)
-    else:  # float64 logits: shifted in float64, where the difference is exact, then rounded
-        return (block - block.max(axis=1, keepdims=True)).astype(np.float32)
-    c -= c.max(axis=1, keepdims=True)
-    return c
+def _exponent(z: np.ndarray, kind: str) -> int | None:
+    """The ``m`` of the rescale by ``2**m`` that brings the largest within-row
+    difference of the logits ``z`` into [0.5, 1) (see the module's docstring); 0 for
+    probabilities (their logits lie in [log 2**-149, 0], so they are fitted as they
+    are); None when every row is constant."""
+    top, bottom = z.max(axis=1), z.min(axis=1)
+    if kind == "probabilities":
+        return None if np.array_equal(top, np.maximum(bottom, PROBABILITY_FLOOR)) else 0
+    # Rescaled by the largest magnitude first: top - bottom may overflow (1e308 - -1e308).
+    big = math.frexp(max(float(np.max(top)), -float(np.min(bottom))))[1]
+    width = float(np.max(np.ldexp(top, -big) - np.ldexp(bottom, -big)))
+    if width == 0.0:
+        return None
+    return -(math.frexp(width)[1] + big)  # the largest difference is in [2**(e-1), 2**e)
+
+
+def _shifted_into(out: np.ndarray, block: np.ndarray, kind: str, exponent: int) -> np.ndarray:
+    """``out`` (float32 or float64, ``block``'s shape) set to the block of scores as
+    logits, times ``2**exponent`` (exact), shifted so that every row's maximum is 0
+    (softmax is shift-invariant)."""
+    if kind == "probabilities":
+        probabilities_to_logits(block, out=out)
+    elif out.dtype == block.dtype:
+        if not exponent:  # one sweep: the copy is the subtraction
+            return np.subtract(block, block.max(axis=1, keepdims=True), out=out)
+        np.ldexp(block, exponent, out=out)
+    elif out.dtype == np.float64:  # float32 logits, shifted in float64 where it is exact
+        np.copyto(out, block)
+        if exponent:
+            np.ldexp(out, exponent, out=out)
+    else:  # float64 logits into float32: shifted in float64, then rounded
+        u = np.ldexp(block, exponent) if exponent else block
+        return np.subtract(u, u.max(axis=1, keepdims=True), out=out)
+    out -= out.max(axis=1, keepdims=True)
+    return out
+
+
+class _Scratch:
+    """The arrays of one pass's chunks, reused from chunk to chunk (a fresh chunk-sized
+    array costs page faults, more than the arithmetic on it): one pair ``(c, e)`` per
+    chunk in work at once, and a vector of ones for row sums."""
+
+    def __init__(self, rows: int, ones: np.ndarray):
+        self.shape = (rows, ones.size)
+        self.ones = ones
+        self._free: list[tuple[np.ndarray, np.ndarray]] = []
+
+    @contextmanager
+    def pair(self, rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Two arrays of ``rows`` rows, not in use by another thread."""
+        try:
+            c, e = self._free.pop()  # (atomic: the pool's threads share the list)
+        except IndexError:
+            c, e = np.empty(self.shape, self.ones.dtype), np.empty(self.shape, self.ones.dtype)
+        try:
+            yield c[:rows], e[:rows]
+        finally:
+            self._free.append((c, e))
 
 
 def _chunk_sums(x: np.ndarray, y: np.ndarray, kind: str, beta: float, rows: slice,
-                dtype=np.float64) -> np.ndarray:
-    if dtype == np.float64:
-        return _moments(x, y, kind, beta, rows, dtype)
-    with np.errstate(over="ignore", invalid="ignore"):  # (non-finite sums: see _fit)
-        return _moments(x, y, kind, beta, rows, dtype)
+                exponent: int, scratch: _Scratch) -> np.ndarray:
+    # Non-finite sums (float32's range, or rows beyond the subsample's scale) are
+    # seen by _fit, which starts again in float64 or on the scale of every row.
+    with np.errstate(over="ignore", invalid="ignore"), \
+            scratch.pair(rows.stop - rows.start) as (c, e):
+        return _moments(c, e, scratch.ones, x[rows], y[rows], kind, beta, exponent)
 
 
-def _moments(x: np.ndarray, y: np.ndarray, kind: str, beta: float, rows: slice,
-             dtype) -> np.ndarray:
-    c = _shifted(x[rows], kind, dtype)  # now max c = 0 per row
-    zy = np.take_along_axis(c, y[rows, None], axis=1)[:, 0].astype(np.float64)
-    e = np.multiply(c, c.dtype.type(beta))
+def _moments(c: np.ndarray, e: np.ndarray, ones: np.ndarray, block: np.ndarray,
+             labels: np.ndarray, kind: str, beta: float, exponent: int) -> np.ndarray:
+    """Sums over a block's rows of the terms of :class:`_Pass` for the logits times
+    ``2**exponent`` at ``beta``, computed in ``c`` and ``e`` (of the block's shape).
+
+    When the rescale is small (``|exponent| <= WELL_SCALED``) the block is not
+    multiplied: ``beta * 2**exponent`` multiplies the logits as they are, and the
+    per-row sums ``sum(e * c**j)`` are multiplied by ``2**(j * exponent)``, the
+    same numbers (powers of two are exact) for one op per row instead of per entry.
+    """
+    scaled = abs(exponent) > WELL_SCALED
+    _shifted_into(c, block, kind, exponent if scaled else 0)  # now max c = 0 per row
+    shift = 0 if scaled else exponent
+    np.multiply(c, c.dtype.type(math.ldexp(beta, shift)), out=e)
     np.exp(e, out=e)
-    s = e.sum(axis=1, dtype=np.float64)
-    # Unnormalised moments sum(e * c**j), j = 1..3, each one fused sweep (in float32
-    # with float32 sums over a row: a start, see _fit; per-row results in float64).
-    m1 = np.einsum("ij,ij->i", e, c).astype(np.float64)
+    # Row sums sum(e * c**j), j = 0..3, as products with a vector of ones (BLAS: a
+    # quarter of the time of einsum here); in float32 with float32 sums over a row
+    # for a start (see _fit), per-row results in float64.
+    s = (e @ ones).astype(np.float64)
     e *= c
-    m2 = np.einsum("ij,ij->i", e, c).astype(np.float64)
+    m1 = np.ldexp((e @ ones).astype(np.float64), shift)
     e *= c
-    m3 = np.einsum("ij,ij->i", e, c).astype(np.float64)
+    m2 = np.ldexp((e @ ones).astype(np.float64), 2 * shift)
+    e *= c
+    m3 = np.ldexp((e @ ones).astype(np.float64), 3 * shift)
+    zy = np.ldexp(c[np.arange(c.shape[0]), labels].astype(np.float64), shift)
+    total = math.ldexp(float(np.sum(c @ ones, dtype=np.float64)), shift)
     inv = 1.0 / s
     ez, ez2, ez3 = m1 * inv, m2 * inv, m3 * inv
     lse = np.log(s)
@@ -130,16 +217,23 @@ def _moments(x: np.ndarray, y: np.ndarray, kind: str, beta: float, rows: slice,
             np.sum(var),
             np.sum(skew),
             np.sum(lse - beta * ez),
-            -np.sum(c, dtype=np.float64) / c.shape[1],
+            -total / c.shape[1],
         ]
     )
 
 
-def _pass(x: np.ndarray, y: np.ndarray, kind: str, beta: float, dtype=np.float64) -> _Pass:
-    """One sweep over the data: mean NLL, its two derivatives and entropy at ``beta``,
-    computed in ``dtype`` (float64 accumulators either way)."""
-    parts = map_chunks(lambda rows: _chunk_sums(x, y, kind, beta, rows, dtype), *x.shape)
-    total = np.sum(parts, axis=0) / x.shape[0]
+def _pass(x: np.ndarray, y: np.ndarray, kind: str, beta: float, dtype=np.float64,
+          exponent: int = 0) -> _Pass:
+    """One sweep over the data: mean NLL, its two derivatives and entropy at ``beta``
+    for the logits times ``2**exponent``, computed in ``dtype`` (float64 accumulators
+    either way), in chunks of about ``PASS_CHUNK_ELEMENTS`` entries."""
+    n, k = x.shape
+    scratch = _Scratch(max(1, PASS_CHUNK_ELEMENTS // k), np.ones(k, dtype))
+    with single_threaded_blas():  # row sums of one chunk: BLAS threads would only spin
+        parts = map_chunks(
+            lambda rows: _chunk_sums(x, y, kind, beta, rows, exponent, scratch), n, k,
+            PASS_CHUNK_ELEMENTS)
+    total = np.sum(parts, axis=0) / n
     return _Pass(*map(float, total))
 
 
@@ -149,6 +243,13 @@ def _finite(r: _Pass) -> bool:
 
 class _Float32Overflow(ArithmeticError):
     """A float32 pass gave a non-finite sum: the start falls back to float64."""
+
+
+class _BeyondScale(ArithmeticError):
+    """A pass over every row is not finite, or its spread is more than
+    ``2**SAMPLE_SCALE`` times that of the subsample (or less than its inverse): rows
+    outside the subsample reach beyond the scale and the bracket taken from it, so
+    the fit starts again from every row."""
 
 
 def _taylor(r: _Pass, beta: float, d: float) -> _Pass:
@@ -219,7 +320,7 @@ def _safeguarded_newton(f, lo, hi, x, *, tol, max_passes, increasing, first=None
         x_new, newton = _next(x, value, deriv, second, lo, hi)
         step = abs(x_new - x) / x
         if (extrapolate is not None and newton and step <= FINAL_STEP and (
-                converged or (last_step and step**3 * (step / last_step**3) <= PREDICTED_ERROR))):
+                converged or (last_step and step * (step / last_step)**3 <= PREDICTED_ERROR))):
             d = x_new - x
             return (x_new, value + d * (deriv + d * second / 2), extrapolate(extra, x, d),
                     passes, "extrapolated")
@@ -253,8 +354,18 @@ class TemperatureScaler(LinearSoftmax):
         without a pass after it: ``gradient``, ``nll`` and ``entropy`` are then
         the last pass's Taylor expansions at ``beta_``), ``gradient``
         (dNLL/dbeta at ``beta_``), ``relative_gradient``, ``nll``, ``entropy``,
-        ``scale``, ``temperature``; the start's ``start_rows``, ``start_passes``,
-        ``start_dtype`` and ``float32_passes`` (over every row).
+        ``scale``, ``temperature``, ``rescale_exponent`` (the ``m`` of the logits'
+        rescale by ``2**m``, 0 for probabilities); the start's ``start_rows``,
+        ``start_passes``, ``start_dtype`` and ``float32_passes`` (over every row).
+
+    Notes
+    -----
+    When every label is its row's top class the NLL decreases for ever in ``beta``:
+    the fit stops at the finite ``beta`` where the gradient falls below ``tol``
+    (relative to the logits' spread), or at the bracket's end ``1e8`` over the
+    spread (reason "bound"); ``predict_proba`` is then nearly one-hot, without NaN.
+    Constant rows (a flat NLL) keep ``beta = 1``. Logits for which the ``beta``
+    found is not a normal float64 raise :class:`CalibrationInputError`.
 
     References
     ----------
@@ -289,9 +400,11 @@ class TemperatureScaler(LinearSoftmax):
     def fit_cost(cls, n_samples: int, n_classes: int, options) -> Cost:
         """Memory and work of the fit: linear in K per row chunk, independent of N.
 
-        * bytes = ``chunk_bytes(3, K)`` (per thread: a float64 copy of one row
-          chunk, its exponentials, and for probabilities the clipped chunk before
-          its log) ``+ 32 N`` (labels and per-row checks).
+        * bytes = ``chunk_bytes(3, K)`` for chunks of ``PASS_CHUNK_ELEMENTS``
+          entries (per thread: one row chunk as float64
+          logits, its exponentials, and for float64 logits rescaled for a float32
+          pass a float64 copy of the chunk) ``+ 8 K`` (a vector of ones) ``+ 32 N``
+          (labels and per-row checks).
         * flops = ``SWEEP_FLOPS * K * (passes * N + 8 * rows_s)``, counting every
           pass as a float64 one (an upper bound: a float32 pass costs about a
           third): 4 passes over the N rows (one float32, one or two float64, and
@@ -303,7 +416,8 @@ class TemperatureScaler(LinearSoftmax):
         rows_s = -(-n // (n // SUBSAMPLE_ROWS)) if subsample else 0
         passes = 4 if subsample else 8
         return Cost(
-            bytes=chunk_bytes(3, n_classes=k) + 4 * FLOAT64 * n,
+            bytes=chunk_bytes(3, n_classes=k, elements=PASS_CHUNK_ELEMENTS)
+            + FLOAT64 * (k + 4 * n),
             flops=float(SWEEP_FLOPS) * k * (passes * n + 8 * rows_s),
         )
 
@@ -325,12 +439,6 @@ class TemperatureScaler(LinearSoftmax):
                 f"target_entropy must lie in (0, log K) = (0, {math.log(k):.6g}) nats for "
                 f"K = {k}. Got {target!r}."
             )
-        # The start: the root for a strided subsample (every row when n is small),
-        # in float32, where a pass costs about a third of a float64 one. Then, for a
-        # subsample, one float32 pass over every row and its Halley step; then the
-        # float64 passes over every row, the last step usually extrapolated (see
-        # _safeguarded_newton): float32's rounding only moves the start, the root
-        # is float64's.
         if SUBSAMPLE_ROWS and n > 2 * SUBSAMPLE_ROWS:
             # Every step-th row, a view: the start costs no copy of the scores
             # (a copy of 8,192 rows is 8 GiB at K = 262,144).
@@ -338,16 +446,55 @@ class TemperatureScaler(LinearSoftmax):
             zs, ys = z[::step], y[::step]
         else:
             zs, ys = z, y
-        start_dtype, first_on_sample = np.float32, True
-        first = _pass(zs, ys, kind, 1.0, np.float32)
+        # The scale of the subsample's rows; every row (for the scale and the start)
+        # when those are constant, or when a pass over every row shows rows beyond
+        # that scale.
+        exponent = _exponent(zs, kind)
+        if exponent is None and zs is not z:
+            zs, ys = z, y
+            exponent = _exponent(z, kind)
+        try:
+            beta, r, passes, reason, start = self._search(z, y, zs, ys, kind, exponent or 0,
+                                                          options, progress)
+        except _BeyondScale:
+            exponent = _exponent(z, kind)
+            beta, r, passes, reason, start = self._search(z, y, z, y, kind, exponent,
+                                                          options, progress)
+        exponent = exponent or 0
+        with np.errstate(over="ignore"):  # (refused below)
+            weight, scale = np.ldexp([beta, r.spread], [exponent, -exponent])
+        if not (sys.float_info.min <= weight and math.isfinite(weight * scale)):
+            raise CalibrationInputError(
+                "temperature scaling of these logits needs an inverse temperature or a "
+                "scale beyond float64's normal range [2**-1022, 2**1024): their within-row "
+                f"differences reach 2**{-exponent} (give logits of a moderate scale, or "
+                f"probabilities). Got beta = {beta!r} * 2**{exponent}."
+            )
+        self.weight_ = float(weight)
+        progress(1.0)
+        info = self._info(r, beta, exponent, passes, reason, target)
+        info.update(start)
+        return info
+
+    def _search(self, z, y, zs, ys, kind: str, exponent: int, options: dict,
+                progress: Progress):
+        """``(beta, last pass, passes, reason, start info)`` for the logits times
+        ``2**exponent`` (``beta`` in their units); raises _BeyondScale when a float64
+        pass over every row is not finite."""
+        target = options["target_entropy"]
+        # The start: the root for a strided subsample (every row when n is small),
+        # in float32, where a pass costs about a third of a float64 one. Then, for a
+        # subsample, one float32 pass over every row and its Halley step; then the
+        # float64 passes over every row, the last step usually extrapolated (see
+        # _safeguarded_newton): float32's rounding only moves the start, the root
+        # is float64's.
+        start_dtype = np.float32
+        first = _pass(zs, ys, kind, 1.0, np.float32, exponent)
         if not (first.spread > 0.0 and _finite(first)):
-            # Rows that differ only below float32's resolution, logits beyond its
-            # range, or a constant subsample: the start in float64, as the rest.
+            # Rows that differ only below float32's resolution, or logits beyond its
+            # range: the start in float64, as the rest.
             start_dtype = np.float64
-            first = _pass(zs, ys, kind, 1.0)
-            if first.spread == 0.0 and zs is not z:
-                first = _pass(z, y, kind, 1.0)  # the subsample may be constant, the rest not
-                first_on_sample = False
+            first = _pass(zs, ys, kind, 1.0, exponent=exponent)
         if first.spread == 0.0:
             if target is not None:
                 raise CalibrationInputError(
@@ -355,8 +502,7 @@ class TemperatureScaler(LinearSoftmax):
                     "so the entropy is log K at any temperature. Got constant scores."
                 )
             # Every beta gives the same (uniform) prediction: keep beta = 1.
-            self.weight_ = 1.0
-            return self._info(first, 1.0, 1, "converged", target)
+            return 1.0, first, 1, "converged", {}
         lo, hi = BETA_MIN / first.spread, BETA_MAX / first.spread
         tol = options["tol"]
         max_passes = options["max_passes"]
@@ -374,8 +520,11 @@ class TemperatureScaler(LinearSoftmax):
             increasing = False
 
         def f(beta, zz=z, yy=y, dtype=np.float64):
-            r = _pass(zz, yy, kind, beta, dtype)
-            if dtype == np.float32 and not _finite(r):  # float32 overflowed
+            r = _pass(zz, yy, kind, beta, dtype, exponent)
+            if zz is not zs and not (_finite(r) and abs(math.log2(r.spread / first.spread))
+                                     <= SAMPLE_SCALE):
+                raise _BeyondScale  # rows beyond the subsample's scale (and bracket)
+            if not _finite(r):  # float32's range
                 raise _Float32Overflow
             return g(r, beta)
 
@@ -397,7 +546,7 @@ class TemperatureScaler(LinearSoftmax):
 
         try:
             beta0, last_step, start_passes, float32_passes = start(
-                start_dtype, g(first, 1.0) if first_on_sample else None)
+                start_dtype, g(first, 1.0))
         except _Float32Overflow:
             start_dtype = np.float64
             beta0, last_step, start_passes, float32_passes = start(np.float64, None)
@@ -411,29 +560,28 @@ class TemperatureScaler(LinearSoftmax):
                 f"target_entropy {target!r} is not reachable: the mean entropy only goes down to "
                 f"{r.entropy:.6g} nats (rows with tied top scores). Got {target!r}."
             )
-        self.weight_ = float(beta)
-        progress(1.0)
-        info = self._info(r, beta, passes, reason, target)
-        info.update(
-            float32_passes=float32_passes,
-            start_rows=int(zs.shape[0]),
-            start_passes=start_passes,
-            start_dtype=np.dtype(start_dtype).name,
-        )
-        return info
+        return beta, r, passes, reason, {
+            "float32_passes": float32_passes,
+            "start_rows": int(zs.shape[0]),
+            "start_passes": start_passes,
+            "start_dtype": np.dtype(start_dtype).name,
+        }
 
     @staticmethod
-    def _info(r: _Pass, beta, passes, reason, target) -> dict:
-        scale = r.spread
+    def _info(r: _Pass, beta, exponent, passes, reason, target) -> dict:
+        """fit_info_ from the last pass ``r`` at ``beta``, both for the logits times
+        ``2**exponent``: the gradient and scale are given back in the logits' units."""
+        scale = math.ldexp(r.spread, -exponent)
         return {
             "objective": "nll" if target is None else "target_entropy",
             "passes": passes,
             "reason": "converged" if reason == "extrapolated" else reason,
             "extrapolated": reason == "extrapolated",
-            "gradient": r.grad,
-            "relative_gradient": r.grad / scale if scale else 0.0,
+            "gradient": math.ldexp(r.grad, -exponent),
+            "relative_gradient": r.grad / r.spread if r.spread else 0.0,
             "nll": r.nll,
             "entropy": r.entropy,
             "scale": scale,
-            "temperature": 1.0 / beta,
+            "temperature": 1.0 / math.ldexp(beta, exponent),
+            "rescale_exponent": exponent,
         }

@@ -29,6 +29,9 @@ Issue 21 also recomputed the three temperature cases (``--cases``, on an AVX2 ma
 the fit now ends at float64's root (relative gradient about 2e-17, where it stopped at
 8.7e-14 under tol = 1e-10), which moved beta by 2.2e-13 (7.9e-12 for the entropy
 target), and its fit_info names the float32 start and the extrapolated last step.
+Issue 21's rescale of the logits by a power of two (temperature scaling at any scale)
+recomputed the three temperature cases again (``--cases``): beta moved by at most
+1.9e-16 (relative), and fit_info gained ``rescale_exponent``.
 Issue 21's penalty searches (the penalty pulls towards temperature scaling) recomputed
 the nine vector, matrix and dirichlet cases (``--cases``); the format 1 keys, the
 inputs and every other case are kept as they were.
