@@ -367,6 +367,18 @@ def _keys_arguments(p: argparse.ArgumentParser) -> None:
     keys.add_arguments(p)
 
 
+def _compare_arguments(p: argparse.ArgumentParser) -> None:
+    from service import pair
+
+    pair.add_arguments(p)
+
+
+def compare(args: argparse.Namespace) -> int:
+    from service import pair
+
+    return pair.run(args)
+
+
 def keys_command(args: argparse.Namespace) -> int:
     from service.security import keys
     from service.settings import Settings
@@ -446,6 +458,12 @@ COMMANDS: list[Command] = [
     Command("worker", "run fits from the queue (PostgreSQL)", _worker_arguments, worker),
     Command("migrate", "upgrade the database to the latest schema", _no_arguments, migrate_command),
     Command("fit", "fit a calibrator offline from a .npz file", _fit_arguments, fit),
+    Command(
+        "compare",
+        "is model B model A at another temperature? (two .npz files of scores)",
+        _compare_arguments,
+        compare,
+    ),
     Command("keys", "create, list or revoke API keys", _keys_arguments, keys_command),
     Command(
         "gc",
