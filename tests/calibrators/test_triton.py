@@ -103,7 +103,7 @@ def test_text_format_escapes_and_refusals(tmp_path):
     assert dict(step.output_map) == {'odd "name" \\ here': SCORES_TENSOR}
     assert _parse(to_pbtxt(model_config("m", 3))).output[2].data_type == model_config_pb2.TYPE_INT64
     for bad in ("x:FP32", "x:FP32:a,b", "x:FLOAT:-1", "x:FP32:-1,0"):
-        with pytest.raises(CalibrationInputError, match="NAME:TYPE:DIMS|data type|dims"):
+        with pytest.raises(CalibrationInputError, match=r"NAME:TYPE:DIMS|data type|dims"):
             Tensor.parse(bad)
     with pytest.raises(CalibrationInputError, match="must not be named"):
         ensemble_config("e", model="m", model_inputs=[Tensor("label", "FP32", (-1, 3))],
