@@ -30,7 +30,7 @@ Examples
 >>> cal = from_params({"method": "temperature", "n_classes": 3, "weight": 0.5,
 ...                    "bias": None})
 >>> p, confidence, label, entropy = to_torch(cal)(torch.tensor([[2.0, 0.0, 0.0]]))
->>> p.numpy().round(4).tolist(), label.tolist()
+>>> p.double().numpy().round(4).tolist(), label.tolist()
 ([[0.5761, 0.2119, 0.2119]], [0])
 """
 
