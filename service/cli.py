@@ -1,4 +1,5 @@
-"""``welltempered``: serve, worker, migrate, fit (offline), keys, gc. One function per subcommand.
+"""``welltempered``: serve, worker, migrate, fit (offline), keys, gc, fuse, triton. One function
+per subcommand.
 
 A new subcommand is one entry in :data:`COMMANDS`: a name, a help line, a
 function that adds its arguments, and one that runs it and returns the exit code.
@@ -435,6 +436,30 @@ def gc_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fuse_arguments(p: argparse.ArgumentParser) -> None:
+    from service import exports
+
+    exports.add_fuse_arguments(p)
+
+
+def fuse_command(args: argparse.Namespace) -> int:
+    from service import exports
+
+    return exports.fuse(args)
+
+
+def _triton_arguments(p: argparse.ArgumentParser) -> None:
+    from service import exports
+
+    exports.add_triton_arguments(p)
+
+
+def triton_command(args: argparse.Namespace) -> int:
+    from service import exports
+
+    return exports.triton(args)
+
+
 def is_loopback(host: str) -> bool:
     """127.0.0.0/8, ::1 or localhost (what ``serve`` accepts with auth off)."""
     if host.lower() == "localhost":
@@ -470,6 +495,18 @@ COMMANDS: list[Command] = [
         "remove orphan array files (no dataset names them) older than the grace period",
         _gc_arguments,
         gc_command,
+    ),
+    Command(
+        "fuse",
+        "write one ONNX model: a classifier's ONNX, then a calibrator",
+        _fuse_arguments,
+        fuse_command,
+    ),
+    Command(
+        "triton",
+        "write a calibrator (and an ensemble with a model) into a Triton model repository",
+        _triton_arguments,
+        triton_command,
     ),
 ]
 

@@ -56,6 +56,18 @@ class Settings(BaseSettings):
         description="Largest JSON body (uploads, predict, calibrator imports): use .npz/.npy "
         "for big arrays.",
     )
+    max_model_bytes: int = Field(
+        64 * MiB,
+        gt=0,
+        description="Largest classifier ONNX file POST .../calibrators/{version}/fuse takes "
+        "(fusing holds a few copies of it in memory).",
+    )
+    max_fused_bytes: int = Field(
+        128 * MiB,
+        gt=0,
+        description="Largest fused ONNX model that route answers: the classifier plus the "
+        "calibrator's graph.",
+    )
     max_metadata_bytes: int = Field(
         1 * MiB, gt=0, description="Largest body for the other endpoints (model, fit, alias)."
     )

@@ -212,6 +212,15 @@ def onnx_bytes(params: dict) -> bytes:
     return calibrators.from_params(params).to_onnx()
 
 
+def fused_onnx(model: bytes, params: dict, output: str | None, kind: str | None) -> bytes:
+    """A classifier's ONNX then a version's calibrator, as one model
+    (:func:`calibrators.fuse.fuse`; FuseError, a 422, for a model it cannot take)."""
+    from calibrators.fuse import fuse
+
+    return fuse(model, calibrators.from_params(params), output=output,
+                kind=kind).SerializeToString()
+
+
 def version_params(row) -> dict:
     """A version's stored params, with its ``kind`` column where they do not say (format
     1 did not record it): what the serving rule of format 1 needs."""

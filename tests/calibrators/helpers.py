@@ -3,7 +3,8 @@
 * :data:`FIT_OPTIONS`: per method, options that make a fit quick and deterministic;
   one row per method of :data:`calibrators.METHODS` (a test checks that).
 * :func:`onnx_outputs`: the four outputs of an ONNX model on ONNX Runtime's CPU provider.
-* :func:`from_arrays`, :func:`random_calibrator`: fitted calibrators without a fit.
+* :func:`from_arrays`, :func:`random_calibrator`, :func:`perturbed`: fitted calibrators
+  without a fit.
 * :func:`assert_estimator_contract`: the scikit-learn contract every calibrator keeps,
   run on every registered method and on the extension calibrator of
   ``test_extension.py``.
@@ -104,6 +105,22 @@ def from_arrays(method: str, k: int, **arrays) -> Calibrator:
 LINEAR_METHODS: tuple[str, ...] = tuple(
     method for method, cls in CALIBRATORS.items() if issubclass(cls, LinearSoftmax)
 )
+
+
+def perturbed(cal: Calibrator, rng: np.random.Generator, scale: float = 0.3) -> Calibrator:
+    """``cal`` with every fitted array moved at random (a positive scalar by a random
+    factor): a fit may end at the identity of its extra parameters (a PTS or IOP fit
+    that keeps temperature scaling), which would hide a wrong export of them."""
+    params = cal.to_params()
+    for name, shape in type(cal).fitted_arrays.items():
+        if shape is None:
+            continue
+        value = np.asarray(params[name], dtype=np.float64)
+        if shape == () and value > 0:  # beta, smoothing: positive by their params' rules
+            params[name] = float(value * np.exp(scale * rng.normal()))
+        else:
+            params[name] = (value + scale * rng.normal(size=value.shape)).tolist()
+    return calibrators.from_params(params)
 
 
 def random_calibrator(method: str, k: int, rng: np.random.Generator) -> LinearSoftmax:

@@ -53,6 +53,8 @@ SETTINGS = {
     "max_body_bytes": 4 * MiB,
     "max_json_bytes": 2 * MiB,
     "max_metadata_bytes": 1 * MiB,
+    "max_model_bytes": 2 * MiB,
+    "max_fused_bytes": 4 * MiB,
     "max_predict_rows": 1000,
     "max_feedback_rows": 1000,
     "max_dataset_rows": 100_000,
@@ -347,6 +349,19 @@ def _dataset_json(ids: Ids) -> Body:
     return _json({"logits": z.tolist(), "labels": y.tolist()})
 
 
+def _classifier_onnx() -> bytes:
+    """A linear classifier's ONNX: x (N, 3) -> scores (N, K)."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["scores"])], "linear",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N", K])],
+        [helper.make_tensor("w", TensorProto.FLOAT, [3, K], np.ones(3 * K))],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
+
+
 def _infer_json(ids: Ids) -> Body:
     return _json({"inputs": [{"name": "logits", "shape": [1, K], "datatype": "FP32",
                               "data": [0.0] * K}]})
@@ -381,6 +396,8 @@ ROUTES: dict[str, Route] = {
     f"GET {V2}/ready": Route(),
     f"GET {V2}/versions/{{version}}": Route(),
     f"GET {V2}/versions/{{version}}/ready": Route(),
+    f"GET {V2}/config": Route(),
+    f"GET {V2}/versions/{{version}}/config": Route(),
     f"POST {V2}/infer": Route(_infer_json, shapes=_infer_shapes, any_content_type=True),
     f"POST {V2}/versions/{{version}}/infer": Route(_infer_json, shapes=_infer_shapes,
                                                    any_content_type=True),
@@ -412,6 +429,7 @@ ROUTES: dict[str, Route] = {
     f"DELETE {V1}/calibrators/{{version}}": Route(victim=True),
     f"POST {V1}/calibrators/{{version}}/cancel": Route(victim=True),
     f"GET {V1}/calibrators/{{version}}/onnx": Route(),
+    f"POST {V1}/calibrators/{{version}}/fuse": Route(lambda ids: (OCTET, _classifier_onnx())),
     f"GET {V1}/calibrators/{{version}}/reliability.svg": Route(),
     f"GET {V1}/aliases": Route(),
     f"PUT {V1}/aliases/{{alias}}": Route(lambda ids: _json({"version": ids.version}),

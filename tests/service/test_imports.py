@@ -70,6 +70,7 @@ PROBE = """
     import prometheus_client  # noqa
     import pydantic, pydantic_settings, scipy.optimize, scipy.special, sklearn  # noqa
     import sqlalchemy, sqlalchemy.orm, starlette, threadpoolctl, uvicorn  # noqa
+    import torch  # noqa (calibrators.torch_export: the torch extra)
     from prometheus_client import REGISTRY
     from prometheus_client import metrics as prometheus_metrics
 

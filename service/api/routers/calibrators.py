@@ -1,12 +1,14 @@
 """/v1/models/{model}/calibrators: start a background fit (or the evaluation of
-parameters fitted elsewhere), follow it, cancel it, download its ONNX, delete a version."""
+parameters fitted elsewhere), follow it, cancel it, download its ONNX or a classifier's
+ONNX fused with it, delete a version."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
+import anyio.to_thread
 import numpy as np
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from sqlalchemy.orm import Session
 
 from calibrators.evaluation.holdout import split_indices
@@ -18,19 +20,20 @@ from service.api.schemas import (
     DeletedOut,
     FitAccepted,
     FitRequest,
+    Kind,
     ParamsImport,
     VersionList,
     VersionOut,
     VersionSummary,
 )
-from service.api.uploads import require_json
-from service.errors import Conflict, NotReady
+from service.api.uploads import media_type, read_body, require_json
+from service.errors import Conflict, NotReady, UnsupportedMediaType
 from service.jobs import evaluation
 from service.jobs.fitting import affordable, check_fit_request, import_affordable
 from service.security import limits
 from service.server import budget
 from service.server.budget import declare
-from service.serving.inference import onnx_bytes, version_params
+from service.serving.inference import fused_onnx, onnx_bytes, version_params
 from service.storage import fits, registry
 from service.storage.db import CalibratorVersion, Dataset, Model
 from service.storage.usage import Quotas
@@ -256,15 +259,68 @@ def cancel_fit(
     responses={200: {"content": {OCTET_STREAM: BINARY}, "description": "ONNX model"}},
 )
 def get_onnx(model: ModelDep, version: VersionDep) -> Response:
+    _require_fitted(model, version)
+    name = f"{model.name}-v{version.version}.onnx"
+    return Response(
+        onnx_bytes(version_params(version)),
+        media_type="application/octet-stream",
+        headers={"Content-Disposition": f'attachment; filename="{name}"'},
+    )
+
+
+def _require_fitted(model: Model, version: CalibratorVersion) -> None:
     if version.status not in FITTED:
         raise NotReady(
             f"Version {version.version} of {model.name!r} is {version.status}: only a fitted "
             "version has an ONNX model.",
             version_status=version.status,
         )
-    name = f"{model.name}-v{version.version}.onnx"
+
+
+OutputQuery = Annotated[
+    str | None,
+    Query(max_length=1024, description="The classifier's output holding the scores (default: "
+          "detected, its one float output of shape [N, K])."),
+]
+FuseKindQuery = Annotated[
+    Kind | None,
+    Query(description="What that output holds (default: the kind the version was fitted on)."),
+]
+
+
+@declare(budget.Budget("predict", body="max_model_bytes", decoded="max_model_bytes",
+                       answer="max_fused_bytes"))
+@router.post(
+    "/{version}/fuse",
+    response_class=Response,
+    responses={200: {"content": {OCTET_STREAM: BINARY}, "description": "The fused ONNX model"}},
+    openapi_extra={"requestBody": {"required": True, "content": {OCTET_STREAM: BINARY}}},
+)
+async def fuse_model(
+    request: Request,
+    model: ModelDep,
+    version: VersionDep,
+    state: StateDep,
+    output: OutputQuery = None,
+    kind: FuseKindQuery = None,
+) -> Response:
+    """A classifier's ONNX model (the body) followed by this version's calibrator, as one
+    ONNX model: the classifier's inputs, the four outputs of every calibrator
+    (calibrators.fuse). 422 for a body that is not an ONNX model this can fuse (the
+    problem says why: no or several score outputs, an unsupported opset...)."""
+    _require_fitted(model, version)
+    if media_type(request) != OCTET_STREAM:
+        raise UnsupportedMediaType(
+            f"This endpoint takes the classifier's ONNX file as {OCTET_STREAM}. Got "
+            f"{media_type(request) or 'no Content-Type'!r}."
+        )
+    raw = await read_body(request, state.settings.max_model_bytes)
+    params = version_params(version)
+    fused = await anyio.to_thread.run_sync(fused_onnx, bytes(raw), params, output, kind)
+    budget.check_answer(request, len(fused), "Raise WELLTEMPERED_MAX_FUSED_BYTES.")
+    name = f"{model.name}-v{version.version}-fused.onnx"
     return Response(
-        onnx_bytes(version_params(version)),
-        media_type="application/octet-stream",
+        fused,
+        media_type=OCTET_STREAM,
         headers={"Content-Disposition": f'attachment; filename="{name}"'},
     )

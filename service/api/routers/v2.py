@@ -4,7 +4,9 @@ Routes (docs/api.md, "Open Inference Protocol v2"):
 
 - ``GET /v2/health/live``, ``GET /v2/health/ready``: open, like /healthz and /readyz;
 - ``GET /v2``: server metadata (extensions: ``binary_tensor_data``);
-- ``GET /v2/models/{name}[/versions/{version}]``: model metadata, ``.../ready``;
+- ``GET /v2/models/{name}[/versions/{version}]``: model metadata, ``.../ready``,
+  ``.../config`` (the model configuration extension as Triton serves it: the JSON of
+  the ``ModelConfig`` that :func:`calibrators.triton.model_config` gives the version);
 - ``POST /v2/models/{name}[/versions/{version}]/infer``.
 
 The model ``name`` is a model of the key's namespace, ``version`` a calibrator
@@ -49,6 +51,7 @@ from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
+from calibrators import triton
 from service.api.auth import PrincipalDep, authorize
 from service.api.codecs import answers, json_body, oip, rules
 from service.api.deps import StateDep, get_app_state
@@ -270,6 +273,28 @@ async def version_ready(
     return await _model_ready(state, caller, name, version)
 
 
+def _model_config(state, caller, name: str, version: str | None) -> dict:
+    with state.sessions() as session:
+        model, _ = registry.resolve_served(
+            session, name, None, version_number(version), caller.namespace
+        )
+    config = triton.model_config(model.name, model.num_classes)
+    if model.class_names is not None:
+        config["output"].append({"name": "label_name", "data_type": "TYPE_STRING",
+                                 "dims": [-1]})
+    return config
+
+
+@declare(budget.READ)
+def model_config(name: str, state: StateDep, caller: PrincipalDep) -> dict:
+    return _model_config(state, caller, name, None)
+
+
+@declare(budget.READ)
+def version_config(name: str, version: str, state: StateDep, caller: PrincipalDep) -> dict:
+    return _model_config(state, caller, name, version)
+
+
 # -- OpenAPI ------------------------------------------------------------------------
 
 _NAME = {
@@ -419,6 +444,9 @@ def install(app: FastAPI) -> None:
         (f"{v2}/models/{{name}}/versions/{{version}}", version_metadata, "v2_version_metadata", {}),
         (f"{v2}/models/{{name}}/ready", model_ready, "v2_model_ready", {}),
         (f"{v2}/models/{{name}}/versions/{{version}}/ready", version_ready, "v2_version_ready", {}),
+        (f"{v2}/models/{{name}}/config", model_config, "v2_model_config", {}),
+        (f"{v2}/models/{{name}}/versions/{{version}}/config", version_config,
+         "v2_version_config", {}),
     ]
     for path, endpoint, operation_id, extra in routes:
         app.add_api_route(

@@ -236,6 +236,28 @@ def test_a_model_without_the_default_alias_is_not_ready(client):
 # -- infer ------------------------------------------------------------------------
 
 
+def test_model_config_is_a_triton_model_config(served):
+    """/v2/models/{m}/config: Triton's model configuration extension, the JSON of a
+    ModelConfig (parsed by Triton's own protobuf), describing what infer takes and gives."""
+    model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
+    from google.protobuf import json_format
+
+    for path in ("/v2/models/m/config", "/v2/models/m/versions/1/config"):
+        r = served.get(path)
+        assert r.status_code == 200, r.text
+        config = json_format.ParseDict(r.json(), model_config_pb2.ModelConfig())
+        assert (config.name, config.max_batch_size) == ("m", 0)
+        assert [(t.name, list(t.dims)) for t in config.input] == [(oip.INPUT, [-1, K])]
+        outputs = {t.name: model_config_pb2.DataType.Name(t.data_type) for t in config.output}
+        metadata = {t["name"]: t["datatype"] for t in served.get("/v2/models/m").json()["outputs"]}
+        assert outputs == {name: f"TYPE_{datatype}" for name, datatype in metadata.items()}
+    named = served.get("/v2/models/n/config").json()
+    assert named["output"][-1] == {"name": "label_name", "data_type": "TYPE_STRING",
+                                   "dims": [-1]}
+    assert_error(served.get("/v2/models/nope/config"), 404, "nope")
+    assert_error(served.get("/v2/models/m/versions/9/config"), 404)
+
+
 @pytest.mark.parametrize("kind", ["logits", "probabilities"])
 def test_infer_json_equals_v1(served, kind):
     z = rows(6)
@@ -806,6 +828,10 @@ def test_tritonclient_json_and_binary_4096_x_1000(triton_server):
         assert client.is_model_ready("big", headers=auth())
         meta = client.get_model_metadata("big", headers=auth())
         assert meta["inputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, 1000]}]
+        config = client.get_model_config("big", headers=auth())
+        assert config["input"] == [{"name": "logits", "data_type": "TYPE_FP32",
+                                    "dims": [-1, 1000]}]
+        assert client.get_model_config("big", "1", headers=auth()) == config
 
         z = (np.random.default_rng(11).normal(size=(4096, 1000)) * 4).astype(np.float32)
         with triton_server.client(headers=auth()) as c:

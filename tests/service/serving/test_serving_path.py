@@ -50,6 +50,17 @@ def test_serving_path_does_not_import_torch(tmp_path):
             assert r.status_code == 200, r.text
             r = c.post("/v1/models/m/predict", json={{"logits": z[:3].tolist()}})
             assert r.status_code == 200, r.text
+            # the fuse route, and the /v2 config
+            from onnx import TensorProto, helper
+            graph = helper.make_graph(
+                [helper.make_node("Identity", ["x"], ["scores"])], "g",
+                [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+                [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N", 3])])
+            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+            r = c.post("/v1/models/m/calibrators/1/fuse", content=model.SerializeToString(),
+                       headers={{"content-type": "application/octet-stream"}})
+            assert r.status_code == 200, r.text
+            assert c.get("/v2/models/m/config").status_code == 200
         torch = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
         assert not torch, torch
         print("ok")
