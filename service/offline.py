@@ -2,7 +2,7 @@
 
 ::
 
-    welltempered fit FILE.npz --method temperature|vector|matrix|dirichlet|all
+    welltempered fit FILE.npz --method temperature|vector|...|auto|all
                      [--kind logits|probabilities] [--holdout 0.2] [--seed 0] [--json OUT]
     welltempered fit --demo [--method ...]          # scikit-learn digits, no file needed
     python -m service.offline ...                # the same, without the service
@@ -63,6 +63,8 @@ from calibrators.validation import (
     as_scores_and_labels,
     to_probabilities,
 )
+from service.jobs.fitting import auto_candidates, lowest_nll
+from service.vocabulary import AUTO, DEFAULT_ARGMAX_POLICY
 
 __all__ = [
     "LABEL_ARRAYS",
@@ -87,6 +89,11 @@ SCORE_ARRAYS = {
 DEMO_NAME = "demo: scikit-learn digits, logistic regression (temporary file)"
 #: Label array names, in order of preference.
 LABEL_ARRAYS = ("labels", "ground_truth")
+#: ``--method all``: every method, compared (the service has no such method: a version is
+#: one calibrator, and ``auto``'s answer lists every candidate's figures).
+ALL = "all"
+#: ``--method auto``: what the service's ``auto`` fits for a model of the default policy.
+AUTO_CANDIDATES = auto_candidates(DEFAULT_ARGMAX_POLICY)
 
 
 class OfflineError(ValueError):
@@ -112,8 +119,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(or 'ground_truth'); optional with --demo",
     )
     parser.add_argument(
-        "--method", choices=(*METHODS, "all"), default="temperature",
-        help="calibrator to fit, or 'all' of them (default: temperature)",
+        "--method", choices=(*METHODS, AUTO, ALL), default="temperature",
+        help=f"calibrator to fit; {AUTO!r}: the service's choice (the methods that keep "
+        "every predicted class, the lowest held-out NLL kept); "
+        f"{ALL!r}: every method, compared (default: temperature)",
     )
     parser.add_argument(
         "--kind", choices=KINDS, default=None,
@@ -152,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.demo and args.file is None:
             raise OfflineError("FILE.npz is required (or --demo for a built-in example).")
         check_holdout(args.holdout)
-        methods = METHODS if args.method == "all" else (args.method,)
+        methods = {ALL: METHODS, AUTO: AUTO_CANDIDATES}.get(args.method, (args.method,))
         if args.demo:
             with tempfile.TemporaryDirectory(prefix="welltempered-demo-") as tmp:
                 path = demo_npz(Path(tmp) / "digits-logreg.npz")
@@ -160,6 +169,10 @@ def run(args: argparse.Namespace) -> int:
                 result["file"] = DEMO_NAME
         else:
             result = _run_file(Path(args.file), methods, args)
+        if args.method == AUTO:
+            result["chosen"] = lowest_nll(
+                {name: m["report"]["nll"] for name, m in result["methods"].items()}
+            )
         print(format_report(result))
         if args.json is not None:
             _write_json(result, Path(args.json))
@@ -428,6 +441,8 @@ def format_report(result: dict[str, Any]) -> str:
         fitted, changes = _describe(m)
         lines.append(f"{name.ljust(width)}  {fitted}")
         lines.append(f"{' ' * width}  {changes}")
+    if "chosen" in result:
+        lines.append(f"auto: {result['chosen']} (the lowest held-out NLL of these, as the service)")
     return "\n".join(lines)
 
 

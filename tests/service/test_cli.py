@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -45,7 +47,10 @@ def test_keys_refuses_to_create_a_sqlite_file_elsewhere(tmp_path, monkeypatch, c
     assert str(where) in err and "welltempered migrate" in err and "--create-database" in err
     assert not where.exists()
     assert cli.main(["keys", "list"]) == 2 and not where.exists()
-    # with the flag it creates (and migrates) it, and says so
+    # with the flag, before or after the action, it creates (and migrates) it, and says so
+    assert cli.main([*create, "--create-database"]) == 0
+    assert f"welltempered keys: database SQLite {where} (new)" in capsys.readouterr().err
+    where.unlink()
     assert cli.main(["keys", "--create-database", *create[1:]]) == 0
     captured = capsys.readouterr()
     assert f"welltempered keys: database SQLite {where} (new)" in captured.err
@@ -53,6 +58,57 @@ def test_keys_refuses_to_create_a_sqlite_file_elsewhere(tmp_path, monkeypatch, c
     assert where.exists()
     assert cli.main(["keys", "list"]) == 0
     assert f"welltempered keys: database SQLite {where}\n" in capsys.readouterr().err
+
+
+def test_revoking_an_unknown_key_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WELLTEMPERED_DATABASE_URL", f"sqlite:///{tmp_path / 'k.sqlite3'}")
+    assert cli.main(["migrate"]) == 0
+    capsys.readouterr()
+    assert cli.main(["keys", "revoke", "99"]) == 2  # like every other usage error
+    assert "99" in capsys.readouterr().err
+
+
+def usage_error(capsys, argv: list[str]) -> str:
+    """What ``welltempered argv`` says on stderr when argparse refuses it (exit 2)."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    "argv,says",
+    [
+        (["serve", "--workers", "0"], "--workers: expected an integer >= 1. Got 0."),
+        (["serve", "--workers", "-1"], "--workers: expected an integer >= 1. Got -1."),
+        (["serve", "--workers", "two"], "--workers: expected an integer >= 1. Got 'two'."),
+        (["serve", "--log-level", "loud"], "--log-level: invalid choice: 'loud'"),
+        (["worker", "--concurrency", "0"], "--concurrency: expected an integer >= 1. Got 0."),
+        (["worker", "--log-level", "loud"], "--log-level: invalid choice: 'loud'"),
+    ],
+)
+def test_bad_options_are_usage_errors(capsys, argv, says):
+    # issue 24: `serve --workers 0` started a server, `--log-level loud` a traceback
+    assert says in usage_error(capsys, argv)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"welltempered {importlib.metadata.version('welltempered')}\n"
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for option, default in [("--host", "127.0.0.1"), ("--port", 8000), ("--workers", 1),
+                            ("--log-level", "info")]:
+        assert re.search(rf"{option} [^-]*\(default: {re.escape(str(default))}\)", text), option
+    assert "(default: None)" not in text and "(default: False)" not in text
 
 
 def test_migrate_and_gc_say_which_database(tmp_path, monkeypatch, capsys):
