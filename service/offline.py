@@ -512,7 +512,8 @@ def demo_npz(path) -> Path:
     Parameters
     ----------
     path : str or Path
-        Where to write the ``.npz`` (arrays ``logits`` float32 and ``labels`` int64).
+        Where to write the ``.npz`` (arrays ``logits`` float32 and ``labels`` int64); its
+        folder is created if missing.
 
     Returns
     -------
@@ -535,6 +536,7 @@ def demo_npz(path) -> Path:
         model = LogisticRegression(C=1000.0, max_iter=5000).fit(x_train, y_train)
     logits = model.decision_function(x_test).astype(np.float32)
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)  # e.g. welltempered-data/ before `make run`
     with path.open("wb") as f:  # a file object: np.savez would append ".npz" to a name
         np.savez(f, logits=logits, labels=y_test.astype(np.int64))
     return path

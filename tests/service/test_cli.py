@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import re
 import signal
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
@@ -216,3 +218,60 @@ def test_serve_demo_process(tmp_path):
             proc.kill()
             raise
     assert proc.returncode == 0, proc.stdout.read().decode()
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def readme_first_steps() -> tuple[str, str, dict, dict, str]:
+    """From the README: the line to wait for, the ready-made model's predict (path, body,
+    printed answer) and where the session's example data is written."""
+    text = README.read_text()
+    (ready,) = re.findall(r"In another terminal, once\s+`([^`]+)`\s+appears", text)
+    match = re.search(
+        r"curl -s -X POST localhost:8000(/v1/models/digits-mlp/predict) .*?"
+        r"-d '([^']+)'\n(\{[^\n]*\})",
+        text, re.S)
+    (npz,) = re.findall(r"demo_npz\('([^']+)'\)", text)
+    return ready, match.group(1), json.loads(match.group(2)), json.loads(match.group(3)), npz
+
+
+def test_readme_session_writes_no_file_into_the_repository():
+    *_, npz = readme_first_steps()
+    folder = Path(npz).parts[0]
+    assert len(Path(npz).parts) > 1  # not the repository's root
+    ignored = (README.parent / ".gitignore").read_text().splitlines()
+    assert f"/{folder}/" in ignored
+
+
+@pytest.mark.process
+@pytest.mark.slow
+def test_readme_first_steps(tmp_path):
+    """`make run`, then in another terminal once the README's line appears, its
+    digits-mlp prediction answers what the README prints."""
+    ready, path, body, printed, _ = readme_first_steps()
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "serve", "--demo", "--port", str(port)],
+            cwd=tmp_path,
+            env={**os.environ, "WELLTEMPERED_METRICS_ADDRESS": f"127.0.0.1:{_free_port()}"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        awaited = ready.replace(":8000", f":{port}")
+        deadline = time.monotonic() + 180
+        while awaited not in log.read_text():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, f"no {awaited!r} in:\n{log.read_text()}"
+            time.sleep(0.2)
+        answer = httpx.post(f"http://127.0.0.1:{port}{path}", json=body, timeout=30).json()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert set(answer) == set(printed)
+    assert answer["labels"] == printed["labels"] and answer["model"] == printed["model"]
+    for key in ("probabilities", "confidence", "entropy"):
+        np.testing.assert_allclose(answer[key], printed[key], rtol=1e-5, atol=1e-7)
