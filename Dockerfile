@@ -28,8 +28,10 @@ ENV PATH=/opt/venv/bin:$PATH \
     WELLTEMPERED_DATA_DIR=/data \
     PROMETHEUS_MULTIPROC_DIR=/tmp/welltempered-prometheus
 RUN useradd --system --uid 10001 --user-group --no-create-home welltempered \
-    && mkdir -p /data /tmp/welltempered-prometheus \
-    && chown welltempered:welltempered /data /tmp/welltempered-prometheus
+    && mkdir -p /data /keys /tmp/welltempered-prometheus \
+    && chown welltempered:welltempered /data /keys /tmp/welltempered-prometheus
+# /keys: docker-compose.yml's first-key volume, writable by the service user (a new named
+# volume takes the ownership of the image's folder it is mounted on).
 COPY --from=build /opt/venv /opt/venv
 COPY deploy/api/entrypoint.sh /usr/local/bin/welltempered-entrypoint
 # Writable by the service user: relative paths (the default SQLite file, `--demo`) land here.

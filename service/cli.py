@@ -11,6 +11,7 @@ module of the service imports it.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import ipaddress
 import logging
 import os
@@ -21,6 +22,30 @@ from dataclasses import dataclass
 
 #: The flag that lets a command other than serve and migrate create a SQLite file.
 CREATE_FLAG = "--create-database"
+
+#: What ``--log-level`` accepts: the standard library's level names, as uvicorn takes them.
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each option's default, except where there is none to show (None, an
+    off switch) or its help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (a usage error, exit 2, otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1. Got {text!r}.") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1. Got {value}.")
+    return value
 
 
 def database_label(url: str) -> str:
@@ -85,16 +110,18 @@ def start_metrics_listener(listener, command: str, setting: str, text: str) -> b
 
 
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument(
+        "--workers", type=positive_int, default=1, metavar="N", help="uvicorn worker processes"
+    )
     p.add_argument(
         "--demo",
         action="store_true",
         help="start with model 'digits-mlp' calibrated and given the default alias "
         "(own SQLite file and data folder under ./welltempered-data/demo)",
     )
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log threshold")
     p.add_argument(
         "--no-access-log",
         action="store_true",
@@ -225,12 +252,12 @@ def serve(args: argparse.Namespace) -> int:
 def _worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--concurrency",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="fits run at once by this worker (default: WELLTEMPERED_FIT_WORKERS)",
     )
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log threshold")
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -259,11 +286,6 @@ def worker(args: argparse.Namespace) -> int:
         )
         return 2
     concurrency = settings.fit_workers if args.concurrency is None else args.concurrency
-    if concurrency < 1:
-        print(
-            f"welltempered worker: --concurrency must be >= 1. Got {concurrency}.", file=sys.stderr
-        )
-        return 2
     try:
         metrics_address = exporter.parse_ports(
             settings.worker_metrics_address, "WELLTEMPERED_WORKER_METRICS_ADDRESS"
@@ -356,16 +378,23 @@ def fit(args: argparse.Namespace) -> int:
     return offline.run(args)
 
 
+_CREATE_HELP = (
+    "create (and migrate) the SQLite file of WELLTEMPERED_DATABASE_URL if it does not exist "
+    "(otherwise that is an error)"
+)
+
+
 def _keys_arguments(p: argparse.ArgumentParser) -> None:
     from service.security import keys
 
-    p.add_argument(
-        CREATE_FLAG,
-        action="store_true",
-        help="create (and migrate) the SQLite file of WELLTEMPERED_DATABASE_URL if it does "
-        "not exist (otherwise that is an error)",
+    p.add_argument(CREATE_FLAG, action="store_true", help=_CREATE_HELP)
+    # The same flag after the action (`keys create --create-database ...`). Its default is
+    # SUPPRESS: a subcommand's default would overwrite the value given before the action.
+    after = argparse.ArgumentParser(add_help=False)
+    after.add_argument(
+        CREATE_FLAG, action="store_true", default=argparse.SUPPRESS, help=_CREATE_HELP
     )
-    keys.add_arguments(p)
+    keys.add_arguments(p, parents=[after], formatter_class=p.formatter_class)
 
 
 def _compare_arguments(p: argparse.ArgumentParser) -> None:
@@ -515,9 +544,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="welltempered", description="Post-hoc calibration: library CLI and service."
     )
+    version = importlib.metadata.version("welltempered")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
-        p = sub.add_parser(command.name, help=command.help, description=command.help)
+        p = sub.add_parser(
+            command.name, help=command.help, description=command.help, formatter_class=HelpFormatter
+        )
         command.add_arguments(p)
         p.set_defaults(run=command.run)
     return parser

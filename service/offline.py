@@ -2,7 +2,7 @@
 
 ::
 
-    welltempered fit FILE.npz --method temperature|vector|matrix|dirichlet|all
+    welltempered fit FILE.npz --method temperature|vector|...|auto|all
                      [--kind logits|probabilities] [--holdout 0.2] [--seed 0] [--json OUT]
     welltempered fit --demo [--method ...]          # scikit-learn digits, no file needed
     python -m service.offline ...                # the same, without the service
@@ -67,6 +67,8 @@ from calibrators.validation import (
     as_scores_and_labels,
     to_probabilities,
 )
+from service.jobs.fitting import auto_candidates, lowest_nll
+from service.vocabulary import AUTO, DEFAULT_ARGMAX_POLICY
 
 __all__ = [
     "LABEL_ARRAYS",
@@ -93,6 +95,11 @@ DEMO_NAME = "demo: scikit-learn digits, logistic regression (temporary file)"
 LABEL_ARRAYS = ("labels", "ground_truth")
 #: The optional array of the sequence (text) of each row, when rows are tokens.
 SEQUENCE_ARRAY = "sequence_ids"
+#: ``--method all``: every method, compared (the service has no such method: a version is
+#: one calibrator, and ``auto``'s answer lists every candidate's figures).
+ALL = "all"
+#: ``--method auto``: what the service's ``auto`` fits for a model of the default policy.
+AUTO_CANDIDATES = auto_candidates(DEFAULT_ARGMAX_POLICY)
 
 
 class OfflineError(ValueError):
@@ -118,8 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(or 'ground_truth'); optional with --demo",
     )
     parser.add_argument(
-        "--method", choices=(*METHODS, "all"), default="temperature",
-        help="calibrator to fit, or 'all' of them (default: temperature)",
+        "--method", choices=(*METHODS, AUTO, ALL), default="temperature",
+        help=f"calibrator to fit; {AUTO!r}: the service's choice (the methods that keep "
+        "every predicted class, the lowest held-out NLL kept); "
+        f"{ALL!r}: every method, compared (default: temperature)",
     )
     parser.add_argument(
         "--kind", choices=KINDS, default=None,
@@ -158,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.demo and args.file is None:
             raise OfflineError("FILE.npz is required (or --demo for a built-in example).")
         check_holdout(args.holdout)
-        methods = METHODS if args.method == "all" else (args.method,)
+        methods = {ALL: METHODS, AUTO: AUTO_CANDIDATES}.get(args.method, (args.method,))
         if args.demo:
             with tempfile.TemporaryDirectory(prefix="welltempered-demo-") as tmp:
                 path = demo_npz(Path(tmp) / "digits-logreg.npz")
@@ -166,6 +175,10 @@ def run(args: argparse.Namespace) -> int:
                 result["file"] = DEMO_NAME
         else:
             result = _run_file(Path(args.file), methods, args)
+        if args.method == AUTO:
+            result["chosen"] = lowest_nll(
+                {name: m["report"]["nll"] for name, m in result["methods"].items()}
+            )
         print(format_report(result))
         if args.json is not None:
             _write_json(result, Path(args.json))
@@ -454,6 +467,8 @@ def format_report(result: dict[str, Any]) -> str:
         fitted, changes = _describe(m)
         lines.append(f"{name.ljust(width)}  {fitted}")
         lines.append(f"{' ' * width}  {changes}")
+    if "chosen" in result:
+        lines.append(f"auto: {result['chosen']} (the lowest held-out NLL of these, as the service)")
     return "\n".join(lines)
 
 
@@ -523,7 +538,8 @@ def demo_npz(path) -> Path:
     Parameters
     ----------
     path : str or Path
-        Where to write the ``.npz`` (arrays ``logits`` float32 and ``labels`` int64).
+        Where to write the ``.npz`` (arrays ``logits`` float32 and ``labels`` int64); its
+        folder is created if missing.
 
     Returns
     -------
@@ -546,6 +562,7 @@ def demo_npz(path) -> Path:
         model = LogisticRegression(C=1000.0, max_iter=5000).fit(x_train, y_train)
     logits = model.decision_function(x_test).astype(np.float32)
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)  # e.g. welltempered-data/ before `make run`
     with path.open("wb") as f:  # a file object: np.savez would append ".npz" to a name
         np.savez(f, logits=logits, labels=y_test.astype(np.int64))
     return path

@@ -850,3 +850,358 @@ def test_prometheus_server_binary_runs():
         skip_or_fail("prometheus not installed (run tools/ensure-promtool: Debian's prometheus)")
     done = run("prometheus", "--version")
     assert done.returncode == 0 and "prometheus, version" in done.stdout + done.stderr
+
+
+# ---------------------------------------------------------------------------
+# the first admin key (compose first-key, Kubernetes Job welltempered-first-key)
+
+
+@pytest.fixture
+def key_database(tmp_path, monkeypatch) -> tuple[str, dict]:
+    """A migrated SQLite database, and an environment whose ``welltempered`` on PATH is
+    this checkout's CLI (as the image's is), pointed at it."""
+    url = f"sqlite:///{tmp_path / 'keys.sqlite3'}"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shim = bin_dir / "welltempered"
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m service.cli "$@"\n')
+    shim.chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(ROOT),
+        "WELLTEMPERED_DATABASE_URL": url,
+        "FIRST_KEY_NAMESPACE": "team-first",
+    }
+    subprocess.run([str(shim), "migrate"], env=env, check=True, capture_output=True, timeout=120)
+    return url, env
+
+
+def key_rows(url: str) -> list[tuple[str, str, str]]:
+    """(digest, namespace, scope) of every key row."""
+    from sqlalchemy import select
+
+    from service.storage.db import ApiKey, make_engine
+
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            return [tuple(r) for r in conn.execute(select(ApiKey.key_sha256, ApiKey.namespace,
+                                                          ApiKey.scope))]
+    finally:
+        engine.dispose()
+
+
+def run_sh(script: str, env: dict) -> subprocess.CompletedProcess:
+    done = subprocess.run(["sh", "-ec", script], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+@pytest.mark.process
+def test_compose_first_key_is_made_once(compose, key_database, tmp_path):
+    """The one-shot service's script, run twice on a migrated database: one admin key,
+    in the volume's file and never in the log; the second run makes none."""
+    from service.security.auth import key_digest
+
+    service = compose["services"]["first-key"]
+    assert service["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    assert service["image"] == compose["services"]["migrate"]["image"]
+    assert service.get("restart") == "no"
+    volume, path = next(iter(named_volumes(service).items()))
+    assert volume in compose["volumes"]
+    # the image makes the volume's mount point the service user's (a new volume takes it)
+    assert re.search(rf"mkdir -p [^\n]*{path}\b", DOCKERFILE.read_text())
+    assert re.search(rf"chown welltempered:welltempered [^\n]*{path}\b", DOCKERFILE.read_text())
+
+    url, env = key_database
+    keys_dir = tmp_path / "keys"
+    keys_dir.mkdir()
+    shell, flags, script = service["command"]
+    assert (shell, flags) == ("sh", "-ec")
+    script = script.replace(path, str(keys_dir)).replace(
+        "${FIRST_KEY_NAMESPACE:-default}", "default"  # compose's interpolation, done
+    )
+    first = run_sh(script, env)
+    key = (keys_dir / "admin-key").read_text().strip()
+    assert key.startswith("wt_") and key not in first.stdout + first.stderr
+    assert oct((keys_dir / "admin-key").stat().st_mode & 0o777) == "0o600"
+    assert key_rows(url) == [(key_digest(key), "default", "admin")]
+    second = run_sh(script, env)
+    assert "no new key" in second.stdout
+    assert (keys_dir / "admin-key").read_text().strip() == key
+    assert len(key_rows(url)) == 1
+
+
+# ---------------------------------------------------------------------------
+# Kubernetes (deploy/kubernetes): rendered by kubectl kustomize, validated by
+# kubernetes-validate against the API's own schemas. Not applied: no cluster here.
+
+KUBERNETES = ROOT / "deploy" / "kubernetes"
+#: The Kubernetes version the objects are validated against.
+KUBERNETES_VERSION = "1.32.0"
+#: KEDA's custom resources: kubernetes-validate has the core API's schemas only, so
+#: these are checked field by field below.
+KEDA_KINDS = {"ScaledObject", "TriggerAuthentication"}
+
+
+@pytest.fixture(scope="module")
+def kubernetes() -> dict[tuple[str, str], dict]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        skip_or_fail("kubectl is not installed")
+    done = subprocess.run([kubectl, "kustomize", str(KUBERNETES)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    docs = [d for d in yaml.safe_load_all(done.stdout) if d]
+    objects = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    assert len(objects) == len(docs)  # no kind and name twice
+    return objects
+
+
+@pytest.mark.process  # kubectl kustomize
+def test_kubernetes_objects_validate(kubernetes):
+    kv = pytest.importorskip("kubernetes_validate")
+    for (kind, name), doc in kubernetes.items():
+        if kind in KEDA_KINDS:
+            assert doc["apiVersion"] == "keda.sh/v1alpha1", name
+            continue
+        kv.validate(doc, KUBERNETES_VERSION, strict=True)
+    # the validator can fail: a misspelt field of a probe is refused
+    api = json.loads(json.dumps(kubernetes["Deployment", "welltempered-api"]))
+    api["spec"]["template"]["spec"]["containers"][0]["readinessprobe"] = {}
+    with pytest.raises(kv.ValidationError):
+        kv.validate(api, KUBERNETES_VERSION, strict=True)
+
+
+def containers(doc: dict) -> list[dict]:
+    spec = doc["spec"]["template"]["spec"]
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+def environment(objects: dict, container: dict) -> dict[str, str]:
+    """The variables a container gets: its ConfigMaps' and Secrets' data, then its env."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        if "configMapRef" in source:
+            env |= objects["ConfigMap", source["configMapRef"]["name"]]["data"]
+        else:
+            env |= objects["Secret", source["secretRef"]["name"]]["stringData"]
+    return env | {e["name"]: e["value"] for e in container.get("env", [])}
+
+
+def memory_bytes(quantity: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+    return int(quantity[:-2]) * units[quantity[-2:]]
+
+
+@pytest.mark.process  # kubectl kustomize
+def test_kubernetes_settings_are_the_service_s(kubernetes):
+    """Every WELLTEMPERED_ variable names a setting, with a value Settings accepts; every
+    image the service's, every command one the CLI parses."""
+    from service.cli import build_parser
+    from service.settings import Settings
+
+    for (kind, name), doc in kubernetes.items():
+        if kind not in ("Deployment", "Job"):
+            continue
+        for container in containers(doc):
+            if container["image"].split(":")[0] != "welltempered-api":
+                continue
+            env = environment(kubernetes, container)
+            prefixed = {k[len("WELLTEMPERED_"):].lower(): v for k, v in env.items()
+                        if k.startswith("WELLTEMPERED_")}
+            assert set(prefixed) <= set(Settings.model_fields), (name, set(prefixed))
+            Settings(**prefixed)  # every value valid
+            args = container.get("args")
+            if args is not None:
+                assert args[0] == "welltempered", name
+                build_parser().parse_args(args[1:])
+
+
+@pytest.mark.process  # kubectl kustomize
+def test_kubernetes_api_probes_ports_and_memory(kubernetes):
+    from service.api.app import create_app
+    from service.server.budget import flatten
+    from service.settings import Settings
+
+    api = kubernetes["Deployment", "welltempered-api"]
+    (container,) = containers(api)
+    args = container["args"]
+    port = int(args[args.index("--port") + 1])
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["http"] == port
+    env = environment(kubernetes, container)
+    assert ports["metrics"] == int(env["WELLTEMPERED_METRICS_ADDRESS"].rsplit(":", 1)[1])
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    paths = {route.path for route in flatten(create_app(Settings()).routes)}
+    assert {"/readyz", "/healthz"} <= paths
+    assert env["WELLTEMPERED_RUN_FITS"] == "false"
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts["arrays"] == env["WELLTEMPERED_DATA_DIR"]
+    assert mounts["prometheus"] == env["PROMETHEUS_MULTIPROC_DIR"]
+    grace = float(env["WELLTEMPERED_SHUTDOWN_GRACE_SECONDS"])
+    assert api["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > grace + 5
+    # the largest request, decoded, and its answer, per uvicorn worker, fit in the limit
+    workers = int(args[args.index("--workers") + 1])
+    limit = memory_bytes(container["resources"]["limits"]["memory"])
+    assert limit > workers * 2 * int(env["WELLTEMPERED_MAX_BODY_BYTES"])
+
+    service = kubernetes["Service", "welltempered-api"]
+    assert service["spec"]["selector"] == api["spec"]["selector"]["matchLabels"]
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]  # never metrics
+    for kind in ("HorizontalPodAutoscaler",):
+        assert kubernetes[kind, "welltempered-api"]["spec"]["scaleTargetRef"]["name"] == (
+            "welltempered-api"
+        )
+    pdb = kubernetes["PodDisruptionBudget", "welltempered-api"]["spec"]
+    assert pdb["selector"] == api["spec"]["selector"]
+    assert pdb["minAvailable"] < kubernetes["HorizontalPodAutoscaler", "welltempered-api"][
+        "spec"]["minReplicas"]
+
+
+@pytest.mark.process  # kubectl kustomize
+def test_kubernetes_worker_memory_is_the_fit_budget(kubernetes):
+    """A worker's memory covers --concurrency fits of WELLTEMPERED_FIT_MEMORY_BYTES each
+    (the cost guard's budget) plus the processes themselves; request equals limit."""
+    worker = kubernetes["Deployment", "welltempered-worker"]
+    (container,) = containers(worker)
+    args = container["args"]
+    assert args[:2] == ["welltempered", "worker"]
+    concurrency = int(args[args.index("--concurrency") + 1])
+    env = environment(kubernetes, container)
+    budget = int(env["WELLTEMPERED_FIT_MEMORY_BYTES"])
+    resources = container["resources"]
+    limit = memory_bytes(resources["limits"]["memory"])
+    assert resources["requests"]["memory"] == resources["limits"]["memory"]
+    assert concurrency * budget < limit <= concurrency * budget + 2**30
+    grace = float(env["WELLTEMPERED_FIT_GRACE_SECONDS"])
+    assert worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > grace + 5
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts["arrays"] == env["WELLTEMPERED_DATA_DIR"]
+    api = kubernetes["Deployment", "welltempered-api"]
+    claims = [{v["name"]: v.get("persistentVolumeClaim", {}).get("claimName")
+               for v in d["spec"]["template"]["spec"]["volumes"]} for d in (api, worker)]
+    assert claims[0]["arrays"] == claims[1]["arrays"] == "welltempered-arrays"
+    pvc = kubernetes["PersistentVolumeClaim", "welltempered-arrays"]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]  # pods on any node share it
+
+
+def procrastinate_jobs_schema() -> tuple[set[str], set[str]]:
+    """The columns of procrastinate_jobs and the values of its status, from the schema
+    the installed procrastinate creates."""
+    from importlib.resources import files
+
+    sql = files("procrastinate").joinpath("sql/schema.sql").read_text()
+    table = re.search(r"CREATE TABLE procrastinate_jobs \((.*?)\n\);", sql, re.S).group(1)
+    columns = {line.split()[0] for line in table.strip().splitlines()
+               if not line.strip().startswith("CONSTRAINT")}
+    enum = re.search(r"CREATE TYPE procrastinate_job_status AS ENUM \((.*?)\);", sql, re.S)
+    return columns, set(re.findall(r"'(\w+)'", enum.group(1)))
+
+
+@pytest.mark.process  # kubectl kustomize
+def test_kubernetes_keda_scales_workers_on_the_fit_queue(kubernetes):
+    from service.jobs.engine import TASK
+
+    scaled = kubernetes["ScaledObject", "welltempered-worker"]["spec"]
+    assert scaled["scaleTargetRef"]["name"] == "welltempered-worker"
+    assert 1 <= scaled["minReplicaCount"] < scaled["maxReplicaCount"]
+    (trigger,) = scaled["triggers"]
+    assert trigger["type"] == "postgresql"
+    query = " ".join(trigger["metadata"]["query"].split())
+    match = re.fullmatch(
+        r"SELECT count\(\*\) FROM procrastinate_jobs WHERE task_name = '([^']+)' "
+        r"AND status IN \(([^)]*)\)", query)
+    assert match, query
+    columns, statuses = procrastinate_jobs_schema()
+    assert {"task_name", "status"} <= columns
+    assert match.group(1) == TASK
+    assert set(re.findall(r"'(\w+)'", match.group(2))) == {"todo", "doing"} <= statuses
+    assert int(trigger["metadata"]["targetQueryValue"]) >= 1
+    auth = kubernetes["TriggerAuthentication", trigger["authenticationRef"]["name"]]["spec"]
+    (ref,) = auth["secretTargetRef"]
+    assert ref["parameter"] == "connection"
+    secret = kubernetes["Secret", ref["name"]]["stringData"]
+    keda_url, service_url = secret[ref["key"]], secret["WELLTEMPERED_DATABASE_URL"]
+    # the same database, in libpq's form
+    strip = re.compile(r"^[^:]+://|\?.*$")
+    assert strip.sub("", keda_url) == strip.sub("", service_url)
+    assert keda_url.startswith("postgresql://")
+
+
+@pytest.mark.process  # kubectl kustomize
+def test_kubernetes_migrate_job(kubernetes):
+    job = kubernetes["Job", "welltempered-migrate"]
+    (container,) = containers(job)
+    assert container["args"] == ["welltempered", "migrate"]
+    assert job["spec"]["template"]["spec"]["restartPolicy"] in ("OnFailure", "Never")
+
+
+def fake_kubectl(bin_dir: Path, secrets: Path) -> None:
+    """A kubectl that knows `get secret NAME --ignore-not-found -o name` and `create
+    secret generic NAME --from-file=key=PATH`, keeping secrets as files in ``secrets``."""
+    script = bin_dir / "kubectl"
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import pathlib, shutil, sys\n"
+        f"store = pathlib.Path({str(secrets)!r})\n"
+        "a = sys.argv[1:]\n"
+        "if a[:2] == ['get', 'secret'] and a[3:] == ['--ignore-not-found', '-o', 'name']:\n"
+        "    if (store / a[2]).exists(): print('secret/' + a[2])\n"
+        "elif a[:3] == ['create', 'secret', 'generic'] and a[4].startswith('--from-file=key='):\n"
+        "    if (store / a[3]).exists(): sys.exit('AlreadyExists')\n"
+        "    shutil.copy(a[4].split('=', 2)[2], store / a[3])\n"
+        "else:\n"
+        "    sys.exit(f'unexpected kubectl {a}')\n"
+    )
+    script.chmod(0o755)
+
+
+@pytest.mark.process
+def test_kubernetes_first_key_job_is_idempotent(kubernetes, key_database, tmp_path):
+    """The Job's three steps run in order, twice, with a kubectl that keeps secrets in a
+    folder: one admin key in the database, the same one in the Secret."""
+    from service.security.auth import key_digest
+
+    job = kubernetes["Job", "welltempered-first-key"]
+    spec = job["spec"]["template"]["spec"]
+    steps = containers(job)
+    assert [c["name"] for c in steps] == ["check", "create", "store"]
+    (volume,) = spec["volumes"]
+    assert volume["emptyDir"]["medium"] == "Memory"  # the key never touches a disk
+    (path,) = {m["mountPath"] for c in steps for m in c["volumeMounts"]}
+    account = spec["serviceAccountName"]
+    binding = kubernetes["RoleBinding", account]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    rules = kubernetes["Role", binding["roleRef"]["name"]]["rules"]
+    assert {v for r in rules for v in r["verbs"]} == {"get", "create"}
+
+    url, env = key_database
+    bin_dir = Path(env["PATH"].split(os.pathsep)[0])
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    fake_kubectl(bin_dir, secrets)
+    create_env = environment(kubernetes, steps[1])
+    assert "FIRST_KEY_NAMESPACE" in create_env
+
+    def run_job() -> str:
+        work = tmp_path / "work"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+        logs = ""
+        for step in steps:
+            shell, flags, script = step["command"]
+            assert (shell, flags) == ("sh", "-ec")
+            logs += run_sh(script.replace(path, str(work)), env).stdout
+        return logs
+
+    logs = run_job()
+    (stored,) = list(secrets.iterdir())
+    key = stored.read_text().strip()
+    assert key.startswith("wt_") and key not in logs
+    assert key_rows(url) == [(key_digest(key), env["FIRST_KEY_NAMESPACE"], "admin")]
+    assert "no new key" in run_job()
+    assert len(key_rows(url)) == 1 and stored.read_text().strip() == key

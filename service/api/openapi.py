@@ -16,8 +16,10 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
+from pydantic import BaseModel
 
 from service.api import fit_options
+from service.api.schemas import PredictOut
 from service.server.budget import Budget, declare, flatten
 from service.server.problems import OIP_PREFIX, PROBLEM_JSON
 from service.vocabulary import KINDS
@@ -49,6 +51,18 @@ LABELS: dict[str, Any] = {"type": "array", "items": {"type": "integer"}}
 OCTET_STREAM = "application/octet-stream"
 #: A binary body's media type object.
 BINARY: dict[str, Any] = {"schema": {"type": "string", "format": "binary"}}
+
+
+#: Answer models of routes FastAPI does not document from a response_model (the hot
+#: routes): added to the document's schemas, so a client names them as we do.
+DOCUMENTED_MODELS: tuple[type[BaseModel], ...] = (PredictOut,)
+
+
+def schema_ref(model: type[BaseModel]) -> dict[str, str]:
+    """A reference to ``model``'s schema, one of :data:`DOCUMENTED_MODELS`."""
+    if model not in DOCUMENTED_MODELS:
+        raise ValueError(f"{model.__name__} is not among DOCUMENTED_MODELS. Got {model!r}.")
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
 def operation_id(route: APIRoute) -> str:
@@ -102,6 +116,10 @@ def document(app: FastAPI) -> dict[str, Any]:
     components.setdefault("schemas", {})["Problem"] = PROBLEM_SCHEMA
     components["schemas"].update(fit_options.components())
     components["schemas"]["InferenceError"] = INFERENCE_ERROR_SCHEMA
+    for model in DOCUMENTED_MODELS:
+        components["schemas"][model.__name__] = model.model_json_schema(
+            ref_template="#/components/schemas/{model}"
+        )
     components.setdefault("securitySchemes", {})["bearer"] = {
         "type": "http",
         "scheme": "bearer",

@@ -321,6 +321,87 @@ class PredictOut(BaseModel):
     )
 
 
+class FeedbackOut(BaseModel):
+    """What a feedback post recorded."""
+
+    model: str
+    version: int = Field(description="The version whose calibration the rows were scored by.")
+    rows: int = Field(description="Labelled rows recorded.")
+    correct: int = Field(description="Of them, rows whose predicted class is the label.")
+    bucket_start: int = Field(description="Unix time of the bucket they were added to.")
+    bucket_seconds: int = Field(description="The width of a bucket (FEEDBACK_BUCKET_SECONDS).")
+
+
+_OPTIONAL_FIGURE = partial(Field, None)
+
+
+class LiveReport(BaseModel):
+    """Live calibration over the window, from the feedback's per-bin sums: the keys of
+    the hold-out report, those that need the rows themselves null (not_from_aggregates)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    n: int = Field(description="Labelled rows in the window (0: every figure is null).")
+    n_classes: int
+    accuracy: float | None = _OPTIONAL_FIGURE()
+    nll: float | None = _OPTIONAL_FIGURE(description="Mean negative log-likelihood, nats.")
+    brier: float | None = _OPTIONAL_FIGURE()
+    entropy: float | None = _OPTIONAL_FIGURE(description="Mean entropy, nats.")
+    ece: float | None = _OPTIONAL_FIGURE(description="Expected calibration error, n_bins bins.")
+    mce: float | None = _OPTIONAL_FIGURE()
+    ece_debiased: float | None = _OPTIONAL_FIGURE()
+    ece_debiased_lower: float | None = _OPTIONAL_FIGURE()
+    ece_debiased_upper: float | None = _OPTIONAL_FIGURE()
+    bins: dict[str, Any] = Field(
+        description="The reliability bins: edges, count, mean_confidence, accuracy."
+    )
+    n_bins: int
+    interval_level: float
+    not_from_aggregates: list[str] = Field(description="Keys that are null here by nature.")
+
+
+class HoldoutReport(BaseModel):
+    """The version's calibrated hold-out figures, measured when it was fitted, with its
+    argmax agreement (older versions lack the figures added since)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    n: int
+    accuracy: float | None = _OPTIONAL_FIGURE()
+    nll: float | None = _OPTIONAL_FIGURE()
+    ece: float | None = _OPTIONAL_FIGURE()
+    argmax_agreement: float | None = _OPTIONAL_FIGURE()
+
+
+class DriftVerdict(BaseModel):
+    """``calibrators.evaluation.drift.detect_drift`` of the window against the hold-out."""
+
+    model_config = ConfigDict(extra="allow")
+
+    verdict: Literal["ok", "drift", "insufficient_data"]
+    method: str
+    live_ece: float | None = _OPTIONAL_FIGURE()
+    holdout_ece: float | None = _OPTIONAL_FIGURE()
+    bound: float | None = _OPTIONAL_FIGURE(description="The live ECE above which it is drift.")
+    p_value: float | None = _OPTIONAL_FIGURE()
+    n_live: int
+    n_holdout: int
+
+
+class MonitoringOut(BaseModel):
+    """Live calibration of a version over a window, its hold-out figures, and drift."""
+
+    model: str
+    version: int
+    window: str = Field(description="The window, as given (?window=).")
+    window_seconds: int
+    since: int = Field(description="Unix time of the window's first bucket.")
+    bucket_seconds: int
+    live: LiveReport
+    holdout: HoldoutReport
+    drift: DriftVerdict
+
+
 class AliasPut(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

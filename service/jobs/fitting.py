@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -65,6 +65,13 @@ def auto_candidates(argmax_policy: str) -> tuple[str, ...]:
     if argmax_policy == "require":
         return tuple(m for m, cls in calibrators.CALIBRATORS.items() if cls.preserves_argmax)
     return tuple(calibrators.METHODS)
+
+
+def lowest_nll(nll: Mapping[str, float]) -> str:
+    """The method an ``auto`` fit keeps: the lowest held-out NLL among its allowed
+    candidates (the first of equals, in the candidates' order). ``welltempered fit
+    --method auto`` chooses by it too."""
+    return min(nll, key=nll.__getitem__)
 
 
 def memory_budget(configured: int | None, fit_workers: int) -> int:
@@ -259,7 +266,7 @@ def fit_job(
 
     allowed = [m for m in methods if results[m]["allowed"]]
     pool = allowed or list(methods)
-    chosen = min(pool, key=lambda m: results[m]["metrics"]["nll"])
+    chosen = lowest_nll({m: results[m]["metrics"]["nll"] for m in pool})
     best = results[chosen]
     served, argmax = best["cal"], best["argmax"]
     if refit and allowed:

@@ -97,9 +97,13 @@ def key_state(row: ApiKey, now: datetime | None = None) -> str:
 # -- the CLI: welltempered keys create | list | revoke ----------------------------
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser, **common) -> None:
+    """The actions of ``keys``; ``common`` goes to each action's parser (``parents``,
+    ``formatter_class``)."""
     sub = p.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
-    create = sub.add_parser("create", help="create a key; prints it once, on the last line")
+    create = sub.add_parser(
+        "create", help="create a key; prints it once, on the last line", **common
+    )
     create.add_argument(
         "--namespace", help="the tenant's namespace (every scope but metrics, which has none)"
     )
@@ -111,9 +115,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     create.add_argument("--expires", help="lifetime, e.g. 30d, 12h (default: never)")
     create.add_argument("--description")
-    ls = sub.add_parser("list", help="list keys (id, prefix, namespace, scope, state)")
+    ls = sub.add_parser("list", help="list keys (id, prefix, namespace, scope, state)", **common)
     ls.add_argument("--namespace")
-    revoke = sub.add_parser("revoke", help="revoke a key by id")
+    revoke = sub.add_parser("revoke", help="revoke a key by id", **common)
     revoke.add_argument("id", type=int)
 
 
@@ -174,7 +178,7 @@ def _revoke(session: Session, args: argparse.Namespace) -> int:
         key_rows.revoke_key(session, args.id)
     except NotFound as exc:
         print(f"welltempered keys revoke: {exc.detail}", file=sys.stderr)
-        return 1
+        return 2
     print(f"key {args.id} revoked (servers stop accepting it within KEY_CACHE_SECONDS)")
     return 0
 

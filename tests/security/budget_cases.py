@@ -410,6 +410,8 @@ ROUTES: dict[str, Route] = {
     f"DELETE {V1}": Route(victim=True),
     f"POST {V1}/predict": Route(lambda ids: _json({"logits": [[0.0] * K]}),
                                 shapes=_predict_shapes),
+    f"POST {V1}/predict.npy": Route(lambda ids: _json({"logits": [[0.0] * K]}),
+                                    shapes=_predict_shapes),
     f"POST {V1}/feedback": Route(
         lambda ids: _json({"logits": [[0.0] * K], "labels": [0]}), shapes=_feedback_shapes),
     f"GET {V1}/monitoring": Route(),

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -11,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select
@@ -45,7 +49,10 @@ def test_keys_refuses_to_create_a_sqlite_file_elsewhere(tmp_path, monkeypatch, c
     assert str(where) in err and "welltempered migrate" in err and "--create-database" in err
     assert not where.exists()
     assert cli.main(["keys", "list"]) == 2 and not where.exists()
-    # with the flag it creates (and migrates) it, and says so
+    # with the flag, before or after the action, it creates (and migrates) it, and says so
+    assert cli.main([*create, "--create-database"]) == 0
+    assert f"welltempered keys: database SQLite {where} (new)" in capsys.readouterr().err
+    where.unlink()
     assert cli.main(["keys", "--create-database", *create[1:]]) == 0
     captured = capsys.readouterr()
     assert f"welltempered keys: database SQLite {where} (new)" in captured.err
@@ -53,6 +60,57 @@ def test_keys_refuses_to_create_a_sqlite_file_elsewhere(tmp_path, monkeypatch, c
     assert where.exists()
     assert cli.main(["keys", "list"]) == 0
     assert f"welltempered keys: database SQLite {where}\n" in capsys.readouterr().err
+
+
+def test_revoking_an_unknown_key_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WELLTEMPERED_DATABASE_URL", f"sqlite:///{tmp_path / 'k.sqlite3'}")
+    assert cli.main(["migrate"]) == 0
+    capsys.readouterr()
+    assert cli.main(["keys", "revoke", "99"]) == 2  # like every other usage error
+    assert "99" in capsys.readouterr().err
+
+
+def usage_error(capsys, argv: list[str]) -> str:
+    """What ``welltempered argv`` says on stderr when argparse refuses it (exit 2)."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    "argv,says",
+    [
+        (["serve", "--workers", "0"], "--workers: expected an integer >= 1. Got 0."),
+        (["serve", "--workers", "-1"], "--workers: expected an integer >= 1. Got -1."),
+        (["serve", "--workers", "two"], "--workers: expected an integer >= 1. Got 'two'."),
+        (["serve", "--log-level", "loud"], "--log-level: invalid choice: 'loud'"),
+        (["worker", "--concurrency", "0"], "--concurrency: expected an integer >= 1. Got 0."),
+        (["worker", "--log-level", "loud"], "--log-level: invalid choice: 'loud'"),
+    ],
+)
+def test_bad_options_are_usage_errors(capsys, argv, says):
+    # issue 24: `serve --workers 0` started a server, `--log-level loud` a traceback
+    assert says in usage_error(capsys, argv)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"welltempered {importlib.metadata.version('welltempered')}\n"
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for option, default in [("--host", "127.0.0.1"), ("--port", 8000), ("--workers", 1),
+                            ("--log-level", "info")]:
+        assert re.search(rf"{option} [^-]*\(default: {re.escape(str(default))}\)", text), option
+    assert "(default: None)" not in text and "(default: False)" not in text
 
 
 def test_migrate_and_gc_say_which_database(tmp_path, monkeypatch, capsys):
@@ -160,3 +218,60 @@ def test_serve_demo_process(tmp_path):
             proc.kill()
             raise
     assert proc.returncode == 0, proc.stdout.read().decode()
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def readme_first_steps() -> tuple[str, str, dict, dict, str]:
+    """From the README: the line to wait for, the ready-made model's predict (path, body,
+    printed answer) and where the session's example data is written."""
+    text = README.read_text()
+    (ready,) = re.findall(r"In another terminal, once\s+`([^`]+)`\s+appears", text)
+    match = re.search(
+        r"curl -s -X POST localhost:8000(/v1/models/digits-mlp/predict) .*?"
+        r"-d '([^']+)'\n(\{[^\n]*\})",
+        text, re.S)
+    (npz,) = re.findall(r"demo_npz\('([^']+)'\)", text)
+    return ready, match.group(1), json.loads(match.group(2)), json.loads(match.group(3)), npz
+
+
+def test_readme_session_writes_no_file_into_the_repository():
+    *_, npz = readme_first_steps()
+    folder = Path(npz).parts[0]
+    assert len(Path(npz).parts) > 1  # not the repository's root
+    ignored = (README.parent / ".gitignore").read_text().splitlines()
+    assert f"/{folder}/" in ignored
+
+
+@pytest.mark.process
+@pytest.mark.slow
+def test_readme_first_steps(tmp_path):
+    """`make run`, then in another terminal once the README's line appears, its
+    digits-mlp prediction answers what the README prints."""
+    ready, path, body, printed, _ = readme_first_steps()
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "serve", "--demo", "--port", str(port)],
+            cwd=tmp_path,
+            env={**os.environ, "WELLTEMPERED_METRICS_ADDRESS": f"127.0.0.1:{_free_port()}"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        awaited = ready.replace(":8000", f":{port}")
+        deadline = time.monotonic() + 180
+        while awaited not in log.read_text():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, f"no {awaited!r} in:\n{log.read_text()}"
+            time.sleep(0.2)
+        answer = httpx.post(f"http://127.0.0.1:{port}{path}", json=body, timeout=30).json()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert set(answer) == set(printed)
+    assert answer["labels"] == printed["labels"] and answer["model"] == printed["model"]
+    for key in ("probabilities", "confidence", "entropy"):
+        np.testing.assert_allclose(answer[key], printed[key], rtol=1e-5, atol=1e-7)

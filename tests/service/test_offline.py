@@ -17,7 +17,9 @@ from calibrators.evaluation.checks import argmax_report
 from calibrators.evaluation.holdout import split_indices
 from calibrators.evaluation.metrics import report
 from service import offline
+from service.jobs.fitting import fit_job
 from service.offline import main
+from service.vocabulary import AUTO, DEFAULT_ARGMAX_POLICY
 from tests.helpers import DATA_DIR
 from tests.oracles import softmax
 
@@ -306,6 +308,23 @@ def test_unwritable_json(logits_npz, tmp_path, capsys):
     assert main([str(logits_npz), "--json", str(tmp_path / "missing-dir" / "out.json")]) == 2
     err = capsys.readouterr().err
     assert "cannot write --json" in err and "Traceback" not in err
+
+
+def test_auto_chooses_what_the_service_would(logits_npz, tmp_path, capsys):
+    # issue 24: the CLI offered `all` but not `auto`, the service `auto` but not `all`
+    out_path = tmp_path / "auto.json"
+    assert main([str(logits_npz), "--method", "auto", "--json", str(out_path)]) == 0
+    result = _strict_json(out_path)
+    with np.load(logits_npz) as f:
+        served = fit_job(
+            f["logits"], f["labels"], kind="logits", method=AUTO, holdout=0.2, seed=0,
+            options={}, argmax_policy=DEFAULT_ARGMAX_POLICY,
+        )
+    assert list(result["methods"]) == list(served["candidates"])
+    assert result["chosen"] == served["chosen_method"]
+    for name, m in result["methods"].items():
+        assert m["report"]["nll"] == pytest.approx(served["candidates"][name]["metrics"]["nll"])
+    assert f"auto: {served['chosen_method']} " in capsys.readouterr().out
 
 
 def test_usage_errors_return_2(capsys):

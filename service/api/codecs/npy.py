@@ -37,7 +37,7 @@ MAX_NPY_HEADER = 10_000
 #: Bytes of a .npy before its data, at most (magic, version, length, header).
 NPY_PREFIX_MAX = 12 + MAX_NPY_HEADER
 
-_NPY_MAGIC = b"\x93NUMPY"
+NPY_MAGIC = b"\x93NUMPY"
 
 #: .npy dtypes a body may hold: real floats and integers of at most 8 bytes, either
 #: byte order. float128, bool, complex, datetime, strings, objects and records are
@@ -126,7 +126,7 @@ def parse_npy_header(
     hold all of it. 400 for anything numpy would not write; 422 for a dtype of another
     kind than :data:`NPY_DTYPES`, or with ``score_dtype="bfloat16"`` than 16-bit little-
     endian patterns."""
-    if head[:6] != _NPY_MAGIC[: len(head)]:
+    if head[:6] != NPY_MAGIC[: len(head)]:
         raise MalformedBody(f"{what} is not a .npy array: it does not start with '\\x93NUMPY'.")
     if len(head) < 8:
         return None

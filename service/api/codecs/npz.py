@@ -17,7 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
-from service.api.codecs.npy import NpyHeader, NpyStream, check_scores_header, parse_npy_header
+from service.api.codecs.npy import (
+    NPY_MAGIC,
+    NpyHeader,
+    NpyStream,
+    check_scores_header,
+    parse_npy_header,
+)
 from service.api.codecs.rules import (
     CHUNK_BYTES,
     LABEL_KEYS,
@@ -41,6 +47,12 @@ MAX_CENTRAL_DIRECTORY = 64 * 1024
 
 _ZIP_METHODS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflate"}
 
+#: What a labelled body holds, for the error that meets a single array instead.
+NPZ_MEMBERS = (
+    f"a .npz (np.savez) with a score member ({' or '.join(SCORE_KEYS)}) and a label member "
+    f"({' or '.join(LABEL_KEYS)})"
+)
+
 
 def _zip_directory(f, what: str) -> tuple[int, int]:
     """Entries and central-directory bytes the zip's end record declares (zip64 included),
@@ -49,6 +61,12 @@ def _zip_directory(f, what: str) -> tuple[int, int]:
     tail_size = min(size, 22 + 65_535)
     f.seek(size - tail_size)
     tail = f.read(tail_size)
+    f.seek(0)
+    if f.read(len(NPY_MAGIC)) == NPY_MAGIC:
+        raise InvalidInput(
+            f"{what} is a single .npy array; labelled rows are {NPZ_MEMBERS}, e.g. "
+            "np.savez(f, logits=z, labels=y)."
+        )
     at = tail.rfind(b"PK\x05\x06")
     if at < 0 or len(tail) - at < 22:
         raise MalformedBody(f"{what} is not a .npz (zip) archive: no end of central directory.")

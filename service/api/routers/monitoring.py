@@ -17,6 +17,7 @@ from service.api.codecs import json_body, npz, rules
 from service.api.deps import DtypeQuery, KindQuery, ModelDep, SessionDep, StateDep, VersionDep
 from service.api.idempotent import idempotent
 from service.api.openapi import BINARY, LABELS, OCTET_STREAM, SCORE_PROPERTIES
+from service.api.schemas import FeedbackOut, MonitoringOut
 from service.api.uploads import NPZ_TYPES, Upload, labelled_body
 from service.errors import InvalidInput
 from service.observe import metrics as obs
@@ -212,7 +213,7 @@ _FEEDBACK_DOC = {
 
 
 @declare(budget.FEEDBACK)
-@router.post(f"{_MODEL}/feedback", openapi_extra=_FEEDBACK_DOC)
+@router.post(f"{_MODEL}/feedback", response_model=FeedbackOut, openapi_extra=_FEEDBACK_DOC)
 def post_feedback(
     model: ModelDep,
     session: SessionDep,
@@ -299,7 +300,7 @@ MonitoredDep = Annotated[CalibratorVersion, Depends(get_monitored)]
 
 
 @declare(budget.READ)
-@router.get(f"{_MODEL}/monitoring")
+@router.get(f"{_MODEL}/monitoring", response_model=MonitoringOut)
 def get_monitoring(
     model: ModelDep,
     seconds: WindowDep,

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from service.api.auth import authorize
 from service.api.codecs import answers, json_body, npy, rules
 from service.api.deps import AppState, get_app_state
-from service.api.openapi import BINARY, OCTET_STREAM, SCORE_PROPERTIES
+from service.api.openapi import BINARY, OCTET_STREAM, SCORE_PROPERTIES, schema_ref
 from service.api.schemas import Kind, PredictOut, ScoreDtype
 from service.api.uploads import media_type, read_body, read_npy
 from service.errors import UnsupportedMediaType
@@ -37,6 +37,8 @@ from service.serving.predict import calibrate
 from service.vocabulary import DEFAULT_ALIAS, MAX_ID
 
 PATH = "/v1/models/{model}/predict"
+#: The same calibration, answered as .npy whatever the Accept header says.
+NPY_PATH = PATH + ".npy"
 
 NPY = "application/x-npy"
 VERSION_HEADER = "X-Welltempered-Version"
@@ -215,6 +217,17 @@ def respond(
 
 @declare(budget.SCORES)
 async def predict(request: Request) -> Response:
+    return await _predict(request, want_npy=NPY in request.headers.get("accept", ""))
+
+
+@declare(budget.SCORES)
+async def predict_npy(request: Request) -> Response:
+    # Its own operation: client generators type a status's answer by its first media type
+    # (openapi-python-client decodes predict's 200 as JSON whatever the Accept header).
+    return await _predict(request, want_npy=True)
+
+
+async def _predict(request: Request, want_npy: bool) -> Response:
     # The hot path. Everything FastAPI would resolve through parameters and
     # dependencies is resolved here by plain calls: the caller (``authorize``, the
     # dependency every other route gets), the query (see :func:`target`), the
@@ -228,7 +241,6 @@ async def predict(request: Request) -> Response:
     served = await state.serving.get(model, query.alias, query.version, caller.namespace)
     bounds = rules.bounds(state.settings, "predict", served.num_classes, served.model, query.dtype)
     fmt, raw = await read_scores_body(request, state, bounds)
-    want_npy = NPY in request.headers.get("accept", "")
     size = len(raw) if fmt == "json" else raw.nbytes
     declared = budget.limits_of(request.scope).answer
     limits = answers.AnswerLimits.of(declared, state.settings.max_json_bytes, size)
@@ -264,9 +276,26 @@ def install(app: FastAPI) -> None:
                 "string, when the model has class_names). When the model has class_names, "
                 "the JSON adds label_names (n) and, with top_k, top_k_names (n, k).",
                 "content": {
-                    "application/json": {"schema": PredictOut.model_json_schema()},
+                    "application/json": {"schema": schema_ref(PredictOut)},
                     NPY: BINARY,
                 },
+            }
+        },
+    )
+    add_hot_route(
+        app,
+        NPY_PATH,
+        predict_npy,
+        tags=["predict"],
+        response_class=Response,
+        openapi_extra=_PREDICT_DOC,
+        responses={
+            200: {
+                "description": f"The answer of {PATH} with Accept: {NPY}: the probabilities "
+                f"(n, K) as a .npy, float32 (version in {VERSION_HEADER}); with ?top_k=k, "
+                "(n, k) records as there. Served as " + NPY + ", documented as "
+                f"{OCTET_STREAM} too, so that generated clients return the bytes.",
+                "content": {NPY: BINARY, OCTET_STREAM: BINARY},
             }
         },
     )

@@ -121,6 +121,22 @@ def test_dataset_npz_upload(client, score_key, label_key):
     assert r2.json()["id"] == ds["id"]
 
 
+@pytest.mark.parametrize("route", ["datasets", "feedback"])
+def test_a_single_npy_is_told_what_a_labelled_body_is(client, route):
+    # issue 24: a plain .npy of logits got "not a .npz (zip) archive", not what to send
+    create_model(client, "m", 4)
+    logits, _ = logits_data(seed=3)
+    buf = io.BytesIO()
+    np.save(buf, logits)
+    r = client.post(
+        f"/v1/models/m/{route}",
+        content=buf.getvalue(),
+        headers={"content-type": "application/octet-stream"},
+    )
+    detail = assert_problem(r, 422, "single .npy", ".npz", "logits", "labels")["detail"]
+    assert "probabilities" in detail and "zip" not in detail
+
+
 def test_fit_lifecycle_alias_predict(client):
     create_model(client, "m", 4)
     logits, labels = logits_data(n=400)

@@ -246,7 +246,7 @@ def test_bad_npz_and_media_types(served):
         (b"", OCTET, 400, ("npz",)),
         (good[: len(good) // 2], OCTET, 400, ()),
         (good[:-30], X_NPZ, 400, ()),
-        (npy(logits), OCTET, 400, ("npz",)),
+        (npy(logits), OCTET, 422, ("single .npy", "labels")),  # issue 24: what to send
         (npz(logits=logits), OCTET, 422, ("label array",)),
         (
             npz(logits=logits, probabilities=softmax(logits), labels=labels),

@@ -47,22 +47,29 @@ def served(tmp_path_factory):
         yield c
 
 
+def generate(served, out: Path, path: str) -> str:
+    """Generate the client of ``served``'s document into ``out`` with ``path`` as PATH;
+    the generator's output."""
+    doc = out.parent / "openapi.json"
+    doc.write_text(json.dumps(served.get("/openapi.json").json()))
+    done = subprocess.run(
+        [str(GENERATOR), "generate", "--path", str(doc), "--output-path", str(out),
+         "--meta", "none"],
+        capture_output=True, text=True, env={**os.environ, "PATH": path}, timeout=300,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    return output
+
+
 @pytest.fixture(scope="module")
 def generated(served, tmp_path_factory):
     if not GENERATOR.exists():
         pytest.fail(f"{GENERATOR} missing: install the dev extra (make test does)")
     tmp = tmp_path_factory.mktemp("generated")
-    doc = tmp / "openapi.json"
-    doc.write_text(json.dumps(served.get("/openapi.json").json()))
     out = tmp / PACKAGE
-    env = {**os.environ, "PATH": f"{GENERATOR.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    done = subprocess.run(
-        [str(GENERATOR), "generate", "--path", str(doc), "--output-path", str(out),
-         "--meta", "none"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output
+    # ruff (the generator's post-hooks run it) on PATH: the dev extra's
+    output = generate(served, out, f"{GENERATOR.parent}{os.pathsep}{os.environ.get('PATH', '')}")
     # no warning, no skipped post-hook: the document is complete for the generator
     assert "WARNING" not in output and "Unable" not in output and "Skipping" not in output, output
     sys.path.insert(0, str(tmp))
@@ -77,6 +84,23 @@ def generated(served, tmp_path_factory):
         for name in [m for m in sys.modules if m.split(".")[0] == PACKAGE]:
             del sys.modules[name]
         shutil.rmtree(out, ignore_errors=True)
+
+
+def test_without_ruff_the_only_warning_is_ruff(served, generated, tmp_path):
+    """docs/api.md: without ruff on PATH the generator says so (its post-hooks format
+    the code with it), and nothing else."""
+    if shutil.which("ruff", path="/usr/bin:/bin"):
+        pytest.skip("ruff is installed system-wide")
+    output = generate(served, tmp_path / PACKAGE, "/usr/bin:/bin")
+    said = {line.strip() for line in output.splitlines() if line.strip()}
+    boilerplate = {line for line in said if line.startswith(("Generating ", "If you believe"))}
+    assert said - boilerplate == {
+        "Warning(s) encountered while generating. Client was generated, but some pieces may "
+        "be missing",
+        "Skipping Integration",
+        "ruff is not in PATH",
+    }, output
+    assert (tmp_path / PACKAGE / "api" / "predict" / "predict_npy.py").exists()
 
 
 def api(name: str):
@@ -153,12 +177,23 @@ def test_the_journey(served, generated):
     predict = import_module(f"{PACKAGE}.api.predict.predict")
     cal = calibrators.from_params(version.params.to_dict())
     out = predict.sync("gen", client=client, body=m.PredictJsonBody(logits=z[:5].tolist()))
+    assert isinstance(out, m.PredictOut)  # the schema's own name, not PredictPredictOut
     np.testing.assert_allclose(out.probabilities, cal.predict_proba(z[:5]), atol=1e-6)
     top = predict.sync("gen", client=client, body=m.PredictJsonBody(logits=z[:5].tolist()),
                        top_k=2)
     assert np.asarray(top.top_k_indices).shape == (5, 2)
     raw = predict.sync_detailed("gen", client=client, body=types.File(payload=npy(z[:5])))
     assert raw.status_code == 200 and raw.parsed.labels == out.labels  # .npy in, JSON out
+    # .npy out (issue 24: predict's 200 was decoded as JSON, a UnicodeDecodeError)
+    predict_npy = import_module(f"{PACKAGE}.api.predict.predict_npy")
+    for body in (types.File(payload=npy(z[:5])), m.PredictNpyJsonBody(logits=z[:5].tolist())):
+        answer = predict_npy.sync("gen", client=client, body=body)
+        probabilities = np.load(answer.payload, allow_pickle=False)
+        assert probabilities.dtype == np.float32
+        np.testing.assert_allclose(probabilities, cal.predict_proba(z[:5]), atol=1e-6)
+    records = np.load(predict_npy.sync("gen", client=client, body=types.File(payload=npy(z[:5])),
+                                       top_k=2).payload, allow_pickle=False)
+    np.testing.assert_array_equal(records["index"], np.asarray(top.top_k_indices))
 
     feedback = import_module(f"{PACKAGE}.api.monitoring.post_feedback")
     fb = feedback.sync_detailed(
@@ -166,9 +201,13 @@ def test_the_journey(served, generated):
         body=m.PostFeedbackJsonBody(logits=z[:50].tolist(), labels=y[:50].tolist()),
     )
     assert fb.status_code == 200, fb.content
+    assert isinstance(fb.parsed, m.FeedbackOut) and (fb.parsed.rows, fb.parsed.version) == (
+        50, version.version)
     monitoring = import_module(f"{PACKAGE}.api.monitoring.get_monitoring")
-    watched = monitoring.sync_detailed("gen", client=client)
-    assert watched.status_code == 200 and watched.parsed["live"]["n"] == 50
+    watched = monitoring.sync("gen", client=client)
+    assert isinstance(watched, m.MonitoringOut) and watched.live.n == 50
+    assert watched.drift.verdict.value in ("ok", "drift", "insufficient_data")
+    assert watched.live.ece_debiased_upper is not None and watched.holdout["smooth_ece"] >= 0
 
     svg = import_module(f"{PACKAGE}.api.monitoring.holdout_reliability_svg")
     picture = svg.sync("gen", version.version, client=client)
