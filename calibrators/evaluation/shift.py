@@ -36,9 +36,9 @@ import numpy as np
 from scipy.special import ndtri
 from scipy.stats import chi2
 
-from calibrators.evaluation.metrics import INTERVAL_LEVEL, _check_level, _probs_and_labels
+from calibrators.evaluation.metrics import INTERVAL_LEVEL, check_level
 from calibrators.numerics import row_chunks
-from calibrators.validation import CalibrationInputError, as_scores
+from calibrators.validation import CalibrationInputError, as_labels, as_scores
 
 #: The verdict's significance level (as the drift verdict's).
 DEFAULT_ALPHA = 0.01
@@ -53,7 +53,7 @@ WEIGHT_FLOOR = 0.0
 
 
 def _z(level: float) -> float:
-    return float(ndtri(0.5 + _check_level(level) / 2.0))
+    return float(ndtri(0.5 + check_level(level) / 2.0))
 
 
 def expected_accuracy_from_sums(
@@ -212,7 +212,8 @@ def holdout_sums(probs, labels) -> dict:
     >>> holdout_sums([[0.9, 0.1], [0.3, 0.7]], [0, 0])
     {'n': 2, 'correct': 1, 'confidence_sum': 1.6}
     """
-    probs, labels = _probs_and_labels(probs, labels)
+    probs = as_scores(probs, "probabilities")
+    labels = as_labels(labels, probs.shape[0], probs.shape[1])
     n, total, _ = confidence_sums(probs)
     correct = int((probs.argmax(axis=1) == labels).sum())
     return {"n": n, "correct": correct, "confidence_sum": total}
@@ -241,7 +242,8 @@ def confusion_counts(probs, labels) -> np.ndarray:
     >>> confusion_counts([[0.9, 0.1], [0.6, 0.4], [0.2, 0.8]], [0, 1, 1]).tolist()
     [[1, 1], [0, 1]]
     """
-    probs, labels = _probs_and_labels(probs, labels)
+    probs = as_scores(probs, "probabilities")
+    labels = as_labels(labels, probs.shape[0], probs.shape[1])
     k = probs.shape[1]
     flat = probs.argmax(axis=1) * k + labels
     return np.bincount(flat, minlength=k * k).reshape(k, k).astype(np.int64)
@@ -431,7 +433,7 @@ def shift_test(
             f"holdout_counts and served_counts must have one count per class. Got "
             f"{hold.size} and {served.size}."
         )
-    alpha = _check_level(alpha)
+    alpha = check_level(alpha)
     n = round(served.sum())
     out = {"alpha": alpha, "n": n, "statistic": None, "df": None, "p_value": None}
     if n < min_count or hold.sum() == 0:
