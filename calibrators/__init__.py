@@ -20,6 +20,7 @@ from calibrators.methods.dirichlet import DirichletScaler
 from calibrators.methods.ets import EnsembleTemperatureScaler
 from calibrators.methods.iop import IntraOrderPreserving
 from calibrators.methods.matrix import MatrixScaler
+from calibrators.methods.prior_shift import PriorShift
 from calibrators.methods.pts import ParameterizedTemperatureScaler
 from calibrators.methods.sms import StructuredMatrixScaler
 from calibrators.methods.svs import StructuredVectorScaler
@@ -45,6 +46,7 @@ CALIBRATORS: dict[str, type[Calibrator]] = {
         EnsembleTemperatureScaler,
         ParameterizedTemperatureScaler,
         IntraOrderPreserving,
+        PriorShift,
     )
 }
 #: The method names accepted by :func:`create`.
@@ -64,6 +66,7 @@ __all__ = [
     "MatrixScaler",
     "NotFittedError",
     "ParameterizedTemperatureScaler",
+    "PriorShift",
     "TemperatureScaler",
     "VectorScaler",
     "check_options",

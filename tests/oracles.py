@@ -105,3 +105,33 @@ def wait_for_version(
             return body
         assert time.monotonic() < deadline, f"{until.__name__} not met after {timeout}s: {body}"
         time.sleep(interval)
+
+
+def shifted_sample(
+    labels: np.ndarray, seed: int, concentration: float = 0.5, n: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of ``labels`` resampled to skewed class priors: issue 23's label-shift protocol.
+
+    The priors are drawn from a symmetric Dirichlet(``concentration``) over the classes;
+    each of ``n`` rows (default: as many as ``labels``) draws its class from them and
+    then a row of that class uniformly, with replacement (classes absent from
+    ``labels`` get their prior's share moved to the others). Seeded:
+    ``numpy.random.default_rng(seed)``.
+
+    Returns
+    -------
+    (ndarray of int, ndarray of float)
+        The indices into ``labels``, and the priors drawn.
+    """
+    rng = np.random.default_rng(seed)
+    k = int(labels.max()) + 1
+    present = np.bincount(labels, minlength=k) > 0
+    priors = rng.dirichlet(np.full(k, concentration)) * present
+    priors /= priors.sum()
+    n = labels.shape[0] if n is None else n
+    classes = rng.choice(k, size=n, p=priors)
+    order = np.argsort(labels, kind="stable")
+    starts = np.searchsorted(labels[order], np.arange(k))
+    sizes = np.bincount(labels, minlength=k)
+    picks = starts[classes] + (rng.random(n) * sizes[classes]).astype(np.int64)
+    return order[picks], priors

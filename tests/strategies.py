@@ -7,6 +7,8 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+import calibrators
+
 
 @st.composite
 def logits_and_labels(draw, *, min_rows=1, max_rows=40, min_classes=2, max_classes=12,
@@ -70,7 +72,9 @@ def calibrator_params(draw, cls, *, min_classes=3, max_classes=8):
     """``to_params()``-shaped params of calibrator class ``cls`` with random fitted arrays.
 
     Arrays follow ``cls.fitted_arrays``: a float (shape ``()``) in [0.05, 20], other
-    shapes with entries in [-3, 3], absent ones None. Default options.
+    shapes with entries in [-3, 3], absent ones None. Default options. A class with a
+    ``base`` option (a wrapper) gets a fitted base method's ``to_params()`` under
+    ``base``.
     """
     k = draw(st.integers(min_classes, max_classes))
     sizes = {"n_classes": k, **cls().checked_options()}
@@ -84,6 +88,10 @@ def calibrator_params(draw, cls, *, min_classes=3, max_classes=8):
             dims = tuple(sizes[d] if isinstance(d, str) else d for d in shape)
             elements = st.floats(-3, 3, allow_nan=False, width=32)
             params[name] = draw(hnp.arrays(np.float64, dims, elements=elements)).tolist()
+    if "base" in sizes:  # a wrapper (prior-shift): the params of its base method too
+        base = calibrators.CALIBRATORS[sizes["base"]]
+        drawn = draw(calibrator_params(base, min_classes=k, max_classes=k))
+        params["base"] = calibrators.from_params(drawn).to_params()
     return params
 
 

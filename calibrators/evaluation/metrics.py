@@ -722,7 +722,9 @@ def classwise_calibration_error(probs, labels, *, n_bins: int = DEFAULT_N_BINS) 
 # calibration error with intervals
 
 
-def _check_level(level) -> float:
+def check_level(level) -> float:
+    """A confidence (or significance) level in (0, 1), as a float; CalibrationInputError
+    otherwise."""
     if (
         isinstance(level, bool | np.bool_)
         or not isinstance(level, numbers.Real)
@@ -835,7 +837,7 @@ def debiased_ece_from_bin_statistics(
     count, confidence_sum, correct_count, _ = _checked_bin_statistics(
         count, confidence_sum, correct_count
     )
-    return _debiased_ece(count, confidence_sum, correct_count, _check_level(level))
+    return _debiased_ece(count, confidence_sum, correct_count, check_level(level))
 
 
 def debiased_calibration_error(
@@ -866,7 +868,7 @@ def debiased_calibration_error(
     True
     """
     probs, labels = _probs_and_labels(probs, labels)
-    level = _check_level(level)
+    level = check_level(level)
     confidence, correct = _top_label(probs, labels)
     stats = _bin_statistics(confidence, correct, bin_edges(_check_n_bins(n_bins)))
     return _debiased_ece(stats["count"], stats["confidence_sum"], stats["correct_count"], level)
@@ -1061,7 +1063,7 @@ def smooth_ece_from_confidences(
         raise CalibrationInputError(
             f"confidence must lie in [0, 1]. Got values in [{conf.min()}, {conf.max()}]."
         )
-    level = _check_level(level)
+    level = check_level(level)
     n_resamples = check_integer("n_resamples", n_resamples, minimum=1, maximum=MAX_RESAMPLES)
     seed = check_integer("seed", seed, minimum=0, maximum=INT64_MAX)
     return _smooth_ece(conf, ok, level, n_resamples, seed)
@@ -1100,7 +1102,7 @@ def smooth_calibration_error(
     True
     """
     probs, labels = _probs_and_labels(probs, labels)
-    level = _check_level(level)
+    level = check_level(level)
     n_resamples = check_integer("n_resamples", n_resamples, minimum=1, maximum=MAX_RESAMPLES)
     seed = check_integer("seed", seed, minimum=0, maximum=INT64_MAX)
     confidence, correct = _top_label(probs, labels)

@@ -28,8 +28,9 @@ the rate limiter) and to ``GET /metrics``.
 Two kinds of figures
 --------------------
 *Events of this process* (requests, served rows, entropy and confidence of
-served rows, argmax flips, feedback rows, fit durations, requests refused by
-the rate limit, the read cache of its fits' arrays) are
+served rows and the sums of their confidence and squared confidence, argmax flips,
+feedback rows, fit durations, requests refused by the rate limit, the read cache of its
+fits' arrays) are
 :class:`~prometheus_client.Counter` / :class:`~prometheus_client.Histogram`
 objects of a :class:`ServiceMetrics`, incremented by its methods
 :meth:`~ServiceMetrics.observe_request`,
@@ -280,6 +281,22 @@ PREDICTION_CONFIDENCE = EventSpec(
     ("namespace", "model"),
     buckets=CONFIDENCE_BUCKETS,
 )
+PREDICTION_CONFIDENCE_SUM = EventSpec(
+    "counter",
+    "welltempered_prediction_confidence_total",
+    "Sum of the confidence (maximum probability) of served calibrated rows, by namespace, "
+    "model and version. Over a window, its increase over that of welltempered_predictions_total "
+    "is the expected accuracy of the rows served (calibrators.evaluation.shift).",
+    ("namespace", "model", "version"),
+)
+PREDICTION_CONFIDENCE_SQUARED = EventSpec(
+    "counter",
+    "welltempered_prediction_confidence_squared_total",
+    "Sum of the squared confidence of served calibrated rows, by namespace, model and "
+    "version: with the confidence sum, the Poisson-binomial variance sum c(1 - c) of the "
+    "number of served rows whose top label is right (the expected accuracy's interval).",
+    ("namespace", "model", "version"),
+)
 ARGMAX_FLIPS = EventSpec(
     "counter",
     "welltempered_prediction_argmax_flips_total",
@@ -329,7 +346,8 @@ ARRAY_CACHE_EVICTIONS = EventSpec(
 #: Every event metric, in the order :class:`ServiceMetrics` creates (and exports) them.
 EVENTS = (
     HTTP_REQUESTS, HTTP_DURATION, HTTP_IN_PROGRESS, PREDICTIONS, PREDICTION_ENTROPY,
-    PREDICTION_CONFIDENCE, ARGMAX_FLIPS, FEEDBACK_ROWS, FIT_DURATION, RATE_LIMITED,
+    PREDICTION_CONFIDENCE, PREDICTION_CONFIDENCE_SUM, PREDICTION_CONFIDENCE_SQUARED,
+    ARGMAX_FLIPS, FEEDBACK_ROWS, FIT_DURATION, RATE_LIMITED,
     ARRAY_CACHE_HITS, ARRAY_CACHE_MISSES, ARRAY_CACHE_EVICTIONS,
 )  # fmt: skip
 
@@ -446,6 +464,19 @@ DB_GAUGES: dict[str, GaugeSpec] = {
         "holdout_accuracy": (
             "welltempered_holdout_accuracy_ratio",
             "Accuracy of an aliased version on its hold-out rows.",
+            _HOLDOUT,
+        ),
+        "holdout_confidence": (
+            "welltempered_holdout_confidence_ratio",
+            "Mean top-label confidence of an aliased version on its hold-out rows at fit time: "
+            "the hold-out accuracy minus it is the top-label gap the expected accuracy of "
+            "served rows is corrected by (calibrators.evaluation.shift).",
+            _HOLDOUT,
+        ),
+        "holdout_rows": (
+            "welltempered_holdout_rows",
+            "Hold-out rows an aliased version was evaluated on at fit time (the noise of its "
+            "hold-out figures).",
             _HOLDOUT,
         ),
         "holdout_argmax_agreement": (
@@ -751,6 +782,8 @@ class ServiceMetrics:
         self.predictions: Counter = created[PREDICTIONS.name]
         self.prediction_entropy: Histogram = created[PREDICTION_ENTROPY.name]
         self.prediction_confidence: Histogram = created[PREDICTION_CONFIDENCE.name]
+        self.confidence_sum: Counter = created[PREDICTION_CONFIDENCE_SUM.name]
+        self.confidence_squared: Counter = created[PREDICTION_CONFIDENCE_SQUARED.name]
         self.argmax_flips: Counter = created[ARGMAX_FLIPS.name]
         self.feedback_rows: Counter = created[FEEDBACK_ROWS.name]
         self.fit_duration: Histogram = created[FIT_DURATION.name]
@@ -783,6 +816,8 @@ class ServiceMetrics:
             self.argmax_flips.labels(namespace, model, version),
             self.prediction_entropy.labels(namespace, model),
             self.prediction_confidence.labels(namespace, model),
+            self.confidence_sum.labels(namespace, model, version),
+            self.confidence_squared.labels(namespace, model, version),
         )
 
     # -- events ---------------------------------------------------------------
@@ -824,7 +859,8 @@ class ServiceMetrics:
     def observe_predictions(
         self, namespace: str, model: str, version: int | str, entropy, confidence, flipped: int = 0
     ) -> None:
-        """Count the rows of one /predict answer and their entropy and confidence.
+        """Count the rows of one /predict answer and their entropy and confidence, and add
+        the sums of their confidence and squared confidence (the expected accuracy's).
 
         Parameters
         ----------
@@ -850,7 +886,7 @@ class ServiceMetrics:
             )
         if isinstance(flipped, bool) or not 0 <= int(flipped) <= entropy.size:
             raise ValueError(f"flipped must be an int in [0, {entropy.size}]. Got {flipped!r}.")
-        rows, flips, entropies, confidences = self._prediction_children(
+        rows, flips, entropies, confidences, total, squared = self._prediction_children(
             namespace, model, str(version)
         )
         rows.inc(entropy.size)
@@ -858,6 +894,9 @@ class ServiceMetrics:
             flips.inc(int(flipped))
         _observe_many(entropies, entropy)
         _observe_many(confidences, confidence)
+        c = confidence.astype(np.float64)
+        total.inc(float(c.sum()))
+        squared.inc(float(c @ c))
 
     def observe_feedback(self, namespace: str, model: str, version: int | str, rows: int) -> None:
         """Count labelled rows received by /feedback for the version that served them.

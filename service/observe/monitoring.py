@@ -290,6 +290,17 @@ def holdout_report(row: CalibratorVersion) -> dict[str, Any]:
     return {**row.metrics_after, "argmax_agreement": (row.argmax or {}).get("agreement")}
 
 
+def holdout_confidence(report: Mapping[str, Any]) -> float | None:
+    """Mean top-label confidence of a hold-out report, from its bins' counts and mean
+    confidences (None without bins or rows)."""
+    bins = report.get("bins") or {}
+    count = np.asarray(bins.get("count") or [], dtype=np.float64)
+    if count.sum() <= 0:
+        return None
+    mean = np.array([0.0 if m is None else m for m in bins["mean_confidence"]], np.float64)
+    return float(count @ mean / count.sum())
+
+
 def drift_verdict(holdout_bins: Mapping, stats: Mapping[str, np.ndarray]) -> dict[str, Any]:
     """:func:`calibrators.evaluation.drift.detect_drift` of the live sums against the hold-out
     bins."""
@@ -380,6 +391,8 @@ def snapshot(
         snap["holdout_nll"].append((labels, after.get("nll")))
         snap["holdout_accuracy"].append((labels, after.get("accuracy")))
         snap["holdout_argmax_agreement"].append((labels, (argmax or {}).get("agreement")))
+        snap["holdout_confidence"].append((labels, holdout_confidence(after)))
+        snap["holdout_rows"].append((labels, after.get("n")))
         for key in HOLDOUT_INTERVALS:  # absent from versions fitted before they existed
             snap[f"holdout_{key}"].append((labels, after.get(key)))
     for version_id, namespace, name, n_classes, version, after in versions:

@@ -41,6 +41,7 @@ FIT_OPTIONS: dict[str, dict] = {
     "pts": {"n_top": 3, "reg": None, "grid": [0.1, 1.0, 0.1], "tol": 1e-8, "max_passes": 40},
     "iop": {"n_top": 3, "reg_lambda": 1.0, "grid": [10.0, 1.0, 10.0], "seed": 1, "max_iter": 200,
             "tol": 1e-9},
+    "prior-shift": {"base": "vector"},
 }
 
 
