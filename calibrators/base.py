@@ -102,6 +102,9 @@ class Calibrator(BaseEstimator):
         ``<name>`` of ``to_params()`` (see :data:`Shape`).
     preserves_argmax : bool
         True when the calibrated argmax always equals the argmax of the logits.
+    learns_from_labels : bool
+        False for a method whose ``fit`` on labelled rows learns nothing of its own
+        (a wrapper whose parameters come from elsewhere): ``auto`` does not try it.
     onnx_graph_name : str
         Name of the exported ONNX graph.
 
@@ -125,6 +128,7 @@ class Calibrator(BaseEstimator):
     option_checks: ClassVar[dict[str, Callable[[str, Any], Any]]] = {}
     fitted_arrays: ClassVar[dict[str, Shape]] = {}
     preserves_argmax: ClassVar[bool] = False
+    learns_from_labels: ClassVar[bool] = True
     onnx_graph_name: ClassVar[str] = "calibrator"
 
     # -- options ----------------------------------------------------------

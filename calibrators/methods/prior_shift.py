@@ -15,8 +15,8 @@ The weights come from production, not from a labelled fit:
 predicted-class counts, and :meth:`PriorShift.from_base` builds the corrected
 version from a fitted base. :meth:`~calibrators.base.Calibrator.fit` on labelled
 rows fits the base and sets every weight to 1 (no shift is known from rows whose
-priors are the training ones), so the registry's contract holds and ``auto``
-finds it equal to its base.
+priors are the training ones), so the registry's contract holds; ``auto`` does not
+try it (``learns_from_labels``).
 """
 
 from __future__ import annotations
@@ -84,6 +84,9 @@ class PriorShift(Calibrator):
 
     method = "prior-shift"
     option_checks: ClassVar[dict] = {"base": check_base}
+    #: A fit on labelled rows is its base's, with every weight 1: ``auto`` would fit
+    #: the base twice.
+    learns_from_labels = False
     fitted_arrays: ClassVar[dict] = {"log_weight": ("n_classes",)}
     onnx_graph_name = "prior_shift"
 

@@ -60,11 +60,14 @@ def auto_candidates(argmax_policy: str) -> tuple[str, ...]:
     Under ``require`` only the methods that keep every argmax by construction
     (``preserves_argmax``): the others would be fitted only to be rejected.
     Temperature scaling is one of them, so ``auto`` is never worse than it on the
-    held-out NLL. Under ``warn`` and ``off``, every method.
+    held-out NLL. Under ``warn`` and ``off``, every method. Never a method that
+    learns nothing from labels (``learns_from_labels``: prior-shift, a base plus
+    weights from production).
     """
+    learners = {m: cls for m, cls in calibrators.CALIBRATORS.items() if cls.learns_from_labels}
     if argmax_policy == "require":
-        return tuple(m for m, cls in calibrators.CALIBRATORS.items() if cls.preserves_argmax)
-    return tuple(calibrators.METHODS)
+        return tuple(m for m, cls in learners.items() if cls.preserves_argmax)
+    return tuple(learners)
 
 
 def lowest_nll(nll: Mapping[str, float]) -> str:
