@@ -63,6 +63,7 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
+from functools import cached_property
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -356,6 +357,12 @@ class _Problem(PenalisedSoftmax):
         super().__init__(x, y, structure, **options)
         self.at = np.arange(self.n)
         self.xmax = max(float(-x.min()), float(x.max())) if self.n else 0.0
+        if structure == "diagonal":
+            # The labels' part of the mean NLL, mean_n (w_yn x_n,yn + b_yn), and of its
+            # gradient do not depend on theta: two K-vectors, once.
+            self.label_counts = np.bincount(y, minlength=self.k) / max(self.n, 1)
+            self.label_x = np.bincount(y, weights=x[self.at, y], minlength=self.k) / max(
+                self.n, 1)
         # (theta, loss, gw, gb): the last data term, and one handed over by retarget
         self.last = self.handed = None
 
@@ -389,12 +396,19 @@ class _Problem(PenalisedSoftmax):
         return super().__call__(theta)
 
     def data_term(self, theta: np.ndarray):
+        if self.structure == "diagonal":
+            loss, gw, gb = self._diagonal_data_term(theta)
+        else:
+            loss, gw, gb = self._full_data_term(theta)
+        self.last = (theta, loss, gw.copy(), gb.copy())
+        return loss, gw, gb
+
+    def _full_data_term(self, theta: np.ndarray):
         w, b = self.unpack(theta)
         x, y, n, at = self.x, self.y, self.n, self.at
         u = self.logits(theta, x)
         uy = u[at, y]
-        scale = np.abs(w).sum(axis=1) if self.structure == "full" else np.abs(w)
-        if float(np.max(np.abs(b) + scale * self.xmax)) < EXP_BOUND:
+        if float(np.max(np.abs(b) + np.abs(w).sum(axis=1) * self.xmax)) < EXP_BOUND:
             np.exp(u, out=u)
             total = u.sum(axis=1)
             loss = float(np.mean(np.log(total) - uy))
@@ -406,10 +420,83 @@ class _Problem(PenalisedSoftmax):
             loss = float(np.mean(np.log(total) - (uy - row_max)))
         u *= (1.0 / (n * total))[:, None]  # now (softmax(u) - 0) / N
         u[at, y] -= u.dtype.type(1.0 / n)
-        gb = u.sum(axis=0)
-        gw = u.T @ x if self.structure == "full" else np.einsum("nk,nk->k", u, x)
-        self.last = (theta, loss, gw.copy(), gb.copy())
+        return loss, u.T @ x, u.sum(axis=0)
+
+    def _diagonal_data_term(self, theta: np.ndarray):
+        """Three passes over the (N, K) array (``w x``, its exp, its product with
+        ``x``); the sums are matrix-vector products, the labels' parts constants."""
+        w, b = self.unpack(theta)
+        e, c, shift = self.diagonal_exp(theta, self.x, self.xmax)
+        total = e @ c  # row sums of exp(u - m)
+        loss = float(np.mean(np.log(total) + shift, dtype=np.float64)) - float(
+            w @ self.label_x + b @ self.label_counts)
+        s = (1.0 / (self.n * total)).astype(e.dtype)  # softmax(u) / N = e * c * s per row
+        gb = c * (s @ e) - self.label_counts
+        e *= self.x
+        gw = c * (s @ e) - self.label_x
         return loss, gw, gb
+
+    def diagonal_exp(self, theta: np.ndarray, x: np.ndarray, xmax: float):
+        """``exp(u - m)`` of a diagonal ``W``'s logits ``u = w x + b`` on rows ``x``
+        (features within ``[-xmax, xmax]``) as ``e * c``: ``(e, c, m)``, ``e`` of
+        shape (n_rows, K) and ``c`` (K,) in ``x``'s dtype.
+
+        While every logit is within ``EXP_BOUND`` (see the class docstring), ``m =
+        0``, ``e = exp(w x)`` and ``c = exp(b)``: the bias is never added to the
+        (n_rows, K) array, only folded into its products with K-vectors. Else ``m``
+        is each row's maximum, ``e = exp(u - m)`` and ``c = 1``.
+        """
+        w, b = self.unpack(theta)
+        if float(np.max(np.abs(b) + np.abs(w) * xmax)) < EXP_BOUND:
+            e = x * w.astype(x.dtype)
+            np.exp(e, out=e)
+            return e, np.exp(b).astype(x.dtype), 0.0
+        e = self.logits(theta, x)
+        shift = e.max(axis=1)
+        e -= shift[:, None]
+        np.exp(e, out=e)
+        return e, np.ones(self.k, x.dtype), shift
+
+    def row_nll(self, theta: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """As :meth:`PenalisedSoftmax.row_nll`; for a diagonal ``W`` by
+        :meth:`diagonal_exp`, with one (n_rows, K) temporary."""
+        if self.structure == "full":
+            return super().row_nll(theta, x, y)
+        w, b = self.unpack(theta)
+        xmax = max(float(-x.min()), float(x.max())) if len(x) else 0.0
+        e, c, shift = self.diagonal_exp(theta, x, xmax)
+        xy = x[np.arange(len(y)), y].astype(np.float64)
+        return np.log((e @ c).astype(np.float64)) + shift - (xy * w[y] + b[y])
+
+    @cached_property
+    def moments(self):
+        """The curvature rows (contiguous) and their unweighted moments ``mean_n
+        x_nk**2`` and ``mean_n x_nk``: the same for every candidate of the search
+        (:meth:`retarget` copies them)."""
+        x = np.ascontiguousarray(super().curvature_rows())
+        return x, np.einsum("nk,nk->k", x, x, dtype=np.float64) / len(x), x.mean(
+            axis=0, dtype=np.float64)
+
+    def diagonal_blocks(self, theta: np.ndarray) -> np.ndarray:
+        """:meth:`PenalisedSoftmax.diagonal_blocks`, the softmax by
+        :meth:`diagonal_exp`, the unweighted moments from :attr:`moments`, the
+        weighted ones summed in the features' dtype (a change of variables: its
+        rounding moves no optimum)."""
+        x, sxx, sx = self.moments
+        q, c, _ = self.diagonal_exp(theta, x, self.xmax)
+        total = q @ c
+        q *= c
+        q /= total[:, None]  # now p
+        q -= q * q  # p (1 - p)
+        mean = np.full(len(x), 1.0 / len(x), dtype=q.dtype)
+        q_mean = mean @ q
+        damping = DAMPING * float(q_mean.mean())
+        qx = q * x
+        blocks = np.empty((self.k, 2, 2))
+        blocks[:, 0, 0] = mean @ (qx * x) + 2.0 * self.c_diag + damping * sxx
+        blocks[:, 0, 1] = blocks[:, 1, 0] = mean @ qx + damping * sx
+        blocks[:, 1, 1] = q_mean + 2.0 * self.c_bias + damping
+        return blocks
 
     def curvature_rows(self) -> np.ndarray:
         rows = super().curvature_rows()

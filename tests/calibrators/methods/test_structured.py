@@ -449,6 +449,26 @@ def test_the_lean_loss_equals_the_shared_one(structure, spread):
         np.testing.assert_allclose(got_grad, grad, rtol=rtol, atol=rtol * np.abs(grad).max())
 
 
+@pytest.mark.parametrize("spread", [0.1, 30.0], ids=["bounded", "shifted"])
+def test_the_lean_held_out_nll_and_whitening_of_svs_equal_the_shared_ones(spread):
+    """A diagonal W's per-row held-out NLL and 2 x 2 curvature blocks
+    (structured._Problem, the bias folded into products with K-vectors while the
+    logits are bounded) are linear.PenalisedSoftmax's, on other rows too."""
+    z, y = confused_logits(401, 5, seed=12)
+    x = structured_features(z, 0.9, 1.0 / (401 * 5))
+    options = {"diag": 0.02, "bias": 0.03, "block_rows": 50}
+    shared = structured.PenalisedSoftmax(x[:300], y[:300], "diagonal", **options)
+    theta = shared.initial() + spread * np.random.default_rng(2).normal(size=10)
+    want_nll = shared.row_nll(theta, x[300:], y[300:])
+    want_blocks = shared.diagonal_blocks(theta)
+    for dtype, rtol in ((np.float64, 1e-12), (np.float32, 1e-5)):
+        lean = structured._Problem(x[:300].astype(dtype), y[:300], "diagonal", **options)
+        np.testing.assert_allclose(lean.row_nll(theta, x[300:].astype(dtype), y[300:]),
+                                   want_nll, rtol=rtol, atol=rtol * np.abs(want_nll).max())
+        np.testing.assert_allclose(lean.diagonal_blocks(theta), want_blocks, rtol=rtol,
+                                   atol=rtol * np.abs(want_blocks).max())
+
+
 def test_sms_float32_first_stage_ends_at_the_float64_optimum(monkeypatch):
     cal, z, y = fitted("sms", n=300, k=4, seed=2, **FIXED, tol=1e-12)
     monkeypatch.setattr(structured, "PRESOLVE_TOL", None)
