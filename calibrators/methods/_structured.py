@@ -383,6 +383,12 @@ class _Problem(PenalisedSoftmax):
         other.last, other.handed = None, self.last if keep_start else None
         return other
 
+    def centre_nll(self, theta: np.ndarray) -> float:
+        """By :meth:`data_term`, whose gradient :meth:`retarget` hands over: the
+        search's first finite candidate starts at the centre, the identity, which
+        is canonical under any penalty."""
+        return self.data_term(theta)[0]
+
     def canonical(self, theta: np.ndarray) -> np.ndarray:
         if self.handed is not None and np.array_equal(theta, self.handed[0]):
             return self.handed[0]

@@ -262,7 +262,7 @@ class PenalisedSoftmax:
         if self.at_centre():
             theta = self.initial()
             return OptimizeResult(
-                x=theta, fun=self.nll(theta, self.x, self.y), jac=np.zeros_like(theta), nit=0,
+                x=theta, fun=self.centre_nll(theta), jac=np.zeros_like(theta), nit=0,
                 success=True, status=0, message="infinite penalties: the centre, not solved")
         if self.structure != "full":
             if diagonal_blocks:
@@ -274,6 +274,10 @@ class PenalisedSoftmax:
         if self.k <= (MAX_BLOCK_CLASSES if block_classes is None else block_classes):
             return self._solve_blocks(theta0, max_iter=max_iter, tol=tol)
         return self._solve_rank_one(theta0, max_iter=max_iter, tol=tol)
+
+    def centre_nll(self, theta: np.ndarray) -> float:
+        """The NLL at the centre ``theta``: :meth:`solve`'s loss under infinite penalties."""
+        return self.nll(theta, self.x, self.y)
 
     def at_centre(self) -> bool:
         """Every parameter infinitely penalised: ``W = target I, b = 0`` is the solution."""

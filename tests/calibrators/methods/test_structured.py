@@ -421,8 +421,9 @@ def test_the_search_hands_each_fold_its_last_evaluation(method, monkeypatch):
                                [c["cv_nll"] for c in cv[1]["candidates"]], rtol=1e-6)
     assert handed.fit_info_["multipliers"] == fresh.fit_info_["multipliers"]
     saved = fresh.fit_info_["evaluations"] - handed.fit_info_["evaluations"]
-    # the first candidate (infinite penalties) is not solved: nothing to hand the second
-    assert saved == (tried - 2) * cv[0]["scored_folds"]
+    # the first candidate (infinite penalties) is not solved, but its NLL and gradient at
+    # the centre are evaluated and handed to the second
+    assert saved == (tried - 1) * cv[0]["scored_folds"]
 
 
 @pytest.mark.parametrize("structure", ["diagonal", "full"])
