@@ -130,6 +130,10 @@ HELD_ELEMENTS = 1 << 22
 #: do not depend on the machine's thread count.
 SPLIT_PARTS = 4
 SPLIT_ELEMENTS = 1 << 16
+#: svs's loss and gradient are evaluated in row blocks of about this many entries, whose
+#: temporaries stay in the CPU's caches: at 5,000 x 100 a float64 evaluation takes a
+#: quarter less time than in one pass over all rows, a float32 one a fifth less.
+BLOCK_ELEMENTS = 1 << 17
 #: Penalty options and the parts of the penalty they weigh.
 #: :class:`_Problem` skips the row-maximum shift of the softmax while every logit is
 #: provably within this bound (exp(60) times K stays far from float32's overflow,
@@ -429,18 +433,22 @@ class _Problem(PenalisedSoftmax):
         return loss, u.T @ x, u.sum(axis=0)
 
     def _diagonal_data_term(self, theta: np.ndarray):
-        """Three passes over the (N, K) array (``w x``, its exp, its product with
-        ``x``); the sums are matrix-vector products, the labels' parts constants."""
+        """Three passes over each block of ``BLOCK_ELEMENTS`` (``w x``, its exp, its
+        product with ``x``); the sums are matrix-vector products, the labels' parts
+        constants."""
         w, b = self.unpack(theta)
-        e, c, shift = self.diagonal_exp(theta, self.x, self.xmax)
-        total = e @ c  # row sums of exp(u - m)
-        loss = float(np.mean(np.log(total) + shift, dtype=np.float64)) - float(
-            w @ self.label_x + b @ self.label_counts)
-        s = (1.0 / (self.n * total)).astype(e.dtype)  # softmax(u) / N = e * c * s per row
-        gb = c * (s @ e) - self.label_counts
-        e *= self.x
-        gw = c * (s @ e) - self.label_x
-        return loss, gw, gb
+        log_total, ge, gex = 0.0, np.zeros(self.k), np.zeros(self.k)
+        for rows in row_chunks(self.n, self.k, BLOCK_ELEMENTS):
+            x = self.x[rows]
+            e, c, shift = self.diagonal_exp(theta, x, self.xmax)
+            total = e @ c  # row sums of exp(u - m)
+            log_total += float(np.sum(np.log(total) + shift, dtype=np.float64))
+            s = (1.0 / (self.n * total)).astype(e.dtype)  # softmax(u) / N = e * c * s
+            ge += s @ e
+            e *= x
+            gex += s @ e
+        loss = log_total / self.n - float(w @ self.label_x + b @ self.label_counts)
+        return loss, c * gex - self.label_x, c * ge - self.label_counts
 
     def diagonal_exp(self, theta: np.ndarray, x: np.ndarray, xmax: float):
         """``exp(u - m)`` of a diagonal ``W``'s logits ``u = w x + b`` on rows ``x``
