@@ -454,7 +454,7 @@ def test_the_lean_loss_equals_the_shared_one(structure, spread):
 def test_the_lean_held_out_nll_and_whitening_of_svs_equal_the_shared_ones(spread):
     """A diagonal W's per-row held-out NLL and 2 x 2 curvature blocks
     (structured._Problem, the bias folded into products with K-vectors while the
-    logits are bounded) are linear.PenalisedSoftmax's, on other rows too."""
+    logits are bounded) are PenalisedSoftmax's, on other rows too."""
     z, y = confused_logits(401, 5, seed=12)
     x = structured_features(z, 0.9, 1.0 / (401 * 5))
     options = {"diag": 0.02, "bias": 0.03, "block_rows": 50}
