@@ -79,7 +79,6 @@ from calibrators.numerics import (
     n_threads,
     row_chunks,
     single_threaded_blas,
-    softmax,
     softmax_terms,
 )
 from calibrators.options import Integer, Positive, check_grid
@@ -171,9 +170,13 @@ def structured_features(z: np.ndarray, beta: float, smoothing: float, *,
     """
     if overwrite:
         z *= beta
-        x = softmax_terms(z, overwrite=True)[0]
+        x = z
     else:
-        x = softmax(beta * z)
+        x = beta * z
+    x -= x.max(axis=1, keepdims=True)
+    np.exp(x, out=x)
+    # the softmax's row sums as a matrix-vector product, its division as a product
+    x *= (1.0 / (x @ np.ones(x.shape[1], x.dtype)))[:, None]
     x += smoothing
     np.log(x, out=x)
     x -= math.log1p(z.shape[1] * smoothing)
