@@ -355,9 +355,12 @@ class _Problem(PenalisedSoftmax):
     |W_kj| * xmax`` bounds every logit; while that bound is below ``EXP_BOUND`` the
     exponentials need no row-maximum shift (no overflow, no subnormals, even in
     float32), and the softmax's two normalisations (by the row sum, by N) are one
-    product. A full ``W``'s whitening is estimated on float32 copies of the
-    curvature rows: it is a change of variables, so its rounding moves no optimum,
-    and it costs a third of the float64 one.
+    product. A diagonal ``W`` (svs) goes further: ``exp(b)`` multiplies K-vectors,
+    not the (N, K) array, the labels' parts are constants, and the rows are taken in
+    cache-sized blocks (:meth:`_diagonal_data_term`); its held-out NLL and whitening
+    share that softmax (:meth:`diagonal_exp`). A full ``W``'s whitening is estimated
+    on float32 copies of the curvature rows: it is a change of variables, so its
+    rounding moves no optimum, and it costs a third of the float64 one.
     """
 
     def __init__(self, x: np.ndarray, y: np.ndarray, structure: str, **options):
