@@ -147,7 +147,10 @@ def main(argv=None) -> None:
     if not python:
         raise SystemExit(f"needs the peers' Python: --peers-python or ${ENV_PYTHON}")
     print(f"# bench/structured_time.py {' '.join(argv if argv is not None else sys.argv[1:])}")
-    print(f"start: load average {load()}; {os.cpu_count()} CPUs; {FILE}, fit half per seed")
+    threads = ", ".join(f"{name}={os.environ.get(name, 'unset')}"
+                        for name in ("WELLTEMPERED_THREADS", "OMP_NUM_THREADS"))
+    print(f"start: load average {load()}; {os.cpu_count()} CPUs; {threads}; {FILE}, fit half "
+          "per seed")
     sides = {"ours": Server(sys.executable, "ours", HERE.parent),
              "probmetrics": Server(python, "peers")}
     if args.before:
