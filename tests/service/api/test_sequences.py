@@ -217,3 +217,25 @@ def test_one_sequence_is_accepted_but_cannot_be_split(client):
     r = client.post("/v1/models/m/calibrators/import",
                     json={"dataset_id": dataset["id"], "params": params["params"]})
     assert_problem(r, 422, "sequence")
+
+
+@pytest.mark.parametrize("as_strings", [False, True])
+def test_a_large_json_body_reads_its_ids_without_a_python_float_per_score(as_strings):
+    """Bodies over a MiB take the parser's fast path (service.api.codecs.json_body
+    .plain_object): the ids are read as they are, not as float64 like the scores."""
+    import orjson
+
+    from service.api.codecs import json_body
+    from service.api.codecs.rules import SEQUENCE_KEY, Bounds
+
+    logits, labels = logits_data(20_000)
+    ids = [f'doc "{i // 7}", [x]' if as_strings else i // 7 - 5 for i in range(20_000)]
+    body = orjson.dumps({"logits": logits.tolist(), "labels": labels.tolist(),
+                         SEQUENCE_KEY: ids})
+    assert len(body) > 1 << 20
+    bounds = Bounds(4, "m", 100_000, 1 << 30, "dataset", sequences=True)
+    fast = json_body.plain_object(body, {"logits", "labels", SEQUENCE_KEY}, bounds)
+    assert fast is not None and fast[SEQUENCE_KEY] == ids
+    data, _ = json_body.labelled_from_json(body, bounds)
+    assert data.sequences.tolist() == ids
+    assert data.sequences.dtype.kind == ("U" if as_strings else "i")
