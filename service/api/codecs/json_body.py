@@ -39,8 +39,8 @@ JSON_BYTES_PER_ROW = 64
 JSON_BYTES_CONSTANT = 64 * 1024
 
 #: And, where a body may give each row's sequence id (datasets), this many bytes more per
-#: row: room for ids of some tens of characters (one of up to
-#: :data:`~service.api.codecs.rules.MAX_SEQUENCE_ID_CHARS` fits in the rows' allowance).
+#: row: room for an id of some tens of characters on every row (the limit is the whole
+#: body's, so longer ids fit where the scores take less than their allowance).
 JSON_BYTES_PER_SEQUENCE_ID = 64
 
 #: JSON number arrays are parsed in groups of about this many bytes; bodies up to this
