@@ -1180,13 +1180,20 @@ def sequence_nll_summary(probs, labels, sequences) -> dict:
     (2, 0.399254)
     """
     probs, labels = _probs_and_labels(probs, labels)
-    codes = as_sequence_ids(sequences, probs.shape[0])
-    nll = _nll_rows(probs, labels)
-    counts = np.bincount(codes)
-    per_sequence = np.bincount(codes, weights=nll) / counts
+    return _sequence_summary(_nll_rows(probs, labels), sequences)
+
+
+def _sequence_summary(nll: np.ndarray, sequences) -> dict:
+    """:func:`sequence_nll_summary` of the per-row NLL ``nll``."""
+    codes = as_sequence_ids(sequences, nll.shape[0])
+    per_sequence = np.bincount(codes, weights=nll) / np.bincount(codes)
+    token_median, token_p95 = np.percentile(nll, [50.0, 95.0])
     median, p95 = np.percentile(per_sequence, [50.0, 95.0])
     return {
-        "tokens": {**_log_loss_summary(probs, labels), "count": int(nll.size)},
+        "tokens": {
+            "mean": float(nll.mean()), "median": float(token_median), "p95": float(token_p95),
+            "count": int(nll.size),
+        },
         "sequences": {
             "median": float(median), "p95": float(p95), "mean": float(per_sequence.mean()),
             "count": int(per_sequence.size),
@@ -1298,7 +1305,7 @@ def mean_entropy(probs, labels=None) -> float:
 # everything at once
 
 
-def report(probs, labels, *, n_bins: int = DEFAULT_N_BINS) -> dict:
+def report(probs, labels, *, n_bins: int = DEFAULT_N_BINS, sequences=None) -> dict:
     """All metrics of this module in one JSON-serialisable dict.
 
     The input is validated once; the top-label ECE, MCE and bins come from
@@ -1313,6 +1320,8 @@ def report(probs, labels, *, n_bins: int = DEFAULT_N_BINS) -> dict:
     n_bins : int, default 15
         Bins of every binned metric, 1 to 10,000 (``calibrators.validation.MAX_BINS``,
         as for every ``n_bins`` here).
+    sequences : array-like of shape (n_samples,), optional
+        The sequence (text) of each row, when rows are tokens: adds ``sequences``.
 
     Returns
     -------
@@ -1335,7 +1344,8 @@ def report(probs, labels, *, n_bins: int = DEFAULT_N_BINS) -> dict:
         - ``interval_level``: the level of both intervals (0.95);
         - ``n_bins``;
         - ``bins``: equal-width reliability-diagram bins, a dict of lists
-          (``edges``, ``count``, ``mean_confidence``, ``accuracy``).
+          (``edges``, ``count``, ``mean_confidence``, ``accuracy``);
+        - ``sequences``, with ``sequences`` only: :func:`sequence_nll_summary`.
 
     Examples
     --------
@@ -1345,10 +1355,14 @@ def report(probs, labels, *, n_bins: int = DEFAULT_N_BINS) -> dict:
     (4, 0.75, 0.36, 0.1)
     """
     probs, labels = _probs_and_labels(probs, labels)
-    return _report(_probability_block(probs), labels, *probs.shape, _check_n_bins(n_bins))
+    return _report(
+        _probability_block(probs), labels, *probs.shape, _check_n_bins(n_bins), sequences
+    )
 
 
-def scores_report(scores, labels, kind: str = "logits", *, n_bins: int = DEFAULT_N_BINS) -> dict:
+def scores_report(
+    scores, labels, kind: str = "logits", *, n_bins: int = DEFAULT_N_BINS, sequences=None
+) -> dict:
     """:func:`report` of the probabilities of ``scores`` (logits: their softmax), computed
     a row chunk at a time: the (N, K) probabilities are never held, only vectors of N
     and sums of K x ``n_bins`` (a dataset's metrics cost its scores' memory, not twice).
@@ -1365,6 +1379,8 @@ def scores_report(scores, labels, kind: str = "logits", *, n_bins: int = DEFAULT
         Integer class labels in ``[0, n_classes)``.
     kind : {"logits", "probabilities"}, default "logits"
     n_bins : int, default 15
+    sequences : array-like of shape (n_samples,), optional
+        As in :func:`report`.
 
     Examples
     --------
@@ -1386,7 +1402,7 @@ def scores_report(scores, labels, kind: str = "logits", *, n_bins: int = DEFAULT
             return p, float(entropy.sum())
     else:
         block = _probability_block(arr)
-    return _report(block, labels, *arr.shape, _check_n_bins(n_bins))
+    return _report(block, labels, *arr.shape, _check_n_bins(n_bins), sequences)
 
 
 def _probability_block(probs: np.ndarray):
@@ -1398,7 +1414,7 @@ def _probability_block(probs: np.ndarray):
     return block
 
 
-def _report(block, labels: np.ndarray, n: int, k: int, n_bins: int) -> dict:
+def _report(block, labels: np.ndarray, n: int, k: int, n_bins: int, sequences=None) -> dict:
     """The figures of :func:`report`.
 
     ``block(rows)`` returns the probabilities of a row slice as a float64 array of
@@ -1439,6 +1455,7 @@ def _report(block, labels: np.ndarray, n: int, k: int, n_bins: int) -> dict:
     quantile = ece_from_bin_statistics(**_bin_statistics(confidence, correct, quantile_edges))
     nll = -probabilities_to_logits(true_probability)
     median, p95 = np.percentile(nll, [50.0, 95.0])
+    by_sequence = {} if sequences is None else {"sequences": _sequence_summary(nll, sequences)}
     return {
         "n": int(n),
         "n_classes": int(k),
@@ -1462,4 +1479,5 @@ def _report(block, labels: np.ndarray, n: int, k: int, n_bins: int) -> dict:
         "interval_level": INTERVAL_LEVEL,
         "n_bins": n_bins,
         "bins": uniform["bins"],
+        **by_sequence,
     }

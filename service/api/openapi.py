@@ -19,6 +19,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
 from service.api import fit_options
+from service.api.codecs.rules import MAX_SEQUENCE_ID_CHARS
 from service.api.schemas import PredictOut
 from service.server.budget import Budget, declare, flatten
 from service.server.problems import OIP_PREFIX, PROBLEM_JSON
@@ -47,6 +48,15 @@ SCORE_MATRIX: dict[str, Any] = {
 #: ``{"logits" | "probabilities": [[...]]}`` properties of those bodies.
 SCORE_PROPERTIES: dict[str, Any] = dict.fromkeys(KINDS, SCORE_MATRIX)
 LABELS: dict[str, Any] = {"type": "array", "items": {"type": "integer"}}
+#: A dataset's optional sequence id per row: all integers or all strings.
+SEQUENCE_IDS: dict[str, Any] = {
+    "oneOf": [
+        {"type": "array", "items": {"type": "integer", "format": "int64"}},
+        {"type": "array", "items": {"type": "string", "maxLength": MAX_SEQUENCE_ID_CHARS}},
+    ],
+    "description": "The sequence (text) of each row, when rows are tokens: every hold-out "
+    "split is then by sequence.",
+}
 #: The media type of binary bodies and downloads that every client generator knows.
 OCTET_STREAM = "application/octet-stream"
 #: A binary body's media type object.

@@ -161,9 +161,16 @@ class DatasetOut(BaseModel):
     kind: Kind
     dtype: str
     sha256: str = Field(description="sha256 over the kind and the stored .npy arrays.")
+    n_sequences: int | None = Field(
+        None,
+        description="Distinct sequence ids (texts) when the rows carry them: every hold-out "
+        "split is then by sequence. Null: the rows are independent.",
+    )
     created_at: Timestamp
     metrics: dict[str, Any] | None = Field(
-        None, description="calibrators.evaluation.metrics.report of the raw scores."
+        None,
+        description="calibrators.evaluation.metrics.report of the raw scores (with "
+        "sequence ids, plus 'sequences': the NLL per token and per sequence).",
     )
 
 

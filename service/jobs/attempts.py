@@ -133,16 +133,20 @@ def run_claimed(
         store = ArrayStore(Path(config.data_dir), config.array_store, config.array_cache_bytes)
         try:
             scores, labels = store.load(task.scores_sha256), store.load(task.labels_sha256)
+            sequences = (
+                None if task.sequences_sha256 is None else store.load(task.sequences_sha256)
+            )
         finally:
             _report_cache(store, on_cache)
         if task.params is not None:  # a version from posted parameters: evaluated only
             result = import_job(
-                task.params, scores, labels, memory_budget=config.memory_budget, **task.spec
+                task.params, scores, labels, memory_budget=config.memory_budget,
+                sequences=sequences, **task.spec,
             )
         else:
             result = fit_job(
                 scores, labels, progress=progress, memory_budget=config.memory_budget,
-                **task.spec,
+                sequences=sequences, **task.spec,
             )
     except _Stopped:
         raise

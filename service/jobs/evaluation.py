@@ -71,9 +71,16 @@ def nll_worse(nll: Mapping[str, Any]) -> bool:
 
 
 def evaluate(
-    cal: Calibrator, x_hold: np.ndarray, y_hold: np.ndarray, *, kind: str, argmax_policy: str
+    cal: Calibrator,
+    x_hold: np.ndarray,
+    y_hold: np.ndarray,
+    *,
+    kind: str,
+    argmax_policy: str,
+    sequences: np.ndarray | None = None,
 ) -> dict[str, Any]:
-    """``metrics`` (calibrators.evaluation.metrics.report of the calibrated held-out rows),
+    """``metrics`` (calibrators.evaluation.metrics.report of the calibrated held-out rows,
+    per sequence too with ``sequences``, the held-out rows' sequence ids),
     ``argmax`` (calibrators.evaluation.checks.argmax_report), ``nll``
     (calibrators.evaluation.checks.nll_report), ``rejected_for`` (the reasons the policies refuse
     it, :data:`~service.vocabulary.REJECTION_REASONS`) and ``allowed`` (none)."""
@@ -86,7 +93,7 @@ def evaluate(
     if nll_worse(nll):
         reasons.append(NLL_WORSE)
     return {
-        "metrics": metrics.report(probs, y_hold),
+        "metrics": metrics.report(probs, y_hold, sequences=sequences),
         "argmax": argmax,
         "nll": nll,
         "rejected_for": reasons,
@@ -234,21 +241,26 @@ def evaluate_params(
     holdout: float,
     seed: int,
     argmax_policy: str,
+    sequences: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """The outcome of a version made from posted ``params``: evaluated on the hold-out
-    rows of ``scores``/``labels`` (the split of a fit with the same holdout and seed)
-    and policed like a fitted one. The columns :func:`service.jobs.fitting.fit_job`
-    returns (status succeeded or rejected, chosen_method, params, metrics, argmax,
-    warning, rejection, rejected_for), without the fit's own (candidates, fit_seconds)."""
+    rows of ``scores``/``labels`` (the split of a fit with the same holdout, seed and
+    ``sequences``, the dataset's sequence ids) and policed like a fitted one. The
+    columns :func:`service.jobs.fitting.fit_job` returns (status succeeded or rejected,
+    chosen_method, params, metrics, argmax, warning, rejection, rejected_for), without
+    the fit's own (candidates, fit_seconds)."""
     cal = from_posted_params(params, num_classes, kind)
-    _, hold_idx = split_indices(labels.shape[0], holdout, seed)
+    _, hold_idx = split_indices(labels.shape[0], holdout, seed, groups=sequences)
     x_hold, y_hold = np.asarray(scores[hold_idx]), labels[hold_idx]
-    result = evaluate(cal, x_hold, y_hold, kind=kind, argmax_policy=argmax_policy)
+    s_hold = None if sequences is None else np.asarray(sequences[hold_idx])
+    result = evaluate(
+        cal, x_hold, y_hold, kind=kind, argmax_policy=argmax_policy, sequences=s_hold
+    )
     return {
         "status": "succeeded" if result["allowed"] else "rejected",
         "chosen_method": cal.method,
         "params": cal.to_params(),
-        "metrics_before": metrics.scores_report(x_hold, y_hold, kind),
+        "metrics_before": metrics.scores_report(x_hold, y_hold, kind, sequences=s_hold),
         "metrics_after": result["metrics"],
         "argmax": result["argmax"],
         "warning": warning(cal.method, result["argmax"], argmax_policy),

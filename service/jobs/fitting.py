@@ -212,8 +212,14 @@ def fit_job(
     progress: Callable[[float], None] | None = None,
     memory_budget: int | None = None,
     refit: bool = False,
+    sequences: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """Fit on the first part of the permutation, evaluate on the rest; no side effects.
+
+    With ``sequences`` (the dataset's sequence id of each row) the split is by sequence
+    (:func:`calibrators.evaluation.holdout.split_indices` with ``groups``: no text on
+    both sides), and the held-out metrics add ``sequences`` (the NLL per token and per
+    sequence).
 
     With ``refit``, the chosen method is then fitted again on every row, and its params
     are the ones returned: ``metrics_after`` stays the hold-out estimate of the method
@@ -227,10 +233,11 @@ def fit_job(
     chosen_method, params, metrics_before/after, argmax, candidates (auto only),
     warning, rejection and rejected_for (why, when rejected) and fit_seconds.
     """
-    fit_idx, hold_idx = split_indices(labels.shape[0], holdout, seed)
+    fit_idx, hold_idx = split_indices(labels.shape[0], holdout, seed, groups=sequences)
     x_fit, y_fit = np.asarray(scores[fit_idx]), labels[fit_idx]
     x_hold, y_hold = np.asarray(scores[hold_idx]), labels[hold_idx]
-    before = metrics.scores_report(x_hold, y_hold, kind)
+    s_hold = None if sequences is None else np.asarray(sequences[hold_idx])
+    before = metrics.scores_report(x_hold, y_hold, kind, sequences=s_hold)
 
     k = int(scores.shape[1])
     methods = affordable(
@@ -261,7 +268,9 @@ def fit_job(
         seconds = time.perf_counter() - t0
         results[m] = {
             "cal": cal,
-            **evaluation.evaluate(cal, x_hold, y_hold, kind=kind, argmax_policy=argmax_policy),
+            **evaluation.evaluate(
+                cal, x_hold, y_hold, kind=kind, argmax_policy=argmax_policy, sequences=s_hold
+            ),
             "fit_seconds": seconds,
         }
         scaled(1.0)
@@ -318,10 +327,12 @@ def import_job(
     seed: int,
     argmax_policy: str,
     memory_budget: int | None = None,
+    sequences: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """A version from posted ``params``: the budget checked again where it runs (the
-    worker's may differ from the API's), then :func:`service.jobs.evaluation.evaluate_params`;
-    no side effects. Returns the columns of the finished version, as :func:`fit_job`."""
+    worker's may differ from the API's), then :func:`service.jobs.evaluation.evaluate_params`
+    (by sequence with ``sequences``, as :func:`fit_job`); no side effects. Returns the
+    columns of the finished version, as :func:`fit_job`."""
     import_affordable(
         str(params.get("method")),
         n_rows=labels.shape[0],
@@ -339,4 +350,5 @@ def import_job(
         holdout=holdout,
         seed=seed,
         argmax_policy=argmax_policy,
+        sequences=sequences,
     )

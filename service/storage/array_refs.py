@@ -2,7 +2,7 @@
 upload is about to name it again.
 
 Array files are content-addressed and shared: datasets of any model, in any
-namespace, with the same scores or labels name the same file. A file is written
+namespace, with the same scores, labels or sequence ids name the same file. A file is written
 before the row that names it commits (:mod:`service.storage.arrays`), so "no row
 refers to it" alone does not make it garbage: an upload of the same content may have
 just (re)written it and be about to commit. One row per file in ``array_files`` is
@@ -83,13 +83,23 @@ def hold(session: Session, store: ArrayStore, files: Iterable[Held]) -> None:
             store.put(f.array, sha256=f.sha256)
 
 
+def dataset_files(dataset) -> list[str]:
+    """The hashes of the files a dataset (a row, or a row of its file columns) names."""
+    files = [dataset.scores_sha256, dataset.labels_sha256, dataset.sequences_sha256]
+    return [sha for sha in files if sha is not None]
+
+
 def is_referenced(session: Session, sha256: str) -> bool:
-    """Whether any dataset names the file ``sha256`` (scores or labels)."""
+    """Whether any dataset names the file ``sha256`` (scores, labels or sequence ids)."""
     return bool(
         session.scalar(
             select(
                 exists().where(
-                    or_(Dataset.scores_sha256 == sha256, Dataset.labels_sha256 == sha256)
+                    or_(
+                        Dataset.scores_sha256 == sha256,
+                        Dataset.labels_sha256 == sha256,
+                        Dataset.sequences_sha256 == sha256,
+                    )
                 )
             )
         )
@@ -138,7 +148,11 @@ class Sweep:
 
 def referenced_hashes(session: Session) -> set[str]:
     """Every file hash some dataset names."""
-    query = union(select(Dataset.scores_sha256), select(Dataset.labels_sha256))
+    query = union(
+        select(Dataset.scores_sha256),
+        select(Dataset.labels_sha256),
+        select(Dataset.sequences_sha256).where(Dataset.sequences_sha256.is_not(None)),
+    )
     return set(session.scalars(query))
 
 

@@ -127,7 +127,8 @@ class Dataset(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
-    #: Content hash of the dataset: sha256 over kind, scores .npy and labels .npy.
+    #: Content hash of the dataset: sha256 over kind, scores .npy and labels .npy (and
+    #: the sequence ids' .npy when it has them).
     sha256: Mapped[str] = mapped_column(String(64))
     kind: Mapped[str] = mapped_column(String(16))
     n_rows: Mapped[int]
@@ -136,7 +137,12 @@ class Dataset(Base):
     #: Array files by content hash; indexed: "does any dataset still refer to this file".
     scores_sha256: Mapped[str] = mapped_column(String(64), index=True)
     labels_sha256: Mapped[str] = mapped_column(String(64), index=True)
-    #: Bytes of its two .npy files: what the dataset counts against its namespace's
+    #: The sequence (text) of each row, when rows are tokens: every hold-out split of the
+    #: dataset is then by sequence. None: rows are independent.
+    sequences_sha256: Mapped[str | None] = mapped_column(String(64), index=True)
+    #: Distinct sequences (None without sequence ids).
+    n_sequences: Mapped[int | None]
+    #: Bytes of its .npy files: what the dataset counts against its namespace's
     #: stored-bytes quota (in full, even when another dataset shares a file).
     n_bytes: Mapped[int] = mapped_column(BigInteger, server_default="0")
     #: metrics.report of the raw scores, computed once at upload.

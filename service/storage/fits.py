@@ -28,14 +28,16 @@ from service.vocabulary import FROM_PARAMS, UNFINISHED
 class FitTask:
     """What an attempt needs of the version it claimed: the keyword arguments of
     :func:`service.jobs.fitting.fit_job` (of :func:`~service.jobs.fitting.import_job`
-    for a version from posted parameters), the hashes of the dataset's arrays, the
-    attempt's number, and the posted parameters (None for a fit)."""
+    for a version from posted parameters), the hashes of the dataset's arrays (the
+    sequence ids' None when it has none), the attempt's number, and the posted
+    parameters (None for a fit)."""
 
     spec: dict[str, Any]
     scores_sha256: str
     labels_sha256: str
     attempt: int
     params: dict[str, Any] | None = None
+    sequences_sha256: str | None = None
 
 
 def _running(version_id: int, attempt: int):
@@ -79,7 +81,10 @@ def claim(sessions: sessionmaker, version_id: int, worker: str, max_attempts: in
             params = dict(row.params)
         else:
             spec |= {"method": row.method, "options": dict(row.options or {}), "refit": row.refit}
-        return FitTask(spec, dataset.scores_sha256, dataset.labels_sha256, row.attempts, params)
+        return FitTask(
+            spec, dataset.scores_sha256, dataset.labels_sha256, row.attempts, params,
+            dataset.sequences_sha256,
+        )
 
 
 def record_progress(sessions: sessionmaker, version_id: int, attempt: int, progress: float) -> None:

@@ -147,8 +147,15 @@ def find_model(session: Session, name: str, namespace: str) -> Model:
 # datasets
 
 
-def dataset_sha256(kind: str, scores_sha: str, labels_sha: str) -> str:
-    return hashlib.sha256(f"{kind}\n{scores_sha}\n{labels_sha}".encode()).hexdigest()
+def dataset_sha256(
+    kind: str, scores_sha: str, labels_sha: str, sequences_sha: str | None = None
+) -> str:
+    """The content hash of a dataset: the same scores with other sequence ids (or none)
+    are another dataset; one without them keeps the hash it always had."""
+    text = f"{kind}\n{scores_sha}\n{labels_sha}"
+    if sequences_sha is not None:
+        text += f"\n{sequences_sha}"
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def add_dataset(
@@ -160,6 +167,7 @@ def add_dataset(
     kind: str,
     quotas: Quotas | None = None,
     before_commit: Callable[[Session, Dataset], None] | None = None,
+    sequences: np.ndarray | None = None,
 ) -> tuple[Dataset, bool]:
     """Store validated arrays (files first, fsynced), then commit the row; dedupe by content.
 
@@ -169,15 +177,22 @@ def add_dataset(
     before the files are written, and again under the namespace's lock in the
     transaction that inserts the row; a refusal there releases the files it wrote.
     ``before_commit(session, dataset)`` runs after a new row is flushed, in its
-    transaction (an idempotency key's answer commits with it).
+    transaction (an idempotency key's answer commits with it). ``sequences``: the
+    sequence id of each row (validated), a third file; the metrics then add the NLL per
+    sequence.
     """
-    scores_sha, scores_bytes = arrays.digest(scores)
-    labels_sha, labels_bytes = arrays.digest(labels)
-    sha = dataset_sha256(kind, scores_sha, labels_sha)
+    files = [
+        array_refs.Held(*arrays.digest(scores), scores),
+        array_refs.Held(*arrays.digest(labels), labels),
+    ]
+    if sequences is not None:
+        files.append(array_refs.Held(*arrays.digest(sequences), sequences))
+    shas = [f.sha256 for f in files]
+    sha = dataset_sha256(kind, *shas)
     existing = _dataset_by_sha(session, model, sha)
     if existing is not None:
         return existing, False
-    rows, n_bytes = int(scores.shape[0]), scores_bytes + labels_bytes
+    rows, n_bytes = int(scores.shape[0]), sum(f.n_bytes for f in files)
     if quotas is not None:
         usage.check_dataset(session, model.namespace, rows, n_bytes, quotas)
     dataset = Dataset(
@@ -187,15 +202,13 @@ def add_dataset(
         n_rows=rows,
         n_classes=int(scores.shape[1]),
         dtype=str(scores.dtype),
-        scores_sha256=scores_sha,
-        labels_sha256=labels_sha,
+        scores_sha256=shas[0],
+        labels_sha256=shas[1],
+        sequences_sha256=shas[2] if sequences is not None else None,
+        n_sequences=None if sequences is None else int(np.unique(sequences).size),
         n_bytes=n_bytes,
-        metrics=metrics.scores_report(scores, labels, kind),
+        metrics=metrics.scores_report(scores, labels, kind, sequences=sequences),
     )
-    files = [
-        array_refs.Held(scores_sha, scores_bytes, scores),
-        array_refs.Held(labels_sha, labels_bytes, labels),
-    ]
     for f in files:
         arrays.put(f.array, sha256=f.sha256)
     try:
@@ -213,13 +226,13 @@ def add_dataset(
         existing = _dataset_by_sha(session, model, sha)
         if existing is not None:
             return existing, False
-        array_refs.release(session, arrays, [scores_sha, labels_sha])
+        array_refs.release(session, arrays, shas)
         if session.get(Model, model.id, populate_existing=True) is None:
             raise NotFound(f"Model {model.name!r} was deleted during the upload.") from None
         raise
     except BaseException:
         session.rollback()
-        array_refs.release(session, arrays, [scores_sha, labels_sha])
+        array_refs.release(session, arrays, shas)
         raise
     return dataset, True
 
@@ -228,6 +241,14 @@ def _dataset_by_sha(session: Session, model: Model, sha: str) -> Dataset | None:
     return session.scalar(
         select(Dataset).where(Dataset.model_id == model.id, Dataset.sha256 == sha)
     )
+
+
+def dataset_sequences(arrays: ArrayStore, dataset: Dataset) -> np.ndarray | None:
+    """The sequence id of each row of ``dataset`` (memory-mapped), or None without them:
+    the ``groups`` of every hold-out split of it."""
+    if dataset.sequences_sha256 is None:
+        return None
+    return arrays.load(dataset.sequences_sha256)
 
 
 def list_datasets(
@@ -633,7 +654,7 @@ def delete_dataset(
             if attempt == 2:
                 raise _changed(what, model) from None
             continue
-        array_refs.release(session, arrays, [dataset.scores_sha256, dataset.labels_sha256])
+        array_refs.release(session, arrays, array_refs.dataset_files(dataset))
         return Deleted(
             model=model.name,
             datasets=[dataset.id],
@@ -689,7 +710,13 @@ def delete_model(session: Session, model: Model, arrays: ArrayStore) -> Deleted:
                 fits=[v for v, _ in unfinished],
             )
         datasets = session.execute(
-            select(Dataset.id, Dataset.scores_sha256, Dataset.labels_sha256, Dataset.n_bytes)
+            select(
+                Dataset.id,
+                Dataset.scores_sha256,
+                Dataset.labels_sha256,
+                Dataset.sequences_sha256,
+                Dataset.n_bytes,
+            )
             .where(Dataset.model_id == model.id)
             .order_by(Dataset.id)
         ).all()
@@ -702,7 +729,7 @@ def delete_model(session: Session, model: Model, arrays: ArrayStore) -> Deleted:
     except BaseException:
         session.rollback()
         raise
-    shas = [sha for _, scores, labels, _ in datasets for sha in (scores, labels)]
+    shas = [sha for d in datasets for sha in array_refs.dataset_files(d)]
     array_refs.release(session, arrays, shas)
     return Deleted(
         model=model.name,

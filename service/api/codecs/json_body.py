@@ -19,12 +19,14 @@ from calibrators.validation import as_labels
 from service.api.codecs.rules import (
     CHUNK_BYTES,
     JSON_SCORE_KEYS,
+    SEQUENCE_KEY,
     Bounds,
     Labelled,
     check_not_probabilities,
     resolve_kind,
     shorten,
     validated_scores,
+    validated_sequences,
 )
 from service.errors import ContentTooLarge, InvalidInput, MalformedJSON
 
@@ -36,6 +38,11 @@ JSON_BYTES_PER_ROW = 64
 
 JSON_BYTES_CONSTANT = 64 * 1024
 
+#: And, where a body may give each row's sequence id (datasets), this many bytes more per
+#: row: room for an id of some tens of characters on every row (the limit is the whole
+#: body's, so longer ids fit where the scores take less than their allowance).
+JSON_BYTES_PER_SEQUENCE_ID = 64
+
 #: JSON number arrays are parsed in groups of about this many bytes; bodies up to this
 #: size are parsed by orjson in one go (their Python objects are a constant).
 _JSON_GROUP_BYTES = 1 << 20
@@ -44,6 +51,8 @@ _JSON_GROUP_BYTES = 1 << 20
 def json_body_limit(bounds: Bounds, max_json_bytes: int) -> int:
     """Largest JSON body the rows and K of ``bounds`` can need (and the JSON limit)."""
     per_row = bounds.num_classes * JSON_BYTES_PER_VALUE + JSON_BYTES_PER_ROW
+    if bounds.sequences:
+        per_row += JSON_BYTES_PER_SEQUENCE_ID
     return min(max_json_bytes, JSON_BYTES_CONSTANT + bounds.max_rows * per_row)
 
 
@@ -105,6 +114,13 @@ _SEPARATOR = re.compile(_WS + rb"," + _WS)
 _SPACE = re.compile(_WS)
 
 _LITERALS = re.compile(rb"true|false|null")
+
+_ID = rb'(?:"[^"\\]*(?:\\.[^"\\]*)*"|-?[0-9]+)'
+
+#: A flat JSON array of strings or integers (sequence ids), up to and including its ']'.
+_FLAT_ARRAY = re.compile(
+    rb"\[" + _WS + rb"(?:" + _ID + _WS + rb"(?:," + _WS + _ID + _WS + rb")*)?\]"
+)
 
 
 def _may_hold_literals(body) -> bool:
@@ -221,7 +237,12 @@ def plain_object(body, allowed: set[str], bounds: Bounds) -> dict[str, Any] | No
         if key in out or key not in allowed:
             return None
         pos = m.end()
-        if body[pos : pos + 1] == b"[":
+        if key == SEQUENCE_KEY:  # strings or integers: a Python object per row, not per value
+            m = _FLAT_ARRAY.match(body, pos)
+            if m is None:
+                return None
+            out[key], pos = orjson.loads(m.group()), m.end()
+        elif body[pos : pos + 1] == b"[":
             parsed = _array(body, pos, bounds)
             if parsed is None:
                 return None
@@ -316,7 +337,8 @@ def json_object(body: bytes | bytearray, allowed_keys: set[str], bounds: Bounds)
         )
     scan = _may_hold_literals(body)
     plain = _quotes_only_in_keys(body, len(obj))
-    return {k: _only_numbers(k, v, scan, plain) if k != "version" else v for k, v in obj.items()}
+    raw = ("version", SEQUENCE_KEY)
+    return {k: _only_numbers(k, v, scan, plain) if k not in raw else v for k, v in obj.items()}
 
 
 def score_key(obj: dict, allowed: tuple[str, ...]) -> str:
@@ -362,13 +384,20 @@ def labelled_from_json(
     kind: str | None = None,
     extra_keys: tuple[str, ...] = (),
 ) -> tuple[Labelled, dict[str, Any]]:
-    """``{"logits" | "probabilities": [[...]], "labels": [...], <extra_keys>?}``: the
-    validated rows, and the values of ``extra_keys`` the body holds."""
-    obj = json_object(body, {*JSON_SCORE_KEYS, "labels", *extra_keys}, bounds)
+    """``{"logits" | "probabilities": [[...]], "labels": [...], <extra_keys>?}`` (and,
+    where ``bounds.sequences``, optionally ``"sequence_ids": [...]``): the validated rows,
+    and the values of ``extra_keys`` the body holds."""
+    sequence_key = (SEQUENCE_KEY,) if bounds.sequences else ()
+    obj = json_object(body, {*JSON_SCORE_KEYS, "labels", *sequence_key, *extra_keys}, bounds)
     if "labels" not in obj:
         score_key(obj, JSON_SCORE_KEYS)
         raise InvalidInput("The body must hold 'labels', one class index per row.")
     scores, kind, explicit = _json_scores(obj, bounds, kind)
     labels = as_labels(obj["labels"], scores.shape[0], scores.shape[1])
     check_not_probabilities(scores, kind, explicit, _JSON_FIX)
-    return Labelled(scores, labels, kind), {k: obj[k] for k in extra_keys if k in obj}
+    sequences = (
+        validated_sequences(obj[SEQUENCE_KEY], len(labels), bounds.max_bytes)
+        if SEQUENCE_KEY in obj
+        else None
+    )
+    return Labelled(scores, labels, kind, sequences), {k: obj[k] for k in extra_keys if k in obj}

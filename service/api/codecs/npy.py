@@ -44,6 +44,10 @@ NPY_MAGIC = b"\x93NUMPY"
 #: refused from the header. Integer scores must also be exact in float64 (the core's rule).
 NPY_DTYPES = re.compile(r"[<>|=]?(?:f[248]|[iu][1248])")
 
+#: .npy dtypes of a dataset's sequence ids (``ids=True``): integers, or unicode strings
+#: (``<U``, what ``np.savez`` writes for Python str; bytes and objects are refused).
+SEQUENCE_DTYPES = re.compile(r"[<>|=]?(?:[iu][1248]|U[1-9][0-9]{0,8})")
+
 #: What a refused .npy descr holds, by its type letter (for the message).
 _DTYPE_NAMES = {
     "O": " (Python objects: never unpickled)",
@@ -103,8 +107,11 @@ class NpyHeader:
     @property
     def decoded_nbytes(self) -> int:
         """Bytes of the array once validated: float32 stays float32, float16 and bfloat16
-        become float32, the rest float64 (scores) or int64 (labels), so an int8 array
-        takes 8 times its data."""
+        become float32, the rest float64 (scores) or int64 (labels and integer sequence
+        ids), so an int8 array takes 8 times its data; strings (sequence ids) at most
+        their own bytes."""
+        if self.dtype.kind == "U":
+            return self.nbytes
         return self.count * (4 if self.dtype == np.float32 or self.widened else 8)
 
     @property
@@ -120,12 +127,12 @@ class NpyHeader:
 
 
 def parse_npy_header(
-    head: bytes | bytearray, what: str, score_dtype: str | None = None
+    head: bytes | bytearray, what: str, score_dtype: str | None = None, *, ids: bool = False
 ) -> NpyHeader | None:
     """The header of a .npy starting at ``head[0]``; None while ``head`` is too short to
     hold all of it. 400 for anything numpy would not write; 422 for a dtype of another
-    kind than :data:`NPY_DTYPES`, or with ``score_dtype="bfloat16"`` than 16-bit little-
-    endian patterns."""
+    kind than :data:`NPY_DTYPES` (with ``ids``, :data:`SEQUENCE_DTYPES`), or with
+    ``score_dtype="bfloat16"`` than 16-bit little-endian patterns."""
     if head[:6] != NPY_MAGIC[: len(head)]:
         raise MalformedBody(f"{what} is not a .npy array: it does not start with '\\x93NUMPY'.")
     if len(head) < 8:
@@ -168,6 +175,13 @@ def parse_npy_header(
             f"{what} has fortran_order {shorten(fields['fortran_order'])}; a bool was expected."
         )
     descr = fields["descr"]
+    if ids:
+        if not isinstance(descr, str) or not SEQUENCE_DTYPES.fullmatch(descr):
+            raise InvalidInput(
+                f"{what} must hold 8- to 64-bit integers or unicode strings (<U, numpy's "
+                f"str arrays). Got dtype {shorten(descr)}."
+            )
+        return NpyHeader(shape, np.dtype(descr), fields["fortran_order"], offset)
     if score_dtype == "bfloat16":
         if not isinstance(descr, str) or not _BFLOAT16_DESCRS.fullmatch(descr):
             raise InvalidInput(

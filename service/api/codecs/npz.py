@@ -28,6 +28,7 @@ from service.api.codecs.rules import (
     CHUNK_BYTES,
     LABEL_KEYS,
     SCORE_KEYS,
+    SEQUENCE_KEY,
     Bounds,
     Labelled,
     check_not_probabilities,
@@ -35,6 +36,7 @@ from service.api.codecs.rules import (
     shorten,
     too_many_bytes,
     validated,
+    validated_sequences,
 )
 from service.errors import InvalidInput, MalformedBody
 
@@ -131,11 +133,13 @@ def _member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, what: str):
         raise MalformedBody(f"{what} cannot be read: {shorten(exc)}.") from None
 
 
-def _read_member_header(fp, what: str, score_dtype: str | None = None) -> tuple[NpyHeader, bytes]:
+def _read_member_header(
+    fp, what: str, score_dtype: str | None = None, *, ids: bool = False
+) -> tuple[NpyHeader, bytes]:
     """The member's .npy header (inflating at most a few KiB past it), and the bytes read
     past it."""
     head = bytearray()
-    while (header := parse_npy_header(head, what, score_dtype)) is None:
+    while (header := parse_npy_header(head, what, score_dtype, ids=ids)) is None:
         chunk = fp.read(4096)
         if not chunk:
             raise MalformedBody(f"{what} ends before its .npy header does.")
@@ -164,8 +168,9 @@ def _read_member_data(fp, header: NpyHeader, read: bytes, what: str) -> np.ndarr
 
 def labelled_from_npz(path: Path, bounds: Bounds, kind: str | None = None) -> Labelled:
     """A ``.npz`` holding ``logits`` | ``probabilities`` | ``predictions`` and ``labels`` |
-    ``ground_truth``. Both headers are checked against ``bounds`` before a byte of data
-    is inflated; ``kind`` (``?kind=``) must agree with the member's name."""
+    ``ground_truth`` (and, where ``bounds.sequences``, optionally ``sequence_ids``). Every
+    header is checked against ``bounds`` before a byte of data is inflated; ``kind``
+    (``?kind=``) must agree with the member's name."""
     what = "The .npz body"
     zf = _open_npz(path, what)
     with zf:
@@ -206,10 +211,37 @@ def labelled_from_npz(path: Path, bounds: Bounds, kind: str | None = None) -> La
                 _check_member_size(members[label_name], l_head, l_what)
                 scores = _read_member_data(fs, s_head, s_read, s_what)
                 labels = _read_member_data(fl, l_head, l_read, l_what)
+            sequences = None
+            if bounds.sequences and SEQUENCE_KEY in members:
+                sequences = _read_sequences(
+                    zf, members[SEQUENCE_KEY], s_head.shape[0], total, bounds.max_bytes
+                )
         except _ZIP_ERRORS as exc:  # CRC errors, bad compressed data...
             raise MalformedBody(f"{what} is corrupt: {shorten(exc)}.") from None
     data = validated(scores, labels, kind, bounds.num_classes, bounds.model)
     check_not_probabilities(
         data.scores, kind, explicit, "Name the array 'probabilities' in the .npz."
     )
-    return data
+    if sequences is None:
+        return data
+    return Labelled(data.scores, data.labels, data.kind, sequences)
+
+
+def _read_sequences(
+    zf: zipfile.ZipFile, info: zipfile.ZipInfo, n: int, used: int, max_bytes: int
+) -> np.ndarray:
+    """The member ``sequence_ids``, one per row of ``n``: with the ``used`` bytes of the
+    scores and labels, within ``max_bytes``, checked from its header first."""
+    what = f"array {SEQUENCE_KEY!r} of the .npz"
+    with _member(zf, info, what) as fp:
+        head, read = _read_member_header(fp, what, ids=True)
+        if head.shape != (n,):
+            raise InvalidInput(
+                f"{SEQUENCE_KEY} must be a 1-D array with one entry per row of the scores "
+                f"({n}). Got shape {head.shape}."
+            )
+        if used + head.memory > max_bytes:
+            raise too_many_bytes("The .npz body", used + head.memory, max_bytes)
+        _check_member_size(info, head, what)
+        arr = _read_member_data(fp, head, read, what)
+    return validated_sequences(arr, n, max_bytes - used)

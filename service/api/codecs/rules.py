@@ -32,6 +32,14 @@ LABEL_KEYS = ("labels", "ground_truth")
 #: A JSON body names its score array by its kind.
 JSON_SCORE_KEYS = KINDS
 
+#: The optional array of a dataset (``.npz`` member, JSON field) that gives the sequence
+#: (the text) of each row, when rows are tokens: integers or strings.
+SEQUENCE_KEY = "sequence_ids"
+
+#: Characters of one string sequence id, at most. All of them together are bounded by
+#: the request's bytes (:attr:`Bounds.max_bytes`), as a ``<U`` array of the longest one.
+MAX_SEQUENCE_ID_CHARS = 256
+
 #: A body of logits whose every row is a probability distribution (non-negative,
 #: summing to 1 within this) is refused unless the kind was given explicitly.
 PROBABILITY_LIKE_TOLERANCE = 1e-4
@@ -54,6 +62,8 @@ class Bounds:
     what: str
     #: ``?dtype=`` (:data:`service.vocabulary.SCORE_DTYPES`): how a binary body's scores are read.
     dtype: str | None = None
+    #: Whether the body may give each row's sequence (:data:`SEQUENCE_KEY`): datasets.
+    sequences: bool = False
 
     def check_rows(self, rows: int) -> None:
         limits.check_rows(rows, self.max_rows, self.what)
@@ -73,7 +83,9 @@ def bounds(
     """The :class:`Bounds` of a ``what`` request (``predict``, ``feedback`` or ``dataset``)
     for a model of ``num_classes`` classes; ``dtype`` is the request's ``?dtype=``."""
     rows = getattr(settings, _ROW_SETTINGS[what])
-    return Bounds(num_classes, model, rows, settings.max_body_bytes, what, dtype)
+    return Bounds(
+        num_classes, model, rows, settings.max_body_bytes, what, dtype, what == "dataset"
+    )
 
 
 @dataclass(frozen=True)
@@ -81,6 +93,7 @@ class Labelled:
     scores: np.ndarray  # (N, K) float32 or float64, validated
     labels: np.ndarray  # (N,) int64 in [0, K)
     kind: str
+    sequences: np.ndarray | None = None  # (N,) int64 or <U, :func:`validated_sequences`
 
 
 def _check_classes(arr: np.ndarray, kind: str, num_classes: int, model: str) -> None:
@@ -100,6 +113,58 @@ def validated_scores(scores: Any, kind: str, num_classes: int, model: str) -> np
 def validated(scores: Any, labels: Any, kind: str, num_classes: int, model: str) -> Labelled:
     arr = validated_scores(scores, kind, num_classes, model)
     return Labelled(arr, as_labels(labels, arr.shape[0], arr.shape[1]), kind)
+
+
+def _sequence_error(detail: str) -> InvalidInput:
+    return InvalidInput(
+        f"{SEQUENCE_KEY} must give the sequence (text) of each row: all integers (int64) or "
+        f"all strings of at most {MAX_SEQUENCE_ID_CHARS} characters. {detail}"
+    )
+
+
+def _string_ids(values: list[str] | np.ndarray, n: int, max_bytes: int) -> np.ndarray:
+    longest = max(map(len, values), default=0) if isinstance(values, list) else int(
+        np.char.str_len(values).max(initial=0)
+    )
+    if longest > MAX_SEQUENCE_ID_CHARS:
+        raise _sequence_error(f"Got an id of {longest} characters.")
+    width = max(longest, 1)
+    if n * width * 4 > max_bytes:
+        raise too_many_bytes(f"{SEQUENCE_KEY} ({n} ids, the longest {longest} characters)",
+                             n * width * 4, max_bytes)
+    return np.asarray(values, dtype=f"<U{width}")
+
+
+def validated_sequences(values: Any, n: int, max_bytes: int) -> np.ndarray:
+    """The sequence id of each of ``n`` rows, canonical: ``int64``, or ``<U`` as wide as the
+    longest id (the same ids give the same array, so the same stored file), or a 422.
+
+    ``values``: a JSON list, or a decoded ``.npz`` member (integers or ``<U`` strings:
+    :data:`~service.api.codecs.npy.SEQUENCE_DTYPES`). As strings, they take ``n`` times
+    4 bytes per character of the longest id, at most ``max_bytes``; one sequence is
+    accepted (a fit then refuses a split it cannot make)."""
+    if isinstance(values, np.ndarray):
+        if values.shape != (n,):
+            raise _sequence_error(f"One per row, shape ({n},). Got shape {values.shape}.")
+        if values.dtype.kind == "U":
+            return _string_ids(values, n, max_bytes)
+        if values.dtype.kind == "u" and n and values.max() > np.iinfo(np.int64).max:
+            raise _sequence_error(f"Got {values.max()}, beyond int64.")
+        return values.astype(np.int64)
+    if not isinstance(values, list):
+        raise _sequence_error(f"Got {shorten(values)}.")
+    if len(values) != n:
+        raise _sequence_error(f"One per row: {n}. Got {len(values)}.")
+    if all(isinstance(v, str) for v in values):
+        return _string_ids(values, n, max_bytes)
+    kinds = {type(v).__name__ for v in values}
+    if kinds != {"int"}:
+        hint = " (floats are not ids)" if "float" in kinds else ""
+        raise _sequence_error(f"Got a mix of {', '.join(sorted(kinds))}{hint}.")
+    try:
+        return np.asarray(values, dtype=np.int64)
+    except OverflowError:
+        raise _sequence_error("Got an integer beyond int64.") from None
 
 
 def every_row_a_distribution(arr: np.ndarray) -> bool:

@@ -79,6 +79,13 @@ def version_out(row: CalibratorVersion, model: Model) -> VersionOut:
     )
 
 
+def check_split(dataset: Dataset, holdout: float, seed: int, state: AppState) -> None:
+    """422 now, not a failed job later, when the split the job will make is impossible:
+    a part would be empty, or (by sequence) hold no whole sequence."""
+    groups = registry.dataset_sequences(state.arrays, dataset)
+    split_indices(dataset.n_rows, holdout, seed, groups=groups)
+
+
 @declare(budget.WRITE)
 @router.post("", status_code=202, response_model=FitAccepted, dependencies=[Depends(require_json)])
 def start_fit(
@@ -93,7 +100,7 @@ def start_fit(
     if claim.replay is not None:
         return claim.replay
     dataset = registry.find_dataset(session, model, body.dataset_id)
-    split_indices(dataset.n_rows, body.holdout, body.seed)  # 422 now if a part would be empty
+    check_split(dataset, body.holdout, body.seed, state)
     check_fit_request(body.method, body.options)  # 422 now for unknown options
     affordable(  # 422 now for a fit no worker can hold (auto: if no candidate fits)
         body.method,
@@ -176,7 +183,7 @@ def import_params(
     if claim.replay is not None:
         return claim.replay
     dataset = registry.find_dataset(session, model, body.dataset_id)
-    split_indices(dataset.n_rows, body.holdout, body.seed)  # 422 if a part would be empty
+    check_split(dataset, body.holdout, body.seed, state)
     # 422 now; params that do not say what kind they were fitted on: the dataset's
     cal = evaluation.from_posted_params(body.params, model.num_classes, dataset.kind)
     import_affordable(  # 422 now for an evaluation no worker can hold

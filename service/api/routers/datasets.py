@@ -20,7 +20,7 @@ from service.api.deps import (
     StateDep,
 )
 from service.api.idempotent import idempotent
-from service.api.openapi import LABELS, SCORE_PROPERTIES
+from service.api.openapi import LABELS, SCORE_PROPERTIES, SEQUENCE_IDS
 from service.api.pagination import Page, pages
 from service.api.schemas import DatasetList, DatasetOut, DeletedOut
 from service.api.uploads import NPZ_TYPES, Upload, labelled_body
@@ -61,13 +61,15 @@ _UPLOAD_DOC = {
                     "properties": {
                         **SCORE_PROPERTIES,
                         "labels": LABELS,
+                        "sequence_ids": SEQUENCE_IDS,
                     },
                     "required": ["labels"],
                 }
             },
             "application/octet-stream": {
                 "schema": {"type": "string", "format": "binary"},
-                "description": ".npz: logits | probabilities | predictions, labels | ground_truth",
+                "description": ".npz: logits | probabilities | predictions, labels | "
+                "ground_truth, optionally sequence_ids (integers or str)",
             },
             "multipart/form-data": {
                 "schema": {
@@ -90,6 +92,7 @@ def dataset_out(dataset: Dataset, model: Model, *, with_metrics: bool = True) ->
         kind=dataset.kind,
         dtype=dataset.dtype,
         sha256=dataset.sha256,
+        n_sequences=dataset.n_sequences,
         created_at=dataset.created_at,
         metrics=dataset.metrics if with_metrics else None,
     )
@@ -119,8 +122,9 @@ def upload_dataset(
     kind: KindQuery = None,
     dtype: DtypeQuery = None,
 ) -> DatasetOut:
-    """Store labelled scores: 201 with the new dataset, or 200 with the dataset that has
-    the same content. With an ``Idempotency-Key``, a retry gets the first answer."""
+    """Store labelled scores (optionally with the sequence id of each row): 201 with the
+    new dataset, or 200 with the dataset that has the same content. With an
+    ``Idempotency-Key``, a retry gets the first answer."""
     if claim.replay is not None:
         return claim.replay
     bounds = rules.bounds(state.settings, "dataset", model.num_classes, model.name, dtype)
@@ -139,7 +143,7 @@ def upload_dataset(
 
     dataset, created = registry.add_dataset(
         session, model, state.arrays, data.scores, data.labels, data.kind, quotas,
-        before_commit=lambda s, d: answer(s, d, 201),
+        before_commit=lambda s, d: answer(s, d, 201), sequences=data.sequences,
     )
     if created:
         return dataset_out(dataset, model)

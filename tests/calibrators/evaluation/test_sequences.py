@@ -10,7 +10,12 @@ from hypothesis import strategies as st
 
 from calibrators import CalibrationInputError
 from calibrators.evaluation.holdout import split_indices
-from calibrators.evaluation.metrics import log_loss_summary, sequence_nll_summary
+from calibrators.evaluation.metrics import (
+    log_loss_summary,
+    report,
+    scores_report,
+    sequence_nll_summary,
+)
 from tests.oracles import softmax
 
 
@@ -79,3 +84,19 @@ def test_the_sequence_summary_against_a_loop():
     assert tokens == log_loss_summary(probs, labels)
     # A long sequence weighs as one: the sequences' mean differs from the tokens' here.
     assert abs(out["sequences"]["mean"] - out["tokens"]["mean"]) > 1e-3
+
+
+def test_reports_add_the_sequence_summary_of_their_rows():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(40, 5)) * 3
+    labels = rng.integers(0, 5, 40)
+    groups = rng.integers(0, 7, 40).astype(str)
+    expected = sequence_nll_summary(softmax(logits), labels, groups)
+    by_probs = report(softmax(logits), labels, sequences=groups)["sequences"]
+    by_scores = scores_report(logits, labels, "logits", sequences=groups)["sequences"]
+    assert by_probs == expected
+    for key in ("tokens", "sequences"):
+        assert by_scores[key]["count"] == expected[key]["count"]
+        for stat in ("mean", "median", "p95"):
+            assert by_scores[key][stat] == pytest.approx(expected[key][stat], rel=1e-12)
+    assert "sequences" not in report(softmax(logits), labels)

@@ -46,7 +46,7 @@ def dataset_files(client: TestClient, model: str, dataset_id: int) -> set[str]:
     state = client.app.state.welltempered
     with state.sessions() as s:
         ds = registry.find_dataset(s, registry.find_model(s, model, DEFAULT_NAMESPACE), dataset_id)
-        return {ds.scores_sha256, ds.labels_sha256}
+        return set(array_refs.dataset_files(ds))
 
 
 def hold_fits(client: TestClient) -> None:
