@@ -46,6 +46,7 @@ from calibrators.base import Calibrator
 from calibrators.linear_softmax import LinearSoftmax
 from calibrators.methods.ets import EnsembleTemperatureScaler
 from calibrators.methods.iop import FEATURE_RANKS, N_KNOTS, IntraOrderPreserving
+from calibrators.methods.prior_shift import PriorShift
 from calibrators.methods.pts import SQUASH, ParameterizedTemperatureScaler
 from calibrators.methods.sms import StructuredMatrixScaler
 from calibrators.methods.svs import StructuredVectorScaler
@@ -183,6 +184,18 @@ class _IntraOrder(nn.Module):
         return tail.scatter(1, idx, top)
 
 
+class _PriorShift(nn.Module):
+    """Prior shift: the base's calibrated logits plus a log-weight per class."""
+
+    def __init__(self, cal: PriorShift):
+        super().__init__()
+        self.base = _calibrated_logits(cal.base_)
+        self.register_buffer("log_weight", _buffer(cal.log_weight_))
+
+    def forward(self, z: Tensor) -> Tensor:
+        return self.base(z) + self.log_weight
+
+
 #: The torch map of each kind of calibrator (the most specific class first).
 MAPS: tuple[tuple[type[Calibrator], type[nn.Module]], ...] = (
     (LinearSoftmax, _Linear),
@@ -191,7 +204,19 @@ MAPS: tuple[tuple[type[Calibrator], type[nn.Module]], ...] = (
     (EnsembleTemperatureScaler, _Ensemble),
     (ParameterizedTemperatureScaler, _PerRowTemperature),
     (IntraOrderPreserving, _IntraOrder),
+    (PriorShift, _PriorShift),
 )
+
+
+def _calibrated_logits(calibrator: Calibrator) -> nn.Module:
+    """The torch map of ``calibrator``'s calibrated logits (see :data:`MAPS`)."""
+    for cls, module in MAPS:
+        if isinstance(calibrator, cls):
+            return module(calibrator)
+    raise TypeError(
+        f"to_torch exports the calibrators of {', '.join(c.__name__ for c, _ in MAPS)}. "
+        f"Got {type(calibrator).__name__}."
+    )
 
 
 class CalibratedScores(nn.Module):
@@ -255,10 +280,4 @@ def to_torch(
     """
     check_kind(kind)
     calibrator.check_input_kind(kind)
-    for cls, module in MAPS:
-        if isinstance(calibrator, cls):
-            return CalibratedScores(module(calibrator), kind == KINDS[1], dtype).eval()
-    raise TypeError(
-        f"to_torch exports the calibrators of {', '.join(c.__name__ for c, _ in MAPS)}. "
-        f"Got {type(calibrator).__name__}."
-    )
+    return CalibratedScores(_calibrated_logits(calibrator), kind == KINDS[1], dtype).eval()

@@ -58,6 +58,7 @@ def test_make_run_installs_the_runtime_and_make_test_the_dev_extra():
 BLOCKER = """
 import importlib.abc, pkgutil, sys
 BLOCKED = set(sys.argv[1].split(","))
+OPTIONAL = set(sys.argv[2].split(","))
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if name.split(".")[0] in BLOCKED:
@@ -66,7 +67,8 @@ sys.meta_path.insert(0, Block())
 import calibrators, service
 for package in (calibrators, service):
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
-        __import__(info.name)
+        if info.name not in OPTIONAL:
+            __import__(info.name)
 from service.api.app import create_app
 from service.settings import Settings
 create_app(Settings(database_url="sqlite://"))
@@ -74,11 +76,21 @@ print("imported")
 """
 
 
+#: Modules of an optional extra (pyproject's [project.optional-dependencies]), not of
+#: the runtime: the torch export needs the "torch" extra, and nothing else imports it.
+OPTIONAL_MODULES = {"calibrators.torch_export": "torch"}
+
+
+def test_optional_modules_belong_to_an_extra():
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    assert all(extra in extras for extra in OPTIONAL_MODULES.values())
+
+
 def test_every_module_imports_without_the_dev_packages():
     blocked = {IMPORT_NAMES.get(n, n.replace("-", "_")) for n in DEV} - {"setuptools"}
     assert {"torch", "pytest", "hypothesis"} <= blocked
     done = subprocess.run(
-        [sys.executable, "-c", BLOCKER, ",".join(sorted(blocked))],
+        [sys.executable, "-c", BLOCKER, ",".join(sorted(blocked)), ",".join(OPTIONAL_MODULES)],
         capture_output=True, text=True, cwd=ROOT, timeout=300,
     )
     assert done.returncode == 0 and "imported" in done.stdout, done.stderr[-3000:]

@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 
 import calibrators
 from service.api.app import create_app
+from service.jobs.fitting import auto_candidates
 from service.vocabulary import DEFAULT_ALIAS
 from tests.helpers import DATA_DIR
 from tests.oracles import wait_for_version
@@ -58,7 +59,7 @@ def test_upload_auto_promote_predict(cifar100, database_url, tmp_path):
         v = wait_for_version(c, "wrn", r.json()["version"], timeout=600)
         assert v["status"] == "succeeded", v
         cands = v["candidates"]
-        assert set(cands) == set(calibrators.METHODS)
+        assert set(cands) == set(auto_candidates("warn"))
         assert v["chosen_method"] == min(cands, key=lambda m: cands[m]["metrics"]["nll"])
         assert v["metrics"]["after"]["nll"] < v["metrics"]["before"]["nll"]
         assert v["metrics"]["before"]["n"] == 2000

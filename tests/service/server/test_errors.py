@@ -138,7 +138,7 @@ def test_dataset_errors(client):
     assert_problem(post(content=b"not a zip", headers=octet), 400, "npz")
     good = npz(logits=np.zeros((2, 3)), labels=np.array([0, 1]))
     assert_problem(post(content=good[: len(good) // 2], headers=octet), 400)
-    assert_problem(post(content=npy(np.zeros((2, 3))), headers=octet), 400, "npz")
+    assert_problem(post(content=npy(np.zeros((2, 3))), headers=octet), 422, "npz")
     obj = io.BytesIO()
     np.savez(obj, logits=np.array([[1, "x"]], dtype=object), labels=np.array([0]))
     assert_problem(post(content=obj.getvalue(), headers=octet), 422, "object")
