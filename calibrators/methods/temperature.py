@@ -68,7 +68,7 @@ import numpy as np
 from calibrators.base import Progress
 from calibrators.cost import FLOAT64, SWEEP_FLOPS, Cost, chunk_bytes
 from calibrators.linear_softmax import LinearSoftmax
-from calibrators.numerics import map_chunks, single_threaded_blas
+from calibrators.numerics import map_chunks
 from calibrators.options import Integer, Positive
 from calibrators.validation import (
     MAX_PASSES,
@@ -193,18 +193,20 @@ def _moments(c: np.ndarray, e: np.ndarray, ones: np.ndarray, block: np.ndarray,
     shift = 0 if scaled else exponent
     np.multiply(c, c.dtype.type(math.ldexp(beta, shift)), out=e)
     np.exp(e, out=e)
-    # Row sums sum(e * c**j), j = 0..3, as products with a vector of ones (BLAS: a
-    # quarter of the time of einsum here); in float32 with float32 sums over a row
-    # for a start (see _fit), per-row results in float64.
-    s = (e @ ones).astype(np.float64)
+    # Row sums sum(e * c**j), j = 0..3, by numpy's sum, not as BLAS products with a
+    # vector of ones (a quarter of the time, but BLAS calls on the pass's threads beside
+    # the process-wide BLAS thread limit that other fits toggle: a fit of the full
+    # suite stalled with no CPU twice); in float32 with float32 sums over a row for a
+    # start (see _fit), per-row results in float64.
+    s = e.sum(axis=1).astype(np.float64)
     e *= c
-    m1 = np.ldexp((e @ ones).astype(np.float64), shift)
+    m1 = np.ldexp(e.sum(axis=1).astype(np.float64), shift)
     e *= c
-    m2 = np.ldexp((e @ ones).astype(np.float64), 2 * shift)
+    m2 = np.ldexp(e.sum(axis=1).astype(np.float64), 2 * shift)
     e *= c
-    m3 = np.ldexp((e @ ones).astype(np.float64), 3 * shift)
+    m3 = np.ldexp(e.sum(axis=1).astype(np.float64), 3 * shift)
     zy = np.ldexp(c[np.arange(c.shape[0]), labels].astype(np.float64), shift)
-    total = math.ldexp(float(np.sum(c @ ones, dtype=np.float64)), shift)
+    total = math.ldexp(float(np.sum(c.sum(axis=1), dtype=np.float64)), shift)
     inv = 1.0 / s
     ez, ez2, ez3 = m1 * inv, m2 * inv, m3 * inv
     lse = np.log(s)
@@ -229,10 +231,9 @@ def _pass(x: np.ndarray, y: np.ndarray, kind: str, beta: float, dtype=np.float64
     either way), in chunks of about ``PASS_CHUNK_ELEMENTS`` entries."""
     n, k = x.shape
     scratch = _Scratch(max(1, PASS_CHUNK_ELEMENTS // k), np.ones(k, dtype))
-    with single_threaded_blas():  # row sums of one chunk: BLAS threads would only spin
-        parts = map_chunks(
-            lambda rows: _chunk_sums(x, y, kind, beta, rows, exponent, scratch), n, k,
-            PASS_CHUNK_ELEMENTS)
+    parts = map_chunks(
+        lambda rows: _chunk_sums(x, y, kind, beta, rows, exponent, scratch), n, k,
+        PASS_CHUNK_ELEMENTS)
     total = np.sum(parts, axis=0) / n
     return _Pass(*map(float, total))
 
