@@ -50,8 +50,8 @@ with :class:`CalibrationInputError`. Probabilities are fitted as they are (their
 logits lie in [log 2**-149, 0]).
 
 A pass sweeps row chunks of ``PASS_CHUNK_ELEMENTS`` entries through two arrays
-per thread, reused from chunk to chunk, and takes its row sums as products with a
-vector of ones (BLAS) (``bench/README.md`` has the figures).
+per thread, reused from chunk to chunk, and takes its row sums with numpy's sum (not
+BLAS: see ``_moments``; ``bench/README.md`` has the figures).
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def _shifted_into(out: np.ndarray, block: np.ndarray, kind: str, exponent: int) 
 class _Scratch:
     """The arrays of one pass's chunks, reused from chunk to chunk (a fresh chunk-sized
     array costs page faults, more than the arithmetic on it): one pair ``(c, e)`` per
-    chunk in work at once, and a vector of ones for row sums."""
+    chunk in work at once; ``ones`` gives their dtype and width."""
 
     def __init__(self, rows: int, ones: np.ndarray):
         self.shape = (rows, ones.size)
