@@ -301,6 +301,19 @@ def execute(
                     task.attempt,
                 )
                 return "failed"
+            # A child that ends with 0 has recorded its outcome (run_claimed writes it
+            # before returning). One still running under this attempt ended some other
+            # way (a SystemExit inside the fit ends a process with 0): never leave the
+            # version running with its job gone.
+            if fits.fail(
+                sessions,
+                version_id,
+                "the fit process ended without recording an outcome",
+                task.attempt,
+            ):
+                log.error("the fit process of version id %s ended without an outcome",
+                          version_id)
+                return "failed"
             return fits.status_of(sessions, version_id)
     if reason == "cancel":
         return "cancelled"

@@ -3,6 +3,7 @@ not assumed)."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import time
 from datetime import UTC, datetime
@@ -10,10 +11,18 @@ from datetime import UTC, datetime
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import text
 
 from service.api.app import create_app
 from tests.oracles import wait_for_version
-from tests.service.helpers import create_model, fit, logits_data, make_settings, upload
+from tests.service.helpers import (
+    create_model,
+    fit,
+    hold_queue,
+    logits_data,
+    make_settings,
+    upload,
+)
 
 
 def test_fit_in_a_worker_process(database_url, tmp_path):
@@ -104,3 +113,33 @@ def test_predict_is_not_blocked_by_a_running_fit(tmp_path):
         # Generous: the fit competes for the 2 cores, but never holds the API up.
         assert np.quantile(during, 0.99) < max(10 * np.quantile(idle, 0.99), 0.25)
         assert during.max() < 2.0
+
+
+def test_a_fit_process_that_ends_without_its_outcome_fails_the_version(client, monkeypatch):
+    """A child that exits 0 without recording an outcome (a SystemExit inside the fit
+    ends a process with 0) leaves no version running with its job gone: the attempt
+    records it failed. Forked here, so the child runs this test's run_claimed."""
+    import multiprocessing
+
+    from service.jobs import attempts
+
+    create_model(client, k=4)
+    logits, labels = logits_data(n=80, k=4, seed=2)
+    dataset = upload(client, "m", logits, labels)["id"]
+    hold_queue(client)
+    r = client.post("/v1/models/m/calibrators", json={"dataset_id": dataset,
+                                                     "method": "temperature"})
+    assert r.status_code == 202, r.text
+    state = client.app.state.welltempered
+    with state.sessions() as s:
+        version_id = s.scalar(text("SELECT id FROM calibrator_versions"))
+
+    def exits(*args, **kwargs):
+        raise SystemExit(0)
+
+    monkeypatch.setattr(attempts, "run_claimed", exits)
+    monkeypatch.setattr(attempts, "_process_context", lambda: multiprocessing.get_context("fork"))
+    config = dataclasses.replace(state.fits.config, executor="process")
+    assert attempts.execute(version_id, config, state.sessions, "test") == "failed"
+    got = client.get(f"/v1/models/m/calibrators/{r.json()['version']}").json()
+    assert got["status"] == "failed" and "without recording an outcome" in got["error"]
