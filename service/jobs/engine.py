@@ -162,7 +162,17 @@ class JobEngine:
             reason = context.abort_reason()
             if reason is None:
                 return None
-            return "cancel" if reason == AbortReason.USER_REQUEST else "shutdown"
+            if reason != AbortReason.USER_REQUEST:
+                return "shutdown"
+            # A cancel writes the version's status in the transaction that requests the
+            # abort. The request itself reaches the worker by a NOTIFY naming a job id,
+            # which every listener of the database hears: another schema's job of the
+            # same id (tests, or two deployments sharing a database) would stop this fit
+            # and leave its version running with its job done. Only our own cancelled
+            # version stops it.
+            if fits.status_of(self.sessions, version_id) == "cancelled":
+                return "cancel"
+            return None
 
         outcome = execute(
             version_id, self.config, self.sessions, self.name, stop, on_cache=self.on_cache

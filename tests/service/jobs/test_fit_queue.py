@@ -10,9 +10,11 @@ import time
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from procrastinate.job_context import AbortReason
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.api.app import create_app
+from service.jobs import engine as engine_module
 from service.jobs import local
 from service.jobs.attempts import HANDED_BACK, WorkerConfig
 from service.jobs.local import LocalQueue
@@ -226,3 +228,36 @@ def test_queue_gauges_come_from_the_database(client, database_url):
         assert "welltempered_fit_workers_alive" not in g
     else:  # the serve process's own worker, registered with its heartbeat
         assert g["welltempered_fit_workers_alive"][()] == 1
+
+
+@pytest.mark.parametrize(("status", "want"), [("cancelled", "cancel"), ("running", None)])
+def test_an_abort_request_stops_a_fit_only_when_its_version_was_cancelled(
+    monkeypatch, status, want
+):
+    """An abort request reaches the worker by a NOTIFY naming a job id, heard by every
+    listener of the database: the job of the same id in another schema (each test has
+    its own) stopped a running fit and left its version running with its job done (the
+    e2e CIFAR-100 fit of the full suite). The fit stops only if its own version is
+    cancelled; a shutdown still stops it."""
+    seen = []
+
+    def execute(version_id, config, sessions, worker, stop, on_cache=None):
+        seen.append(stop())
+        return "succeeded"
+
+    class Context:
+        def __init__(self, reason):
+            self.reason = reason
+
+        def abort_reason(self):
+            return self.reason
+
+    monkeypatch.setattr(engine_module, "execute", execute)
+    monkeypatch.setattr(engine_module.fits, "status_of", lambda sessions, vid: status)
+    engine = engine_module.JobEngine(
+        WorkerConfig("postgresql+psycopg://nobody@127.0.0.1:1/none", "/nowhere", 1.0), None
+    )
+    engine._fit(Context(AbortReason.USER_REQUEST), 7)
+    engine._fit(Context(AbortReason.SHUTDOWN), 7)
+    engine._fit(Context(None), 7)
+    assert seen == [want, "shutdown", None]
