@@ -24,6 +24,7 @@ from service.api.routers import (
     predict,
     v2,
 )
+from service.jobs.dataset_metrics import MetricsFiller
 from service.jobs.queue import Fits
 from service.jobs.sweeper import Sweeper
 from service.observe.access import AccessLog
@@ -81,8 +82,9 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
             onnx = SessionCache(settings.onnx_threads, settings.onnx_cache_size)
             serving = ServingCache(sessions, onnx, settings.alias_cache_seconds)
             limiter = anyio.CapacityLimiter(settings.predict_threads or os.cpu_count() or 1)
+            filler = MetricsFiller(sessions, arrays, settings.sweep_interval_seconds).start()
             app.state.welltempered = AppState(
-                settings, engine, sessions, arrays, fits, serving, metrics, limiter
+                settings, engine, sessions, arrays, fits, serving, metrics, limiter, filler
             )
             sweeper = None
             if settings.sweep_interval_seconds > 0:
@@ -98,6 +100,7 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
             finally:
                 if sweeper is not None:
                     sweeper.stop()
+                filler.stop()
                 await fits.stop()
         finally:
             engine.dispose()

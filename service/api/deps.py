@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.api.auth import PrincipalDep
 from service.api.schemas import Kind, ScoreDtype
+from service.jobs.dataset_metrics import MetricsFiller
 from service.jobs.queue import Fits
 from service.observe.metrics import ServiceMetrics
 from service.serving.inference import ServingCache
@@ -68,6 +69,8 @@ class AppState:
     metrics: ServiceMetrics
     #: Threads that compute predictions at once (``Settings.predict_threads``).
     predict_limiter: anyio.CapacityLimiter
+    #: Computes big datasets' metrics after their upload's answer (None: not started).
+    dataset_metrics: MetricsFiller | None = None
 
 
 def get_app_state(request: Request) -> AppState:

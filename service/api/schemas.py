@@ -170,7 +170,9 @@ class DatasetOut(BaseModel):
     metrics: dict[str, Any] | None = Field(
         None,
         description="calibrators.evaluation.metrics.report of the raw scores (with "
-        "sequence ids, plus 'sequences': the NLL per token and per sequence).",
+        "sequence ids, plus 'sequences': the NLL per token and per sequence). Null in "
+        "lists, and while the metrics of a dataset of over 4,194,304 scores are being "
+        "computed after its upload's answer.",
     )
 
 

@@ -145,8 +145,12 @@ class Dataset(Base):
     #: Bytes of its .npy files: what the dataset counts against its namespace's
     #: stored-bytes quota (in full, even when another dataset shares a file).
     n_bytes: Mapped[int] = mapped_column(BigInteger, server_default="0")
-    #: metrics.report of the raw scores, computed once at upload.
-    metrics: Mapped[dict[str, Any]] = mapped_column(deferred=True)
+    #: metrics.scores_report of the raw scores, computed once: in the upload's request
+    #: for a small dataset, after its answer for a big one (NULL until then;
+    #: service/jobs/dataset_metrics.py).
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(
+        JSON(none_as_null=True), deferred=True
+    )
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from datetime import timedelta
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +34,7 @@ import numpy as np
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, undefer
 
 from calibrators.evaluation import metrics
 from service.errors import ArgmaxChanged, Conflict, InUse, InvalidInput, NotFound, NotReady
@@ -158,6 +159,14 @@ def dataset_sha256(
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+#: Up to this many scores (rows x classes) a dataset's metrics are computed in its
+#: upload's request and come with the answer (about 10 ms); a bigger dataset is
+#: answered first and its metrics follow (:func:`fill_metrics`, run by
+#: service/jobs/dataset_metrics.py): at a language model's K they were 72 % of the
+#: upload's time (bench/README.md, "Uploads at language-model K").
+INLINE_METRICS_SCORES = 1 << 22
+
+
 def add_dataset(
     session: Session,
     model: Model,
@@ -168,6 +177,7 @@ def add_dataset(
     quotas: Quotas | None = None,
     before_commit: Callable[[Session, Dataset], None] | None = None,
     sequences: np.ndarray | None = None,
+    metrics_later: Callable[[int], None] | None = None,
 ) -> tuple[Dataset, bool]:
     """Store validated arrays (files first, fsynced), then commit the row; dedupe by content.
 
@@ -179,7 +189,9 @@ def add_dataset(
     ``before_commit(session, dataset)`` runs after a new row is flushed, in its
     transaction (an idempotency key's answer commits with it). ``sequences``: the
     sequence id of each row (validated), a third file; the metrics then add the NLL per
-    sequence.
+    sequence. Over :data:`INLINE_METRICS_SCORES` scores the row is stored without its
+    metrics (NULL), and ``metrics_later(dataset_id)`` is called once it is committed (to
+    hand it to :func:`fill_metrics`).
     """
     files = [
         array_refs.Held(*arrays.digest(scores), scores),
@@ -207,8 +219,10 @@ def add_dataset(
         sequences_sha256=shas[2] if sequences is not None else None,
         n_sequences=None if sequences is None else int(np.unique(sequences).size),
         n_bytes=n_bytes,
-        metrics=metrics.scores_report(scores, labels, kind, sequences=sequences),
     )
+    later = scores.size > INLINE_METRICS_SCORES
+    if not later:
+        dataset.metrics = metrics.scores_report(scores, labels, kind, sequences=sequences)
     for f in files:
         arrays.put(f.array, sha256=f.sha256)
     try:
@@ -234,7 +248,50 @@ def add_dataset(
         session.rollback()
         array_refs.release(session, arrays, shas)
         raise
+    if later and metrics_later is not None:
+        metrics_later(dataset.id)
     return dataset, True
+
+
+def fill_metrics(sessions: Callable[[], Session], arrays: ArrayStore, dataset_id: int) -> bool:
+    """Compute the metrics of a dataset stored without them, from its stored arrays
+    (memory-mapped), and store them: True when this call wrote them. False when the
+    dataset is gone or has its metrics (another process computed them first: the
+    update takes only a row still without)."""
+    with sessions() as session:
+        dataset = session.scalar(
+            select(Dataset)
+            .where(Dataset.id == dataset_id, Dataset.metrics.is_(None))
+            .options(undefer(Dataset.metrics))
+        )
+        if dataset is None:
+            return False
+        kind, scores_sha, labels_sha = dataset.kind, dataset.scores_sha256, dataset.labels_sha256
+        sequences = dataset_sequences(arrays, dataset)
+    report = metrics.scores_report(
+        arrays.load(scores_sha), arrays.load(labels_sha), kind, sequences=sequences
+    )
+    with sessions() as session:
+        written = session.execute(
+            update(Dataset)
+            .where(Dataset.id == dataset_id, Dataset.metrics.is_(None))
+            .values(metrics=report)
+        ).rowcount
+        session.commit()
+    return bool(written)
+
+
+def datasets_without_metrics(session: Session, older_than: float) -> list[int]:
+    """The ids of datasets still without metrics, created over ``older_than`` seconds
+    ago (younger ones are an upload's own to fill), oldest first."""
+    cutoff = utcnow() - timedelta(seconds=older_than)
+    return list(
+        session.scalars(
+            select(Dataset.id)
+            .where(Dataset.metrics.is_(None), Dataset.created_at <= cutoff)
+            .order_by(Dataset.id)
+        )
+    )
 
 
 def _dataset_by_sha(session: Session, model: Model, sha: str) -> Dataset | None:

@@ -144,6 +144,7 @@ def upload_dataset(
     dataset, created = registry.add_dataset(
         session, model, state.arrays, data.scores, data.labels, data.kind, quotas,
         before_commit=lambda s, d: answer(s, d, 201), sequences=data.sequences,
+        metrics_later=state.dataset_metrics.submit if state.dataset_metrics else None,
     )
     if created:
         return dataset_out(dataset, model)

@@ -1,0 +1,161 @@
+"""An upload at language-model K against its floor, in one run (issue 22, item 5).
+
+    .venv/bin/python bench/upload_lm.py [--n 2000] [--k 49152] [--rounds 5] [--before TREE]
+
+The body is a ``.npz`` of ``n x k`` float32 logits shaped like a language model's
+(bench/upload_metrics.py's ``make_logits``) and int64 labels, uploaded to a real
+``welltempered serve`` (SQLite, auth off) on a 127.0.0.x port, streamed from its file
+with its ``Content-Length``. The **floor** is what any upload must do at least: read
+the ``.npz`` and write its two arrays as ``.npy`` files (``np.load`` + ``np.save``, no
+fsync, no checks), measured in this process right before each upload. Each round
+changes one label, so every upload is new content (an identical one is answered from
+its hash without writing).
+
+Printed per round: the upload's seconds (until its answer), the floor's, their ratio,
+and the server's CPU seconds and RSS growth for the upload; then the seconds until the
+dataset's metrics are there (``GET`` of the dataset until ``metrics`` is not null: they
+are computed after the answer). With ``--before TREE`` (a checkout of another commit,
+e.g. ``git worktree add /tmp/before COMMIT``), that tree's server is measured in the same
+rounds, turn about. At the end: the ratio's mean [min, max] over the rounds, per server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve_peers  # free ports, waiting for a port, CPU of a process tree  # noqa: E402
+from upload_metrics import make_logits  # noqa: E402
+
+MODEL = "lm"
+MiB = 1 << 20
+
+
+def start(tree: Path | None, where: Path, k: int) -> tuple[subprocess.Popen, str]:
+    where.mkdir(parents=True)
+    port = serve_peers.free_port()
+    env = {
+        **os.environ,
+        **({"PYTHONPATH": str(tree)} if tree is not None else {}),
+        "WELLTEMPERED_DATABASE_URL": f"sqlite:///{where / 'r.sqlite3'}",
+        "WELLTEMPERED_DATA_DIR": str(where / "data"),
+        "WELLTEMPERED_AUTH": "off",
+        "WELLTEMPERED_METRICS_ADDRESS": "",
+        "WELLTEMPERED_MAX_CLASSES": str(max(k, 1000)),
+        "WELLTEMPERED_MAX_BODY_BYTES": str(2 << 30),
+    }
+    exe = Path(sys.executable).with_name("welltempered")
+    proc = subprocess.Popen(
+        [str(exe), "serve", "--port", str(port), "--log-level", "warning"],
+        env=env, cwd=where, stdout=open(where / "serve.out", "wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    serve_peers.wait_port(port, proc, f"welltempered serve ({tree or 'this tree'})")
+    base = f"http://127.0.0.1:{port}"
+    httpx.post(f"{base}/v1/models", json={"name": MODEL, "num_classes": k}).raise_for_status()
+    return proc, base
+
+
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def floor(path: Path, folder: Path) -> float:
+    """Read the .npz, write its arrays as .npy: no HTTP, no checks, no fsync."""
+    t0 = time.perf_counter()
+    with np.load(path) as f:
+        for name in ("logits", "labels"):
+            target = folder / f"floor-{name}.npy"
+            np.save(target, f[name])
+            target.unlink()
+    return time.perf_counter() - t0
+
+
+def stream(path: Path):
+    with open(path, "rb") as fh:
+        while block := fh.read(MiB):
+            yield block
+
+
+def upload(proc: subprocess.Popen, base: str, path: Path) -> dict:
+    cpu0, rss0 = serve_peers.tree_cpu_seconds(proc.pid), rss(proc.pid)
+    t0 = time.perf_counter()
+    r = httpx.post(
+        f"{base}/v1/models/{MODEL}/datasets", content=stream(path), timeout=600,
+        headers={"content-type": "application/octet-stream",
+                 "content-length": str(path.stat().st_size)},
+    )  # fmt: skip
+    seconds = time.perf_counter() - t0
+    if r.status_code != 201:
+        raise RuntimeError(f"upload: HTTP {r.status_code} {r.text[:300]}")
+    out = {
+        "seconds": seconds,
+        "cpu": serve_peers.tree_cpu_seconds(proc.pid) - cpu0,
+        "rss": rss(proc.pid) - rss0,
+    }
+    dataset = r.json()
+    while dataset.get("metrics") is None:
+        time.sleep(0.05)
+        got = httpx.get(f"{base}/v1/models/{MODEL}/datasets/{dataset['id']}", timeout=60)
+        got.raise_for_status()
+        dataset = got.json()
+    out["metrics"] = time.perf_counter() - t0
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=2000)
+    parser.add_argument("--k", type=int, default=49152)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--before", type=Path, help="another commit's tree, served beside")
+    args = parser.parse_args()
+    z, y = make_logits(args.n, args.k, "float32")
+    with tempfile.TemporaryDirectory(prefix="wt-upload-lm-") as d:
+        tmp = Path(d)
+        servers = {"this tree": start(None, tmp / "now", args.k)}
+        if args.before is not None:
+            servers["before"] = start(args.before.resolve(), tmp / "before", args.k)
+        body = tmp / "body.npz"
+        print(f"{args.n} x {args.k} float32 ({z.nbytes / MiB:.0f} MiB) .npz uploads; cpus "
+              f"{os.cpu_count()}, load {os.getloadavg()[0]:.1f}")
+        print(f"{'server':<10} {'round':>5} {'upload s':>9} {'floor s':>8} {'x floor':>8} "
+              f"{'server CPU s':>13} {'RSS growth MiB':>15} {'metrics at s':>13}")
+        ratios: dict[str, list[float]] = {name: [] for name in servers}
+        try:
+            for rnd in range(args.rounds):
+                for name, (proc, base) in servers.items():
+                    y[0] = (y[0] + 1) % args.k  # new content: nothing is deduplicated
+                    np.savez(body, logits=z, labels=y)
+                    base_floor = min(floor(body, tmp) for _ in range(2))
+                    got = upload(proc, base, body)
+                    ratios[name].append(got["seconds"] / base_floor)
+                    print(f"{name:<10} {rnd:>5} {got['seconds']:>9.2f} {base_floor:>8.2f} "
+                          f"{ratios[name][-1]:>8.2f} {got['cpu']:>13.2f} "
+                          f"{got['rss'] / MiB:>15.0f} {got['metrics']:>13.2f}", flush=True)
+        finally:
+            for proc, _ in servers.values():
+                proc.terminate()
+                proc.wait(timeout=60)
+        print(f"\nupload / floor, mean [min, max] over {args.rounds} rounds; load "
+              f"{os.getloadavg()[0]:.1f} at the end")
+        for name, r in ratios.items():
+            a = np.array(r)
+            print(f"{name:<10} {a.mean():.2f}x [{a.min():.2f}, {a.max():.2f}]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
