@@ -74,7 +74,9 @@ def upgrade() -> None:
         batch_op.create_index(
             batch_op.f("ix_feedback_batches_created_at"), ["created_at"], unique=False
         )
-        batch_op.create_index(batch_op.f("ix_feedback_batches_model_id"), ["model_id"], unique=False)
+        batch_op.create_index(
+            batch_op.f("ix_feedback_batches_model_id"), ["model_id"], unique=False
+        )
     op.create_table(
         "loop_runs",
         sa.Column("id", sa.Integer(), nullable=False),
@@ -107,7 +109,9 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name=op.f("pk_loop_runs")),
     )
     with op.batch_alter_table("loop_runs", schema=None) as batch_op:
-        batch_op.create_index(batch_op.f("ix_loop_runs_candidate_id"), ["candidate_id"], unique=False)
+        batch_op.create_index(
+            batch_op.f("ix_loop_runs_candidate_id"), ["candidate_id"], unique=False
+        )
         batch_op.create_index(batch_op.f("ix_loop_runs_model_id"), ["model_id"], unique=False)
     op.create_table(
         "loop_events",

@@ -350,7 +350,8 @@ class IdempotencyKey(Base):
 
 class FeedbackLoop(Base):
     """A model's recalibration loop settings: one row once the model opted in (no row:
-    feedback rows are not kept, no run starts). Defaults: :data:`service.vocabulary.LOOP_DEFAULTS`."""
+    feedback rows are not kept, no run starts). Defaults:
+    :data:`service.vocabulary.LOOP_DEFAULTS`."""
 
     __tablename__ = "feedback_loops"
     __table_args__ = (
@@ -368,7 +369,9 @@ class FeedbackLoop(Base):
     retention_rows: Mapped[int] = mapped_column(
         BigInteger, server_default=str(LOOP_DEFAULTS["retention_rows"])
     )
-    retention_days: Mapped[int] = mapped_column(server_default=str(LOOP_DEFAULTS["retention_days"]))
+    retention_days: Mapped[int] = mapped_column(
+        server_default=str(LOOP_DEFAULTS["retention_days"])
+    )
     holdout: Mapped[float] = mapped_column(Float, server_default=str(LOOP_DEFAULTS["holdout"]))
     margin: Mapped[float] = mapped_column(Float, server_default=str(LOOP_DEFAULTS["margin"]))
     #: Move the default alias to a candidate that beats production by the margin.
