@@ -18,6 +18,7 @@ from service.vocabulary import DEFAULT_ALIAS, LOOP_DEFAULTS
 from tests.service.helpers import (
     assert_problem,
     create_model,
+    families,
     hold_queue,
     promote,
     tempered_rows,
@@ -91,6 +92,8 @@ def test_drifted_feedback_is_refitted_compared_and_promoted(client):
     version = client.get(started["status_url"]).json()
     assert version["status"] == "succeeded" and version["method"] == "temperature"
     assert client.get(f"/v1/models/m/datasets/{version['dataset_id']}").json()["n"] == 1200
+    runs = families(client.get("/metrics").text)["welltempered_loop_runs"]
+    assert runs == {(("model", "m"), ("namespace", "default"), ("status", "promoted")): 1}
 
 
 def test_feedback_like_production_is_not_promoted(client):
