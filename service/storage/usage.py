@@ -32,9 +32,10 @@ takes the namespace's row of ``namespaces`` with an upsert (:func:`lock`): on Po
 the row lock is held to the end of the transaction, and a waiting writer counts again
 after it (READ COMMITTED gives each statement a new snapshot); on SQLite the upsert
 takes the database's write lock, so the count that follows sees every committed write
-and no other writer can commit before this one. Then count, compare, insert, commit: two uploads that each fit
-alone, but not together, cannot both pass. The check is also made once without the lock,
-before any array file is written, so a refused upload usually writes nothing at all.
+and no other writer can commit before this one. Then count, compare, insert, commit:
+two uploads that each fit alone, but not together, cannot both pass. The check is also
+made once without the lock, before any array file is written, so a refused upload
+usually writes nothing at all.
 """
 
 from __future__ import annotations
