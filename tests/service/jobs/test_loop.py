@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 
+import numpy as np
 import pytest
 from sqlalchemy import select
 
@@ -15,6 +16,7 @@ from service.jobs import loop
 from service.storage import loops, usage
 from service.storage.db import CalibratorVersion, FeedbackBatch, utcnow
 from service.vocabulary import DEFAULT_ALIAS, LOOP_DEFAULTS
+from tests.oracles import softmax
 from tests.service.helpers import (
     assert_problem,
     create_model,
@@ -256,3 +258,26 @@ def test_production_method_is_the_served_one():
         source="params", method="temperature", params={"method": "temperature", "options": {}}
     )
     assert loop.production_method(posted) == ("temperature", {})
+
+
+def test_the_argmax_policy_applies_to_candidates(client):
+    """Production is vector scaling, served under policy off; once the model requires
+    the argmax kept, a candidate that moves predicted classes is rejected, not promoted."""
+    create_model(client, "m", k=K, argmax_policy="off")
+    logits, labels = tempered_rows(1500, K, 1.0, seed=1)
+    dataset = upload(client, "m", logits, labels)["id"]
+    promote(client, "m", dataset, method="vector")
+    client.put("/v1/models/m/loop", json={"auto_promote": True})
+    assert client.patch("/v1/models/m", json={"argmax_policy": "require"}).status_code == 200
+    # Feedback whose labels favour class 0 by 3 nats: the refitted bias moves argmaxes.
+    rng = np.random.default_rng(12)
+    z = rng.normal(scale=3.0, size=(1200, K))
+    p = softmax(z + np.array([3.0, 0.0, 0.0, 0.0]))
+    y = (rng.random((1200, 1)) > np.cumsum(p, axis=1)).sum(axis=1).clip(max=K - 1)
+    r = client.post("/v1/models/m/feedback", json={"logits": z.tolist(), "labels": y.tolist()})
+    assert r.status_code == 200, r.text
+    started = client.post("/v1/models/m/loop/runs").json()
+    run = finished_run(client, "m", started["run"])
+    assert run["state"] == "not-promoted", run
+    assert client.get(started["status_url"]).json()["status"] == "rejected"
+    assert "rejected" in " ".join(run["comparison"]["reasons"])
