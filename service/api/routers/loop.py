@@ -100,7 +100,7 @@ def put_loop(
     return loop_out(session, model)
 
 
-@declare(budget.REMOVE)
+@declare(budget.Budget("write"))  # no body
 @router.post("/runs", status_code=202, response_model=LoopStarted)
 def start_run(
     model: ModelDep, session: SessionDep, state: StateDep, response: Response

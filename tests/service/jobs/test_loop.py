@@ -14,7 +14,7 @@ from sqlalchemy import select
 import calibrators
 from service.jobs import loop
 from service.storage import loops, usage
-from service.storage.db import CalibratorVersion, FeedbackBatch, utcnow
+from service.storage.db import CalibratorVersion, FeedbackBatch, LoopEvent, LoopRun, utcnow
 from service.vocabulary import DEFAULT_ALIAS, LOOP_DEFAULTS
 from tests.oracles import softmax
 from tests.service.helpers import (
@@ -96,6 +96,12 @@ def test_drifted_feedback_is_refitted_compared_and_promoted(client):
     assert client.get(f"/v1/models/m/datasets/{version['dataset_id']}").json()["n"] == 1200
     runs = families(client.get("/metrics").text)["welltempered_loop_runs"]
     assert runs == {(("model", "m"), ("namespace", "default"), ("status", "promoted")): 1}
+    # The runs and their events go with the model.
+    assert client.delete(f"/v1/models/m/aliases/{DEFAULT_ALIAS}").status_code == 200
+    r = client.delete("/v1/models/m")
+    assert r.status_code == 200, r.text
+    with client.app.state.welltempered.sessions() as s:
+        assert s.scalars(select(LoopRun)).all() == s.scalars(select(LoopEvent)).all() == []
 
 
 def test_feedback_like_production_is_not_promoted(client):
