@@ -39,7 +39,7 @@ import calibrators
 from calibrators.evaluation import metrics
 from calibrators.evaluation.holdout import split_indices
 from calibrators.validation import PROBABILITY_FLOOR
-from service.errors import Conflict, ServiceError
+from service.errors import Conflict, NotFound, ServiceError
 from service.security import limits
 from service.settings import Settings
 from service.storage import loops, registry
@@ -150,20 +150,28 @@ def start(
 def after_feedback(
     session: Session,
     model: Model,
+    served: CalibratorVersion,
     drift: dict[str, Any],
     *,
     settings: Settings,
     arrays: ArrayStore,
     queue,
 ) -> LoopRun | None:
-    """Start a run when a feedback post found the served version drifted and the model
-    opted in (``on_drift``); at most one drift-started run per monitoring window. A run
+    """Start a run when a feedback post found ``served``, the version production serves,
+    drifted (``drift``: its verdict) and the model opted in (``on_drift``); at most one
+    drift-started run per monitoring window. A run
     that cannot start (one still fitting, a quota, a full queue) does not fail the post,
     which is recorded: it is logged. Returns the run, if any."""
     if drift.get("verdict") != "drift":
         return None
     loop = loops.settings_of(session, model)
     if loop is None or not (loop.on_drift and loop.keep_feedback):
+        return None
+    try:
+        production = registry.served_version(session, model)
+    except NotFound:  # no production alias: nothing to recalibrate
+        return None
+    if production.id != served.id:  # another version's drift
         return None
     last = loops.last_started(session, model, "drift")
     if last is not None and utcnow() - as_utc(last) < timedelta(

@@ -292,7 +292,7 @@ def loop_on_drift(session, state: StateDep, model, row: CalibratorVersion) -> No
     _, stats = _live(session, state, row, state.settings.monitoring_window_seconds)
     verdict = monitoring.drift_verdict(row.metrics_after["bins"], stats)
     loop.after_feedback(
-        session, model, verdict, settings=state.settings, arrays=state.arrays,
+        session, model, row, verdict, settings=state.settings, arrays=state.arrays,
         queue=state.fits.queue,
     )
 

@@ -287,3 +287,21 @@ def test_the_argmax_policy_applies_to_candidates(client):
     assert run["state"] == "not-promoted", run
     assert client.get(started["status_url"]).json()["status"] == "rejected"
     assert "rejected" in " ".join(run["comparison"]["reasons"])
+
+
+def test_only_production_drift_starts_a_run(client):
+    first = production(client, auto_promote=True, on_drift=True)
+    z, y = tempered_rows(1500, K, 1.0, seed=13)
+    second = promote(client, "m", upload(client, "m", z, y)["id"], seed=1)  # now production
+    logits, labels = tempered_rows(1200, K, 3.0, seed=2)
+    r = client.post(
+        f"/v1/models/m/feedback?version={first['version']}",
+        json={"logits": logits.tolist(), "labels": labels.tolist()},
+    )
+    assert r.status_code == 200 and r.json()["kept"] == 1200, r.text
+    assert client.get("/v1/models/m/loop/runs").json()["runs"] == []
+    feed(client, "m", temperature=3.0, seed=14)  # served by production: drifted too
+    runs = client.get("/v1/models/m/loop/runs").json()["runs"]
+    assert [(r["trigger"], r["production_version"]) for r in runs] == [
+        ("drift", second["version"])
+    ]
