@@ -536,8 +536,8 @@ class LoopSettings(BaseModel):
     )
     on_drift: StrictBool = Field(
         False,
-        description="Start a run when a feedback post finds the served version drifted "
-        "(at most one such run per monitoring window).",
+        description="Start a run when a feedback post served by the 'production' version "
+        "finds it drifted (at most one such run per monitoring window).",
     )
 
 
