@@ -93,12 +93,7 @@ def start(
             f"Model {model.name!r} keeps no feedback rows: PUT /v1/models/{model.name}/loop "
             'with {"keep_feedback": true} first.'
         )
-    running = loops.unfinished_run(session, model)
-    if running is not None:
-        raise Conflict(
-            f"Model {model.name!r} has a loop run still fitting (run {running.id}, version "
-            f"{running.candidate_version}): one run at a time."
-        )
+    _one_at_a_time(session, model)
     production = registry.served_version(session, model)
     registry.check_servable(production, model)
     kept = loops.kept_rows(session, model, loop)
@@ -129,6 +124,9 @@ def start(
     runs: list[LoopRun] = []
 
     def enqueue(s: Session, candidate: CalibratorVersion) -> None:
+        # Again under the model's row lock (create_version's UPDATE): of two runs
+        # started at once, the second sees the first's.
+        _one_at_a_time(s, model)
         queue.enqueue(s, candidate, model.namespace)
         runs.append(loops.add_run(s, model, loop, trigger, production, candidate, details))
 
@@ -145,6 +143,15 @@ def start(
     )
     queue.submitted(candidate.id, model.namespace)
     return runs[0]
+
+
+def _one_at_a_time(session: Session, model: Model) -> None:
+    running = loops.unfinished_run(session, model)
+    if running is not None:
+        raise Conflict(
+            f"Model {model.name!r} has a loop run still fitting (run {running.id}, version "
+            f"{running.candidate_version}): one run at a time."
+        )
 
 
 def after_feedback(

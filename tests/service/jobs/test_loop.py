@@ -305,3 +305,25 @@ def test_only_production_drift_starts_a_run(client):
     assert [(r["trigger"], r["production_version"]) for r in runs] == [
         ("drift", second["version"])
     ]
+
+
+def test_a_run_started_meanwhile_is_seen_under_the_models_lock(client, monkeypatch):
+    """Two runs started at once both pass the early check; the second sees the first in
+    the transaction that would queue its candidate (the early check skipped here)."""
+    production(client)
+    feed(client, "m", temperature=3.0)
+    hold_queue(client)
+    assert client.post("/v1/models/m/loop/runs").status_code == 202
+    versions = len(client.get("/v1/models/m/calibrators").json()["calibrators"])
+    real = loops.unfinished_run
+    calls = []
+
+    def first_misses(session, model):
+        calls.append(model.id)
+        return None if len(calls) == 1 else real(session, model)
+
+    monkeypatch.setattr(loops, "unfinished_run", first_misses)
+    assert_problem(client.post("/v1/models/m/loop/runs"), 409, "one run at a time")
+    assert len(calls) == 2
+    assert len(client.get("/v1/models/m/calibrators").json()["calibrators"]) == versions
+    assert len(client.get("/v1/models/m/loop/runs").json()["runs"]) == 1
