@@ -433,7 +433,7 @@ def gc_command(args: argparse.Namespace) -> int:
     from sqlalchemy.orm import sessionmaker
 
     from service.settings import Settings
-    from service.storage import array_refs, migrate
+    from service.storage import array_refs, loops, migrate
     from service.storage.arrays import ArrayStore
     from service.storage.db import make_engine
 
@@ -451,6 +451,7 @@ def gc_command(args: argparse.Namespace) -> int:
         done = array_refs.sweep(
             sessionmaker(engine), ArrayStore(settings.data_dir, settings.array_store), grace
         )
+        expired = loops.expire(sessionmaker(engine))
     except migrate.NotMigrated as exc:
         print(f"welltempered gc: {exc}", file=sys.stderr)
         return 2
@@ -459,7 +460,8 @@ def gc_command(args: argparse.Namespace) -> int:
     print(
         f"removed {done.files_removed} orphan array file(s) ({done.bytes_removed} bytes), "
         f"{done.tmp_removed} temp file(s) and {done.rows_removed} stale row(s); kept "
-        f"{done.young_kept} orphan(s) younger than {grace:g} s "
+        f"{done.young_kept} orphan(s) younger than {grace:g} s; dropped {expired} kept "
+        "feedback post(s) past their model's retention "
         f"(database {settings.database_url.split('://', 1)[0]}, data in {settings.data_dir})"
     )
     return 0

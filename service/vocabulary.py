@@ -33,14 +33,22 @@ __all__ = [
     "IDEMPOTENCY_STATES",
     "KEY_STATES",
     "KINDS",
+    "LOOP_DEFAULTS",
+    "LOOP_STATES",
+    "LOOP_STEPS",
+    "LOOP_TRIGGERS",
     "MAX_CLASS_NAMES_BYTES",
     "MAX_CLASS_NAME_CHARS",
     "MAX_DESCRIPTION_CHARS",
     "MAX_ID",
     "MAX_KEY_DESCRIPTION_CHARS",
+    "MAX_LOOP_HOLDOUT",
+    "MAX_LOOP_MARGIN",
+    "MAX_RETENTION_DAYS",
     "METHODS",
     "METRICS_NAMESPACE",
     "METRICS_SCOPE",
+    "MIN_LOOP_HOLDOUT",
     "NAMESPACE_PATTERN",
     "NAME_PATTERN",
     "NLL_WORSE",
@@ -110,6 +118,26 @@ KEY_STATES = ("active", "expired", "revoked")
 #: answer stored, committed with the request's write).
 IN_FLIGHT, DONE = "in_flight", "done"
 IDEMPOTENCY_STATES = (IN_FLIGHT, DONE)
+
+#: The recalibration loop (:mod:`service.jobs.loop`). What started a run: a request
+#: (``POST .../loop/runs``) or a drift verdict on a feedback post (the model opts in).
+LOOP_TRIGGERS = ("request", "drift")
+#: A run's state: its candidate is being fitted, then its outcome. ``waiting``: the
+#: candidate beat production by the margin but the model does not promote
+#: automatically: it waits for the user to move the alias.
+LOOP_STATES = ("fitting", "promoted", "waiting", "not-promoted", "failed")
+#: The steps of a run, each one event the user lists (``GET .../loop/events``).
+LOOP_STEPS = ("started", "candidate-fitted", "evaluated", "promoted", "not-promoted", "failed")
+#: The loop's defaults, each documented in docs/api.md: kept rows at most
+#: (``retention_rows``) and for at most ``retention_days``; the share of the kept rows
+#: held back to compare the candidate with production (``holdout``); the NLL (nats per
+#: row) by which the candidate must beat production to be promoted (``margin``).
+LOOP_DEFAULTS = {"retention_rows": 50_000, "retention_days": 30, "holdout": 0.3, "margin": 0.01}
+#: Bounds of the loop's settings: a retention within a year; a holdout that leaves
+#: rows on both sides; a margin of at most 1 nat per row.
+MAX_RETENTION_DAYS = 366
+MIN_LOOP_HOLDOUT, MAX_LOOP_HOLDOUT = 0.1, 0.9
+MAX_LOOP_MARGIN = 1.0
 
 #: The alias predict, feedback and monitoring use when the request names no version.
 DEFAULT_ALIAS = "production"

@@ -19,6 +19,7 @@ from service.api.routers import (
     datasets,
     health,
     keys,
+    loop,
     models,
     monitoring,
     predict,
@@ -142,7 +143,7 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
     )
     # Outermost: 413s and 401s are counted and logged too.
     app.add_middleware(MetricsMiddleware, metrics=metrics, access=access)
-    for module in (models, datasets, calibrators, aliases, keys, monitoring, health):
+    for module in (models, datasets, calibrators, aliases, keys, monitoring, loop, health):
         app.include_router(module.router)
     budget.attach(app.routes, settings)
     return app

@@ -27,12 +27,20 @@ from service.vocabulary import (
     DEFAULT_ARGMAX_POLICY,
     KEY_STATES,
     KINDS,
+    LOOP_DEFAULTS,
+    LOOP_STATES,
+    LOOP_STEPS,
+    LOOP_TRIGGERS,
     MAX_CLASS_NAME_CHARS,
     MAX_CLASS_NAMES_BYTES,
     MAX_DESCRIPTION_CHARS,
     MAX_ID,
     MAX_KEY_DESCRIPTION_CHARS,
+    MAX_LOOP_HOLDOUT,
+    MAX_LOOP_MARGIN,
+    MAX_RETENTION_DAYS,
     METHODS,
+    MIN_LOOP_HOLDOUT,
     NAME_PATTERN,
     REJECTION_REASONS,
     SCOPES,
@@ -339,6 +347,10 @@ class FeedbackOut(BaseModel):
     correct: int = Field(description="Of them, rows whose predicted class is the label.")
     bucket_start: int = Field(description="Unix time of the bucket they were added to.")
     bucket_seconds: int = Field(description="The width of a bucket (FEEDBACK_BUCKET_SECONDS).")
+    kept: int = Field(
+        0, description="Of them, rows kept for the model's recalibration loop (0 unless it "
+        "keeps feedback: PUT /v1/models/{model}/loop)."
+    )
 
 
 _OPTIONAL_FIGURE = partial(Field, None)
@@ -470,3 +482,111 @@ class DeletedOut(BaseModel):
         description="Bytes of the deleted datasets and versions, no longer counted against "
         "the namespace's stored-bytes quota."
     )
+
+
+# ---------------------------------------------------------------------------
+# the recalibration loop (service.jobs.loop)
+
+LoopState = Literal[LOOP_STATES]  # type: ignore[valid-type]
+LoopStep = Literal[LOOP_STEPS]  # type: ignore[valid-type]
+LoopTrigger = Literal[LOOP_TRIGGERS]  # type: ignore[valid-type]
+
+
+class LoopSettings(BaseModel):
+    """A model's recalibration loop: the whole setting, each field its default when
+    omitted (docs/api.md, "The recalibration loop")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    keep_feedback: StrictBool = Field(
+        True,
+        description="Keep the rows of every feedback post (scores and labels), bounded by "
+        "the retention, counted in the namespace's stored_bytes quota. false deletes the "
+        "rows kept.",
+    )
+    retention_rows: int = Field(
+        LOOP_DEFAULTS["retention_rows"],
+        ge=1,
+        description="Most rows kept: the oldest posts go first. At most "
+        "WELLTEMPERED_MAX_DATASET_ROWS (a run's rows become a dataset).",
+    )
+    retention_days: int = Field(
+        LOOP_DEFAULTS["retention_days"],
+        ge=1,
+        le=MAX_RETENTION_DAYS,
+        description="Days a post is kept.",
+    )
+    holdout: float = Field(
+        LOOP_DEFAULTS["holdout"],
+        ge=MIN_LOOP_HOLDOUT,
+        le=MAX_LOOP_HOLDOUT,
+        description="Share of the kept rows held back from the candidate's fit, on which "
+        "it is compared with production.",
+    )
+    margin: float = Field(
+        LOOP_DEFAULTS["margin"],
+        ge=0,
+        le=MAX_LOOP_MARGIN,
+        description="Nats per row by which the candidate's held-back NLL must beat "
+        "production's (and the gain's lower 95 % bound must be above 0, and its ECE not "
+        "worse beyond noise) to be promoted.",
+    )
+    auto_promote: StrictBool = Field(
+        False,
+        description="Move the 'production' alias to a better candidate; false: the "
+        "candidate waits for the user (PUT aliases/production).",
+    )
+    on_drift: StrictBool = Field(
+        False,
+        description="Start a run when a feedback post served by the 'production' version "
+        "finds it drifted (at most one such run per monitoring window).",
+    )
+
+
+class LoopOut(LoopSettings):
+    model: str
+    kept_rows: int = Field(description="Rows kept now.")
+    kept_bytes: int = Field(description="Their bytes, counted in the stored_bytes quota.")
+    updated_at: Timestamp | None = Field(description="null: the model never set its loop.")
+
+
+class LoopRunOut(BaseModel):
+    run: int
+    trigger: LoopTrigger
+    state: LoopState
+    production_version: int
+    candidate_version: int
+    margin: float
+    auto_promote: bool
+    comparison: dict[str, Any] | None = Field(
+        description="The paired comparison on the held-back rows (null while fitting)."
+    )
+    created_at: Timestamp
+    finished_at: Timestamp | None
+
+
+class LoopRunList(BaseModel):
+    runs: list[LoopRunOut]
+    next_cursor: NextCursor = None
+
+
+class LoopStarted(BaseModel):
+    model: str
+    run: int
+    candidate_version: int
+    status_url: str = Field(description="The candidate version's URL (its fit's status).")
+    events_url: str
+
+
+class LoopEventOut(BaseModel):
+    id: int
+    run: int
+    step: LoopStep
+    message: str
+    details: dict[str, Any] | None
+    created_at: Timestamp
+
+
+class LoopEventList(BaseModel):
+    events: list[LoopEventOut]
+    next_cursor: NextCursor = None

@@ -43,8 +43,9 @@ from pathlib import Path
 
 from sqlalchemy.orm import sessionmaker
 
+from service.jobs import loop
 from service.jobs.fitting import fit_job, import_job
-from service.storage import fits
+from service.storage import fits, loops
 from service.storage.array_cache import CacheStats
 from service.storage.arrays import ArrayStore
 from service.storage.db import make_engine
@@ -148,14 +149,33 @@ def run_claimed(
                 scores, labels, progress=progress, memory_budget=config.memory_budget,
                 sequences=sequences, **task.spec,
             )
+        also = None if task.comparing is None else _loop_end(task, scores, labels, result)
     except _Stopped:
         raise
     except Exception as exc:  # the fit's outcome: recorded, not raised
         log.info("fit of version id %s failed: %s", version_id, exc)
         fits.fail(sessions, version_id, f"{type(exc).__name__}: {exc}", task.attempt)
         return "failed"
-    fits.finish(sessions, version_id, task.attempt, progress=1.0, error=None, **result)
+    fits.finish(sessions, version_id, task.attempt, also, progress=1.0, error=None, **result)
     return result["status"]
+
+
+def _loop_end(task: fits.FitTask, scores, labels, result: dict) -> Callable:
+    """A loop candidate's comparison with production (:func:`service.jobs.loop.compare`),
+    as the write that goes with its outcome (:func:`service.storage.loops.conclude`)."""
+    comparing, spec = task.comparing, task.spec
+    comparison = loop.compare(
+        comparing.production_params,
+        result["params"],
+        scores,
+        labels,
+        kind=spec["kind"],
+        holdout=spec["holdout"],
+        seed=spec["seed"],
+        margin=comparing.margin,
+        candidate_status=result["status"],
+    )
+    return lambda session: loops.conclude(session, comparing.run_id, result, comparison)
 
 
 def _watch_parent(pid: int) -> None:

@@ -542,6 +542,12 @@ DB_GAUGES: dict[str, GaugeSpec] = {
             "Length of the window the live_* gauges are computed over.",
             (),
         ),
+        "loop_runs": (
+            "welltempered_loop_runs",
+            "Recalibration loop runs of a model by state (fitting, promoted, waiting, "
+            "not-promoted, failed), counted in the database: every outcome so far.",
+            ("namespace", "model", "status"),
+        ),
     }.items()
 }
 _DATABASE_UP = GaugeSpec(

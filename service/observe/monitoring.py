@@ -43,7 +43,7 @@ from calibrators.numerics import row_chunks
 from calibrators.validation import PROBABILITY_FLOOR
 from service.errors import InvalidInput, NotReady
 from service.observe import metrics as obs
-from service.storage import fits, quality, registry
+from service.storage import fits, loops, quality, registry
 from service.storage.array_cache import CacheStats
 from service.storage.db import CalibratorVersion, Model, as_utc, utcnow
 from service.storage.quality import SUMS
@@ -360,8 +360,9 @@ def snapshot(
     """The database gauges of :class:`service.observe.metrics.DatabaseQualityCollector`.
 
     Fit jobs by status (every status, 0 included), hold-out figures of every aliased
-    version, and the live figures and drift bound of every version with feedback in
-    the window. Three queries, whatever the number of models. Every model-level sample
+    version, the live figures and drift bound of every version with feedback in the
+    window, and the recalibration loop's runs per model and state. A fixed number of
+    queries, whatever the number of models. Every model-level sample
     is labelled by the model's namespace as well as its name (names are unique per
     namespace only).
     """
@@ -373,6 +374,7 @@ def snapshot(
         aliased = quality.aliased_holdout(session)
         live = window_statistics(session, window_start(window_seconds, bucket_seconds))
         versions = quality.version_labels(session, live)
+        runs = loops.outcomes(session)
     snap: dict[str, list] = {key: [] for key in obs.DB_GAUGES}
     namespaces = sorted({namespace for namespace, _ in jobs})
     snap["fit_jobs"] = [
@@ -381,6 +383,9 @@ def snapshot(
         for s in STATUSES
     ]
     _queue_gauges(snap, queue, now)
+    snap["loop_runs"] = [
+        ({"namespace": ns, "model": name, "status": state}, n) for ns, name, state, n in runs
+    ]
     if alive is not None:
         snap["fit_workers_alive"] = [({}, alive)]
     snap["live_window_seconds"] = [({}, window_seconds)]

@@ -1,6 +1,6 @@
 """The registry's tables (SQLAlchemy 2.0 typed models) and the engine factory.
 
-Nine tables: ``models`` (a classifier to calibrate), ``datasets`` (immutable
+Thirteen tables: ``models`` (a classifier to calibrate), ``datasets`` (immutable
 labelled scores; the arrays are content-addressed files, see
 :mod:`service.storage.arrays`), ``calibrator_versions`` (one immutable fit per row,
 numbered per model; the row is also the background job), ``aliases``
@@ -8,9 +8,11 @@ numbered per model; the row is also the background job), ``aliases``
 (time-bucketed reliability sums of labelled feedback, for live calibration),
 ``api_keys`` (the sha256 of each key, its namespace and scope), ``namespaces``
 (the row a quota check locks, :mod:`service.storage.usage`), ``array_files``
-(the row that guards an array file's removal, :mod:`service.storage.array_refs`) and
+(the row that guards an array file's removal, :mod:`service.storage.array_refs`),
 ``idempotency_keys`` (writes made under an ``Idempotency-Key`` and their answers,
-:mod:`service.storage.idempotency`). The closed lists
+:mod:`service.storage.idempotency`), and the recalibration loop's four
+(:mod:`service.storage.loops`): ``feedback_loops`` (a model's opt-in and settings),
+``feedback_batches`` (kept feedback rows), ``loop_runs`` and ``loop_events``. The closed lists
 the CHECK constraints name come from :mod:`service.vocabulary`; the queries live in
 the other modules of this package.
 """
@@ -31,6 +33,7 @@ from sqlalchemy import (
     Float,
     ForeignKey,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -38,6 +41,7 @@ from sqlalchemy import (
     create_engine,
     event,
     false,
+    true,
 )
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -48,6 +52,10 @@ from service.vocabulary import (
     DEFAULT_NAMESPACE,
     IDEMPOTENCY_STATES,
     KINDS,
+    LOOP_DEFAULTS,
+    LOOP_STATES,
+    LOOP_STEPS,
+    LOOP_TRIGGERS,
     SCOPES,
     STATUSES,
 )
@@ -342,6 +350,118 @@ class IdempotencyKey(Base):
     headers: Mapped[dict[str, Any] | None]
     #: When the row was claimed (or taken over): its lease and its lifetime start here.
     created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+
+
+class FeedbackLoop(Base):
+    """A model's recalibration loop settings: one row once the model opted in (no row:
+    feedback rows are not kept, no run starts). Defaults:
+    :data:`service.vocabulary.LOOP_DEFAULTS`."""
+
+    __tablename__ = "feedback_loops"
+    __table_args__ = (
+        CheckConstraint("retention_rows >= 1", name="retention_rows"),
+        CheckConstraint("retention_days >= 1", name="retention_days"),
+        CheckConstraint("holdout > 0 AND holdout < 1", name="holdout"),
+        CheckConstraint("margin >= 0", name="margin"),
+    )
+
+    model_id: Mapped[int] = mapped_column(
+        ForeignKey("models.id", ondelete="CASCADE"), primary_key=True
+    )
+    #: Keep the rows of every feedback post (scores as posted and labels), bounded.
+    keep_feedback: Mapped[bool] = mapped_column(default=True, server_default=true())
+    retention_rows: Mapped[int] = mapped_column(
+        BigInteger, server_default=str(LOOP_DEFAULTS["retention_rows"])
+    )
+    retention_days: Mapped[int] = mapped_column(
+        server_default=str(LOOP_DEFAULTS["retention_days"])
+    )
+    holdout: Mapped[float] = mapped_column(Float, server_default=str(LOOP_DEFAULTS["holdout"]))
+    margin: Mapped[float] = mapped_column(Float, server_default=str(LOOP_DEFAULTS["margin"]))
+    #: Move the default alias to a candidate that beats production by the margin.
+    auto_promote: Mapped[bool] = mapped_column(default=False, server_default=false())
+    #: Start a run when a feedback post finds the served version drifted.
+    on_drift: Mapped[bool] = mapped_column(default=False, server_default=false())
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class FeedbackBatch(Base):
+    """The rows of one feedback post, kept under the model's loop settings.
+
+    Scores as posted (their kind and dtype) and labels, each an ``.npy`` image: a post is
+    written and dropped whole, so a batch is the unit of retention. ``n_bytes`` (both
+    images) counts against the namespace's ``stored_bytes`` quota.
+    """
+
+    __tablename__ = "feedback_batches"
+    __table_args__ = (CheckConstraint(_in("kind", KINDS), name="kind"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(
+        ForeignKey("models.id", ondelete="CASCADE"), index=True
+    )
+    #: The number of the version that served the rows (for the record; rows are raw scores).
+    version: Mapped[int]
+    kind: Mapped[str] = mapped_column(String(16))
+    n_rows: Mapped[int]
+    scores: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)
+    labels: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)
+    n_bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+
+
+class LoopRun(Base):
+    """One run of the recalibration loop: a candidate fitted on the kept rows, compared
+    with the version production served when the run started, promoted or not."""
+
+    __tablename__ = "loop_runs"
+    __table_args__ = (
+        CheckConstraint(_in("trigger", LOOP_TRIGGERS), name="trigger"),
+        CheckConstraint(_in("state", LOOP_STATES), name="state"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(
+        ForeignKey("models.id", ondelete="CASCADE"), index=True
+    )
+    trigger: Mapped[str] = mapped_column(String(16))
+    state: Mapped[str] = mapped_column(String(16))
+    #: The version the default alias pointed at when the run started (by id: promotion
+    #: moves the alias only if it still points there) and its number.
+    production_id: Mapped[int | None] = mapped_column(
+        ForeignKey("calibrator_versions.id", ondelete="SET NULL")
+    )
+    production_version: Mapped[int]
+    #: The candidate's version (its fit is the run's job).
+    candidate_id: Mapped[int | None] = mapped_column(
+        ForeignKey("calibrator_versions.id", ondelete="SET NULL"), index=True
+    )
+    candidate_version: Mapped[int]
+    #: The settings the run was started under.
+    margin: Mapped[float] = mapped_column(Float)
+    auto_promote: Mapped[bool]
+    #: The paired comparison on the held-back rows (:func:`service.jobs.loop.compare`).
+    comparison: Mapped[dict[str, Any] | None]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None]
+
+
+class LoopEvent(Base):
+    """One step of a run (:data:`service.vocabulary.LOOP_STEPS`), with its figures."""
+
+    __tablename__ = "loop_events"
+    __table_args__ = (CheckConstraint(_in("step", LOOP_STEPS), name="step"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(
+        ForeignKey("models.id", ondelete="CASCADE"), index=True
+    )
+    run_id: Mapped[int] = mapped_column(ForeignKey("loop_runs.id", ondelete="CASCADE"), index=True)
+    step: Mapped[str] = mapped_column(String(16))
+    #: One sentence: what happened and why.
+    message: Mapped[str] = mapped_column(Text)
+    details: Mapped[dict[str, Any] | None]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 def _json_dumps(obj: Any) -> str:

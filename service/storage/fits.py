@@ -13,6 +13,7 @@ writes nothing: one result per version, from the attempt that owns it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.storage import loops
 from service.storage.db import CalibratorVersion, Dataset, Model, json_bytes, utcnow
 from service.vocabulary import FROM_PARAMS, UNFINISHED
 
@@ -29,8 +31,9 @@ class FitTask:
     """What an attempt needs of the version it claimed: the keyword arguments of
     :func:`service.jobs.fitting.fit_job` (of :func:`~service.jobs.fitting.import_job`
     for a version from posted parameters), the hashes of the dataset's arrays (the
-    sequence ids' None when it has none), the attempt's number, and the posted
-    parameters (None for a fit)."""
+    sequence ids' None when it has none), the attempt's number, the posted
+    parameters (None for a fit), and what a recalibration loop's candidate compares
+    itself with (None for any other version)."""
 
     spec: dict[str, Any]
     scores_sha256: str
@@ -38,6 +41,7 @@ class FitTask:
     attempt: int
     params: dict[str, Any] | None = None
     sequences_sha256: str | None = None
+    comparing: loops.Comparing | None = None
 
 
 def _running(version_id: int, attempt: int):
@@ -65,6 +69,7 @@ def claim(sessions: sessionmaker, version_id: int, worker: str, max_attempts: in
                 f"gave up after {row.attempts} attempts: each one's worker stopped or was "
                 "lost before the fit ended"
             )
+            loops.candidate_stopped(s, version_id, f"its fit failed ({row.error})")
             return "failed"
         dataset = s.get(Dataset, row.dataset_id)
         policy = s.get(Model, row.model_id).argmax_policy
@@ -83,7 +88,7 @@ def claim(sessions: sessionmaker, version_id: int, worker: str, max_attempts: in
             spec |= {"method": row.method, "options": dict(row.options or {}), "refit": row.refit}
         return FitTask(
             spec, dataset.scores_sha256, dataset.labels_sha256, row.attempts, params,
-            dataset.sequences_sha256,
+            dataset.sequences_sha256, loops.comparing(s, version_id),
         )
 
 
@@ -96,10 +101,17 @@ def record_progress(sessions: sessionmaker, version_id: int, attempt: int, progr
         )
 
 
-def finish(sessions: sessionmaker, version_id: int, attempt: int, **columns: Any) -> bool:
+def finish(
+    sessions: sessionmaker,
+    version_id: int,
+    attempt: int,
+    also: Callable[[Session], Any] | None = None,
+    **columns: Any,
+) -> bool:
     """Write attempt ``attempt``'s outcome (all columns in one transaction, ``n_bytes``
     the size of its ``params``); False if that attempt no longer owns the version
-    (cancelled, handed back, retried)."""
+    (cancelled, handed back, retried). ``also(session)`` writes what goes with the
+    outcome (a loop run's end), in its transaction, only when it was written."""
     if columns.get("params") is not None:
         columns["n_bytes"] = json_bytes(columns["params"])
     with sessions() as s, s.begin():
@@ -108,6 +120,8 @@ def finish(sessions: sessionmaker, version_id: int, attempt: int, **columns: Any
             .where(*_running(version_id, attempt))
             .values(finished_at=utcnow(), **columns)
         )
+        if res.rowcount == 1 and also is not None:
+            also(s)
         return res.rowcount == 1
 
 
@@ -138,7 +152,10 @@ def cancel(session: Session, version: CalibratorVersion) -> str | None:
         .values(status="cancelled", finished_at=utcnow(), error="cancelled by a user")
         .execution_options(synchronize_session=False)
     )
-    return before if res.rowcount == 1 else None
+    if res.rowcount != 1:
+        return None
+    loops.candidate_stopped(session, version.id, "its fit was cancelled by a user")
+    return before
 
 
 def requeue_running(sessions: sessionmaker) -> int:
@@ -178,6 +195,8 @@ def fail(sessions: sessionmaker, version_id: int, error: str, attempt: int | Non
             .where(*where)
             .values(status="failed", error=error, finished_at=utcnow())
         )
+        if res.rowcount == 1:
+            loops.candidate_stopped(s, version_id, f"its fit failed ({error})")
         return res.rowcount == 1
 
 

@@ -9,7 +9,9 @@ quota                     counts                              refused with
                           namespace's datasets (each dataset  ``request-over-quota`` for one
                           in full, even if it shares a file)  dataset or import larger than
                           and of its versions' params as      the quota
-                          stored JSON (``n_bytes`` columns)
+                          stored JSON, and of the feedback
+                          rows its models keep (``n_bytes``
+                          columns)
 ``datasets``              datasets of the namespace           409 ``quota-exceeded``
 ``models``                models of the namespace             409 ``quota-exceeded``
 ``versions``              calibrator versions of one model    409 ``quota-exceeded``
@@ -24,15 +26,16 @@ and then no version is created there (fit or import) until something is deleted.
 Each refusal names the quota, its setting, its limit, the namespace's usage and what
 the request would add (:class:`service.errors.QuotaExceeded`).
 
-Atomicity. The usage is counted from ``models``, ``datasets`` and
-``calibrator_versions`` (no counter to drift). A writer first takes the namespace's row
-of ``namespaces`` with an upsert (:func:`lock`): on PostgreSQL the row lock is held to
-the end of the transaction, and a waiting writer counts again after it (READ COMMITTED
-gives each statement a new snapshot); on SQLite the upsert takes the database's write
-lock, so the count that follows sees every committed write and no other writer can
-commit before this one. Then count, compare, insert, commit: two uploads that each fit
-alone, but not together, cannot both pass. The check is also made once without the lock,
-before any array file is written, so a refused upload usually writes nothing at all.
+Atomicity. The usage is counted from ``models``, ``datasets``,
+``calibrator_versions`` and ``feedback_batches`` (no counter to drift). A writer first
+takes the namespace's row of ``namespaces`` with an upsert (:func:`lock`): on PostgreSQL
+the row lock is held to the end of the transaction, and a waiting writer counts again
+after it (READ COMMITTED gives each statement a new snapshot); on SQLite the upsert
+takes the database's write lock, so the count that follows sees every committed write
+and no other writer can commit before this one. Then count, compare, insert, commit:
+two uploads that each fit alone, but not together, cannot both pass. The check is also
+made once without the lock, before any array file is written, so a refused upload
+usually writes nothing at all.
 """
 
 from __future__ import annotations
@@ -45,7 +48,14 @@ from sqlalchemy.orm import Session
 
 from service.errors import QuotaExceeded, RequestOverQuota
 from service.settings import Settings
-from service.storage.db import CalibratorVersion, Dataset, Model, Namespace, utcnow
+from service.storage.db import (
+    CalibratorVersion,
+    Dataset,
+    FeedbackBatch,
+    Model,
+    Namespace,
+    utcnow,
+)
 
 
 @dataclass(frozen=True)
@@ -102,8 +112,8 @@ def lock(session: Session, namespace: str) -> None:
 
 
 def usage(session: Session, namespace: str) -> Usage:
-    """The namespace's stored bytes (datasets and versions), datasets and models, counted
-    from the tables."""
+    """The namespace's stored bytes (datasets, versions and kept feedback rows), datasets
+    and models, counted from the tables."""
     datasets, stored = session.execute(
         select(func.count(Dataset.id), func.coalesce(func.sum(Dataset.n_bytes), 0))
         .join(Model, Model.id == Dataset.model_id)
@@ -114,9 +124,16 @@ def usage(session: Session, namespace: str) -> Usage:
         .join(Model, Model.id == CalibratorVersion.model_id)
         .where(Model.namespace == namespace)
     )
+    kept = session.scalar(
+        select(func.coalesce(func.sum(FeedbackBatch.n_bytes), 0))
+        .join(Model, Model.id == FeedbackBatch.model_id)
+        .where(Model.namespace == namespace)
+    )
     models = session.scalar(select(func.count(Model.id)).where(Model.namespace == namespace))
     return Usage(
-        stored_bytes=int(stored) + int(params), datasets=int(datasets), models=int(models)
+        stored_bytes=int(stored) + int(params) + int(kept),
+        datasets=int(datasets),
+        models=int(models),
     )
 
 
@@ -174,6 +191,14 @@ def _check_stored(namespace: str, now: Usage, n_bytes: int, quotas: Quotas, what
             "versions first.",
             **_members("stored_bytes", quotas.stored_bytes, now.stored_bytes, n_bytes),
         )
+
+
+def check_stored(
+    session: Session, namespace: str, n_bytes: int, quotas: Quotas, what: str
+) -> None:
+    """409 unless the namespace has room for ``n_bytes`` more stored bytes (``what``
+    adds them: named in the refusal). Kept feedback rows are checked by it."""
+    _check_stored(namespace, usage(session, namespace), n_bytes, quotas, what)
 
 
 def check_model(session: Session, namespace: str, quotas: Quotas) -> None:

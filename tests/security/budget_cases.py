@@ -438,6 +438,13 @@ ROUTES: dict[str, Route] = {
                                          victim=True),
     f"GET {V1}/aliases/{{alias}}": Route(),
     f"DELETE {V1}/aliases/{{alias}}": Route(victim=True),
+    # The recalibration loop: its settings, a run (409 or a queued fit), its lists.
+    f"GET {V1}/loop": Route(),
+    f"PUT {V1}/loop": Route(lambda ids: _json({"keep_feedback": True, "retention_rows": 1000}),
+                            victim=True),
+    f"POST {V1}/loop/runs": Route(victim=True),
+    f"GET {V1}/loop/runs": Route(),
+    f"GET {V1}/loop/events": Route(),
     "GET /v1/keys": Route(),
     "POST /v1/keys": Route(lambda ids: _json({"scope": "predict", "description": "d"}),
                            victim=True),

@@ -29,7 +29,7 @@ from sqlalchemy.engine import make_url
 from service.settings import Settings
 from service.storage import migrate
 from service.vocabulary import DEFAULT_ALIAS
-from tests.oracles import wait_for_version
+from tests.oracles import softmax, wait_for_version
 
 PG_URL = os.environ.get(
     "WELLTEMPERED_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -250,6 +250,17 @@ def logits_data(n: int = 300, k: int = 4, seed: int = 0, scale: float = 3.0):
     logits = rng.normal(size=(n, k))
     logits[np.arange(n), labels] += 1.5
     return logits * scale, labels
+
+
+def tempered_rows(n: int, k: int, temperature: float, seed: int):
+    """Logits and labels drawn from ``softmax(logits / temperature)``: rows whose labels
+    follow a tempered version of the scores (temperature 1: the scores are calibrated;
+    above 1: they are over-confident, the drift the recalibration loop corrects)."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(scale=3.0, size=(n, k))
+    probs = softmax(logits / temperature)
+    labels = (rng.random((n, 1)) > np.cumsum(probs, axis=1)).sum(axis=1)
+    return logits, np.minimum(labels, k - 1)
 
 
 def create_model(client: TestClient, name: str = "m", k: int = 4, **extra) -> dict:

@@ -20,6 +20,7 @@ from service.api.openapi import BINARY, LABELS, OCTET_STREAM, SCORE_PROPERTIES
 from service.api.schemas import FeedbackOut, MonitoringOut
 from service.api.uploads import NPZ_TYPES, Upload, labelled_body
 from service.errors import InvalidInput
+from service.jobs import loop
 from service.observe import metrics as obs
 from service.observe import monitoring
 from service.observe.svg import CONTENT_TYPE as SVG
@@ -28,9 +29,10 @@ from service.security import limits
 from service.server import budget
 from service.server.budget import declare
 from service.serving import inference
-from service.storage import registry
+from service.storage import loops, registry
 from service.storage.db import CalibratorVersion
 from service.storage.retry import retry_read
+from service.storage.usage import Quotas
 from service.vocabulary import DEFAULT_ALIAS, MAX_ID
 
 router = APIRouter(tags=["monitoring"])
@@ -261,11 +263,38 @@ def post_feedback(
         "bucket_start": bucket,
         "bucket_seconds": settings.feedback_bucket_seconds,
     }
-    # In the transaction record_feedback commits: the answer is stored iff the rows count.
+    # In the transaction record_feedback commits: the answer is stored iff the rows count
+    # (and are kept, for a model that keeps them).
+    answer["kept"] = keep_feedback(session, state, model, row, labelled)
     claim.store(session, answer)
     monitoring.record_feedback(session, row.id, stats, bucket)
     state.metrics.observe_feedback(model.namespace, model.name, row.version, n)
+    loop_on_drift(session, state, model, row)
     return answer
+
+
+def keep_feedback(
+    session, state: StateDep, model, row: CalibratorVersion, labelled: rules.Labelled
+) -> int:
+    """The post's rows kept for the recalibration loop (:func:`service.storage.loops.keep`):
+    how many (0 unless the model keeps feedback)."""
+    return loops.keep(
+        session, model, row.version, labelled.scores, labelled.labels, labelled.kind,
+        Quotas.from_settings(state.settings),
+    )
+
+
+def loop_on_drift(session, state: StateDep, model, row: CalibratorVersion) -> None:
+    """After a recorded post: the drift verdict of the served version's window, and a
+    loop run if it drifted and the model asks for one (:func:`service.jobs.loop.after_feedback`)."""
+    if not loops.drift_triggers(session, model) or not row.metrics_after:
+        return
+    _, stats = _live(session, state, row, state.settings.monitoring_window_seconds)
+    verdict = monitoring.drift_verdict(row.metrics_after["bins"], stats)
+    loop.after_feedback(
+        session, model, row, verdict, settings=state.settings, arrays=state.arrays,
+        queue=state.fits.queue,
+    )
 
 
 # ---------------------------------------------------------------------------
