@@ -5,7 +5,7 @@ A model opts in with a ``feedback_loops`` row; no existing model has one, so not
 is kept and no run starts until its owner asks.
 
 Revision ID: 20261206_0017
-Revises: 20261205_0013
+Revises: 20261206_0018
 Create Date: 2026-12-06 00:00:00+00:00
 """
 
@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "20261206_0017"
-down_revision: str | None = "20261205_0013"
+down_revision: str | None = "20261206_0018"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
