@@ -70,7 +70,8 @@ class _HashingWriter:
 
 
 class _Counter:
-    """A sink that counts the bytes written to it (for :meth:`ArrayStore.digest`)."""
+    """A sink that counts the bytes written to it (:meth:`ArrayStore.digest`), or fed
+    to it as a hasher is (:meth:`ArrayStore.write`)."""
 
     def __init__(self):
         self.size = 0
@@ -79,6 +80,8 @@ class _Counter:
         n = memoryview(data).nbytes
         self.size += n
         return n
+
+    update = write
 
     def flush(self) -> None:
         pass
@@ -240,11 +243,19 @@ class ArrayStore:
         modification time) even when the name exists: a caller about to commit a row
         that names it must not depend on a file a concurrent release may be removing.
         """
-        own = hashlib.sha256()
+        return self.write(array, also, sha256)[0]
+
+    def write(
+        self, array: np.ndarray, also=(), sha256: str | None = None
+    ) -> tuple[str, int]:
+        """:meth:`put`, returning the file's sha256 and size in bytes: with no
+        ``sha256``, both come from the one pass that writes it (an upload's, instead of
+        a :meth:`digest` then a :meth:`put`)."""
+        own, counter = hashlib.sha256(), _Counter()
         tmp = self.temp_path(".npy")
         try:
             with open(tmp, "wb") as raw:
-                hashers = [*also] if sha256 is not None else [own, *also]
+                hashers = [counter, *also] if sha256 is not None else [own, counter, *also]
                 np.save(_HashingWriter(raw, hashers), array, allow_pickle=False)
                 raw.flush()
                 os.fsync(raw.fileno())
@@ -253,11 +264,11 @@ class ArrayStore:
             if self._fs is not None:  # an object appears whole once its upload ends
                 self._fs.makedirs(str(final.parent), exist_ok=True)
                 self._fs.put_file(str(tmp), str(final))
-                return sha
+                return sha, counter.size
             final.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, final)  # atomic; identical content may simply overwrite
             _fsync_dir(final.parent)
-            return sha
+            return sha, counter.size
         finally:
             tmp.unlink(missing_ok=True)
 

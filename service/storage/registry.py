@@ -181,11 +181,11 @@ def add_dataset(
 ) -> tuple[Dataset, bool]:
     """Store validated arrays (files first, fsynced), then commit the row; dedupe by content.
 
-    Returns the dataset and whether it is new. Identical content of the same model
-    returns the existing dataset before anything is written or counted. With
-    ``quotas``, the namespace's quotas (:mod:`service.storage.usage`) are checked
-    before the files are written, and again under the namespace's lock in the
-    transaction that inserts the row; a refusal there releases the files it wrote.
+    Returns the dataset and whether it is new. The files are written first, hashed as
+    they are written; identical content of the same model then returns the existing
+    dataset before anything is counted. With ``quotas``, the namespace's quotas
+    (:mod:`service.storage.usage`) are checked under the namespace's lock in the
+    transaction that inserts the row; a refusal releases the files it wrote.
     ``before_commit(session, dataset)`` runs after a new row is flushed, in its
     transaction (an idempotency key's answer commits with it). ``sequences``: the
     sequence id of each row (validated), a third file; the metrics then add the NLL per
@@ -193,20 +193,17 @@ def add_dataset(
     metrics (NULL), and ``metrics_later(dataset_id)`` is called once it is committed (to
     hand it to :func:`fill_metrics`).
     """
-    files = [
-        array_refs.Held(*arrays.digest(scores), scores),
-        array_refs.Held(*arrays.digest(labels), labels),
-    ]
-    if sequences is not None:
-        files.append(array_refs.Held(*arrays.digest(sequences), sequences))
+    # Written first, hashed and sized while written: one pass over each array. Content
+    # uploaded before is then found by its hash; its files were rewritten with the same
+    # bytes (the price of a repeated upload, against a hashing pass for every new one).
+    present = [a for a in (scores, labels, sequences) if a is not None]
+    files = [array_refs.Held(*arrays.write(a), a) for a in present]
     shas = [f.sha256 for f in files]
     sha = dataset_sha256(kind, *shas)
     existing = _dataset_by_sha(session, model, sha)
     if existing is not None:
         return existing, False
     rows, n_bytes = int(scores.shape[0]), sum(f.n_bytes for f in files)
-    if quotas is not None:
-        usage.check_dataset(session, model.namespace, rows, n_bytes, quotas)
     dataset = Dataset(
         model_id=model.id,
         sha256=sha,
@@ -221,11 +218,9 @@ def add_dataset(
         n_bytes=n_bytes,
     )
     later = scores.size > INLINE_METRICS_SCORES
-    if not later:
-        dataset.metrics = metrics.scores_report(scores, labels, kind, sequences=sequences)
-    for f in files:
-        arrays.put(f.array, sha256=f.sha256)
     try:
+        if not later:
+            dataset.metrics = metrics.scores_report(scores, labels, kind, sequences=sequences)
         if quotas is not None:
             usage.lock(session, model.namespace)
             usage.check_dataset(session, model.namespace, rows, n_bytes, quotas)
