@@ -34,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_peers  # free ports, waiting for a port, CPU of a process tree  # noqa: E402
+from lm_vocab import stream, upload_floor  # noqa: E402
 from upload_metrics import make_logits  # noqa: E402
 
 MODEL = "lm"
@@ -70,23 +71,6 @@ def rss(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS")
-
-
-def floor(path: Path, folder: Path) -> float:
-    """Read the .npz, write its arrays as .npy: no HTTP, no checks, no fsync."""
-    t0 = time.perf_counter()
-    with np.load(path) as f:
-        for name in ("logits", "labels"):
-            target = folder / f"floor-{name}.npy"
-            np.save(target, f[name])
-            target.unlink()
-    return time.perf_counter() - t0
-
-
-def stream(path: Path):
-    with open(path, "rb") as fh:
-        while block := fh.read(MiB):
-            yield block
 
 
 def upload(proc: subprocess.Popen, base: str, path: Path) -> dict:
@@ -139,7 +123,7 @@ def main() -> int:
                 for name, (proc, base) in servers.items():
                     y[0] = (y[0] + 1) % args.k  # new content: nothing is deduplicated
                     np.savez(body, logits=z, labels=y)
-                    base_floor = min(floor(body, tmp) for _ in range(2))
+                    base_floor = min(upload_floor(body, tmp) for _ in range(2))
                     got = upload(proc, base, body)
                     ratios[name].append(got["seconds"] / base_floor)
                     print(f"{name:<10} {rnd:>5} {got['seconds']:>9.2f} {base_floor:>8.2f} "
