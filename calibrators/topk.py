@@ -127,6 +127,12 @@ class TopK:
         return np.where(hit.any(axis=1), hit.argmax(axis=1), -1)
 
 
+def _vocab_size(value) -> int:
+    """``V`` as an int in ``[2, MAX_VOCAB]`` (a 0-d array, as an ``.npz`` member, too)."""
+    return Integer(2, MAX_VOCAB)(
+        "vocab_size", value.item() if isinstance(value, np.ndarray | np.generic) else value)
+
+
 def as_topk(ids, logprobs, vocab_size) -> TopK:
     """The one canonicalisation of top-k rows; raises CalibrationInputError.
 
@@ -142,8 +148,7 @@ def as_topk(ids, logprobs, vocab_size) -> TopK:
     >>> t.k, t.vocab_size, round(float(t.tail_mass()[0]), 4)
     (2, 10, 0.1703)
     """
-    v = Integer(2, MAX_VOCAB)("vocab_size", vocab_size.item() if isinstance(
-        vocab_size, np.ndarray | np.generic) else vocab_size)
+    v = _vocab_size(vocab_size)
     lp = np.asarray(logprobs)
     if lp.ndim != 2 or lp.shape[0] < 1 or lp.shape[1] < 1 or lp.dtype.kind not in "fiu":
         raise CalibrationInputError(
@@ -198,6 +203,75 @@ def from_arrays(arrays) -> tuple[TopK, np.ndarray | None]:
     if labels is not None:
         labels = as_labels(labels, topk.logprobs.shape[0], topk.vocab_size)
     return topk, labels
+
+
+def from_chat_logprobs(content, vocab_size, vocabulary=None):
+    """``(TopK, labels, names)`` from the chat-completions shape of hosted APIs.
+
+    ``content`` is ``choices[i].logprobs.content``: per position a dict with ``token``
+    (str), ``logprob`` and ``top_logprobs``, a list of ``{"token", "logprob"}``, the same
+    length ``k`` at every position. The label of a position is its own ``token`` (the
+    token that is there: the text's own when the API scored a given text).
+
+    Token strings become ids through ``vocabulary`` (a sequence of token strings, id =
+    index: the model's tokenizer, when known); without one they are interned in order of
+    first appearance, and ``names`` (id -> token string) keeps the mapping: ids then
+    name tokens only within these rows, which is all the fit needs, while ``vocab_size``
+    stays the model's own ``V``. Two alternatives of one position with the same string
+    (APIs show some distinct byte tokens alike) are refused as repeated ids.
+
+    Examples
+    --------
+    >>> content = [{"token": "a", "logprob": -0.1, "top_logprobs": [
+    ...     {"token": "a", "logprob": -0.1}, {"token": "b", "logprob": -2.5}]},
+    ...     {"token": "c", "logprob": -3.0, "top_logprobs": [
+    ...     {"token": "b", "logprob": -0.3}, {"token": "a", "logprob": -1.6}]}]
+    >>> rows, labels, names = from_chat_logprobs(content, 100)
+    >>> rows.ids.tolist(), labels.tolist(), names
+    ([[0, 1], [1, 0]], [0, 2], ['a', 'b', 'c'])
+    """
+    if not isinstance(content, list | tuple) or not content:
+        raise CalibrationInputError(
+            "logprobs content must be a non-empty list of positions. "
+            f"Got {type(content).__name__}.")
+    ids: dict[str, int] = {}
+    if vocabulary is not None:
+        ids = {name: i for i, name in enumerate(vocabulary)}
+
+    def token_id(entry, where: str) -> int:
+        name = entry.get("token") if isinstance(entry, dict) else None
+        if not isinstance(name, str):
+            raise CalibrationInputError(
+                f"{where} must be an object with a string 'token'. Got {entry!r:.100}.")
+        if name not in ids:
+            if vocabulary is not None:
+                raise CalibrationInputError(
+                    f"{where}'s token is not in the vocabulary. Got {name!r:.100}.")
+            ids[name] = len(ids)
+        return ids[name]
+
+    rows, logprobs, labels = [], [], []
+    for i, position in enumerate(content):
+        labels.append(token_id(position, f"position {i}"))
+        top = position.get("top_logprobs")
+        if not isinstance(top, list | tuple) or not top:
+            raise CalibrationInputError(
+                f"position {i} must have a non-empty list 'top_logprobs'. Got {top!r:.100}.")
+        rows.append([token_id(t, f"position {i}'s top_logprobs") for t in top])
+        logprobs.append([t.get("logprob") for t in top])
+        if len(rows[-1]) != len(rows[0]):
+            raise CalibrationInputError(
+                f"every position must list the same number of top_logprobs ({len(rows[0])}). "
+                f"Got {len(rows[-1])} at position {i}.")
+    if any(not isinstance(v, int | float) or isinstance(v, bool) for row in logprobs for v in row):
+        raise CalibrationInputError("every top_logprobs entry needs a numeric 'logprob'.")
+    v = _vocab_size(vocab_size)
+    if len(ids) > v:
+        raise CalibrationInputError(
+            f"the rows name more distinct tokens than the vocabulary size {v}. Got {len(ids)}.")
+    topk = as_topk(np.array(rows), np.array(logprobs, dtype=np.float64), v)
+    names = list(vocabulary) if vocabulary is not None else list(ids)
+    return topk, as_labels(labels, len(labels), topk.vocab_size), names
 
 
 @dataclass(frozen=True)

@@ -196,3 +196,48 @@ def test_bad_labels_options_and_unfitted_use_are_refused():
         topk.TopKTemperature(tail="zipf").fit(rows, [0])
     with pytest.raises(NotFittedError):
         topk.TopKTemperature().predict(rows)
+
+
+def chat_content(rows: topk.TopK, labels: np.ndarray, names) -> list[dict]:
+    """The fixture's rows in the chat-completions ``logprobs.content`` shape."""
+    return [
+        {"token": names[y], "logprob": None,
+         "top_logprobs": [{"token": names[i], "logprob": float(v)} for i, v in zip(ids, lp)]}
+        for ids, lp, y in zip(rows.ids.tolist(), rows.logprobs, labels.tolist(), strict=True)
+    ]
+
+
+def test_the_chat_completions_shape_fits_as_the_arrays_do():
+    rows, labels, _ = fixture()
+    names = [f"<{i}>" for i in range(rows.vocab_size)]
+    content = chat_content(rows, labels, names)
+    interned, y, seen = topk.from_chat_logprobs(content, rows.vocab_size)
+    # ids are renamed by first appearance; the names map them back
+    np.testing.assert_array_equal(np.array(seen)[interned.ids], np.array(names)[rows.ids])
+    np.testing.assert_array_equal(np.array(seen)[y], np.array(names)[labels])
+    direct = topk.TopKTemperature().fit(rows, labels)
+    assert topk.TopKTemperature().fit(interned, y).beta_ == direct.beta_
+    by_vocabulary, y2, _ = topk.from_chat_logprobs(content, rows.vocab_size, names)
+    np.testing.assert_array_equal(by_vocabulary.ids, rows.ids)
+    np.testing.assert_array_equal(y2, labels)
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        ([], "non-empty list"),
+        ([{"token": 3, "top_logprobs": []}], "string 'token'"),
+        ([{"token": "a"}], "top_logprobs"),
+        ([{"token": "a", "top_logprobs": [{"token": "a", "logprob": "x"}]}], "numeric"),
+        ([{"token": "a", "top_logprobs": [{"token": "a", "logprob": -1.0}]},
+          {"token": "a", "top_logprobs": [{"token": "a", "logprob": -1.0},
+                                          {"token": "b", "logprob": -2.0}]}], "same number"),
+        ([{"token": "a", "top_logprobs": [{"token": "b", "logprob": -1.0},
+                                          {"token": "b", "logprob": -2.0}]}], "distinct"),
+        ([{"token": "a", "top_logprobs": [{"token": "b", "logprob": -1.0},
+                                          {"token": "c", "logprob": -2.0}]}], "vocabulary size"),
+    ],
+)
+def test_bad_chat_completions_content_is_refused(content, match):
+    with pytest.raises(CalibrationInputError, match=match):
+        topk.from_chat_logprobs(content, 2)
