@@ -202,7 +202,8 @@ def chat_content(rows: topk.TopK, labels: np.ndarray, names) -> list[dict]:
     """The fixture's rows in the chat-completions ``logprobs.content`` shape."""
     return [
         {"token": names[y], "logprob": None,
-         "top_logprobs": [{"token": names[i], "logprob": float(v)} for i, v in zip(ids, lp)]}
+         "top_logprobs": [{"token": names[i], "logprob": float(v)}
+                          for i, v in zip(ids, lp, strict=True)]}
         for ids, lp, y in zip(rows.ids.tolist(), rows.logprobs, labels.tolist(), strict=True)
     ]
 
