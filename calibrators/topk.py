@@ -14,12 +14,16 @@ log-probability ``t_g`` with ``m_g`` tokens each (``sum_g m_g = V - k``,
 ``sum_g m_g exp(t_g) = T``):
 
 * ``"uniform"``: one group, ``t = log(T / (V - k))``: the tail spread evenly;
-* ``"decay"``: the tail continues the decay of the top-k as a power of the rank
-  (Zipf's law): the slope ``b <= 0`` of the sorted ``l_(r)`` against ``log r`` (least
-  squares over the top-k's ranks ``1 .. k``) gives rank ``r > k`` the log-probability
-  ``a + b log r``, ``a`` set so the tail sums to ``T``; the ranks ``k + 1 .. V`` are cut
-  into :data:`DECAY_GROUPS` groups, even in ``log r``, each at the mean ``log r`` of
-  its ranks.
+* ``"decay"``: the tail continues the decay of the top-k in ``log r`` (``r`` the rank):
+  the sorted ``l_(r)`` are fitted by least squares over the ranks ``1 .. k`` as a
+  parabola ``a + b log r + c (log r)**2`` with curvature ``c <= 0`` (the constrained
+  optimum: the unconstrained parabola where it bends down, else the straight line of
+  Zipf's law, its slope capped at 0), continued to the ranks ``k + 1 .. V`` with ``a``
+  set so the tail sums to ``T``. The ranks are cut into :data:`DECAY_GROUPS` groups,
+  even in ``log r``, each at the mean ``log r`` of its ranks. Why bend: a language
+  model's log-probabilities fall faster far down the vocabulary (SmolLM2-135M's median
+  slope is -1.5 up to rank 1,000, -2 to rank 10,000, -5 beyond: ``bench/README.md``), and
+  a straight line gives that far tail too much mass.
 
 The multiplicities depend only on ``k`` and ``V``, so a row is a vector of ``k + G``
 scores ``s`` with constant log-weights ``w`` (0 for the top-k, ``log m_g`` for the
@@ -277,12 +281,14 @@ def from_chat_logprobs(content, vocab_size, vocabulary=None):
 @dataclass(frozen=True)
 class _Tail:
     """A tail model's constants for one ``(k, V)``: the groups' log-multiplicities
-    ``log_m`` (G,) and, for "decay", the mean log-rank of each group ``rho`` (G,) and the
-    least-squares coefficients ``slope`` (k,) that give ``b`` from the sorted top-k."""
+    ``log_m`` (G,) and, for "decay", the mean log-rank of each group ``rho`` (G,), the
+    least-squares coefficients ``slope`` (k,) that give the line's ``b`` from the sorted
+    top-k, and ``curve`` (k, 2) those of the parabola's ``(b, c)`` (None for k < 3)."""
 
     log_m: np.ndarray
     rho: np.ndarray | None = None
     slope: np.ndarray | None = None
+    curve: np.ndarray | None = None
 
 
 def _tail_model(tail: str, k: int, v: int) -> _Tail:
@@ -300,7 +306,11 @@ def _tail_model(tail: str, k: int, v: int) -> _Tail:
     log_r = np.log(np.arange(1, k + 1, dtype=np.float64))
     centred = log_r - log_r.mean()
     slope = centred / (centred @ centred) if k > 1 else np.zeros(1)
-    return _Tail(np.log(counts), rho, slope)
+    curve = None
+    if k >= 3:  # rows 1, 2 of the pseudo-inverse of [1, log r, log r**2]
+        curve = np.ascontiguousarray(
+            np.linalg.pinv(np.stack([np.ones(k), log_r, log_r**2], axis=1))[1:].T)
+    return _Tail(np.log(counts), rho, slope, curve)
 
 
 def _tail_scores(t: TopK, model: _Tail) -> np.ndarray:
@@ -311,8 +321,14 @@ def _tail_scores(t: TopK, model: _Tail) -> np.ndarray:
     log_tail = np.log(t.tail_mass())[:, None]
     if model.rho is None:
         return log_tail - model.log_m
-    b = np.minimum(-np.sort(-t.logprobs, axis=1) @ model.slope, 0.0)[:, None]
-    shape = b * model.rho
+    ordered = -np.sort(-t.logprobs, axis=1)
+    b = np.minimum(ordered @ model.slope, 0.0)[:, None]
+    c = np.zeros_like(b)
+    if model.curve is not None:  # the parabola where it bends down, else the line
+        bq, cq = np.hsplit(ordered @ model.curve, 2)
+        concave = cq < 0
+        b, c = np.where(concave, bq, b), np.where(concave, cq, 0.0)
+    shape = b * model.rho + c * model.rho**2
     return shape + (log_tail - _logsumexp(shape + model.log_m))
 
 
@@ -521,10 +537,24 @@ class TopKTemperature:
                 ordered = g.node("TopK", [x, g.constant(np.array([k], dtype=np.int64), "k")],
                                  "sorted", axis=1)
                 g.nodes[-1].output.append(g.name("sorted_index"))
+                zero = g.constant(0.0, "zero")
                 b = g.node("Min", [g.node("MatMul", [ordered, g.constant(model.slope[:, None],
                                                                           "slope")], "b_ls"),
-                                   g.constant(0.0, "zero")], "b")
-                shape = g.node("Mul", [b, g.constant(model.rho[None, :], "rho")], "shape")
+                                   zero], "b")
+                rho = g.constant(model.rho[None, :], "rho")
+                shape = g.node("Mul", [b, rho], "line")
+                if model.curve is not None:  # the parabola where it bends down
+                    bc = g.node("MatMul", [ordered, g.constant(model.curve, "curve")], "bc")
+                    bq = g.node("Slice", [bc, g.constant(np.array([0]), "bc_b"),
+                                          g.constant(np.array([1]), "bc_c"), one], "bq")
+                    cq = g.node("Slice", [bc, "bc_c", g.constant(np.array([2]), "bc_end"), one],
+                                "cq")
+                    concave = g.node("Less", [cq, zero], "concave")
+                    parabola = g.node("Add", [
+                        g.node("Mul", [bq, rho], "bq_rho"),
+                        g.node("Mul", [cq, g.constant(model.rho[None, :]**2, "rho2")], "cq_rho2"),
+                    ], "parabola")
+                    shape = g.node("Where", [concave, parabola, shape], "shape")
                 shape_w = g.node("Add", [shape, g.constant(model.log_m[None, :], "log_m")],
                                  "shape_w")
                 norm = g.node("ReduceLogSumExp", [shape_w], "shape_lse", axes=[1], keepdims=1)
