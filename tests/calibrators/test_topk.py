@@ -103,7 +103,7 @@ def test_calibrated_top_k_and_tail_sum_to_one_in_the_input_order(tail, data, k, 
 def test_the_uniform_tail_fit_is_the_full_vocabulary_optimum_of_its_completion(k):
     z, y = synthetic()
     rows, _ = truncated(z, k)
-    cal = topk.TopKTemperature().fit(rows, y)
+    cal = topk.TopKTemperature(tail="uniform").fit(rows, y)
     full, _ = completed_uniform(rows)
     best = minimize_scalar(lambda t: oracle_nll(full, y, np.exp(t)), bounds=(-5, 5),
                            method="bounded", options={"xatol": 1e-10})
