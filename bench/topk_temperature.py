@@ -18,7 +18,11 @@ docstring; never committed):
 4. the shape of the real tail, which the tail models guess: on every 10th row, the
    median least-squares slope of the sorted log-probabilities against ``log rank`` over
    rank ranges, and the median of the tail's mass-weighted mean log-probability beside
-   the uniform tail's ``log(T / (V - 20))``.
+   the uniform tail's ``log(T / (V - 20))``;
+5. on held-out texts: the fixture split by sequence (``split_indices`` with the
+   sequence ids, hold-out 0.2, seed 0), each fit made on the fit rows, and the
+   held-out rows' full-vocabulary mean NLL at beta 1 (uncalibrated) and at each fit's
+   beta.
 
 Each fit's seconds are printed beside the full fit's. The machine's load average is
 printed at the start and the end.
@@ -38,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from calibrators import topk  # noqa: E402
+from calibrators.evaluation.holdout import split_indices  # noqa: E402
 from calibrators.methods.temperature import TemperatureScaler  # noqa: E402
 from calibrators.numerics import log_softmax  # noqa: E402
 
@@ -80,7 +85,8 @@ def main(argv=None) -> None:
     print(f"load average {load_average()}")
     with np.load(FIXTURE) as npz:
         fixture, labels = topk.from_arrays(npz)
-        sequences = len(np.unique(npz["sequence_ids"]))
+        sequence_ids = npz["sequence_ids"]
+        sequences = len(np.unique(sequence_ids))
     z = np.load(args.full, mmap_mode="r")
     print(f"{len(labels):,} positions ({sequences} sequences) x {z.shape[1]:,}; label in the "
           f"top-20: {(fixture.label_in_top_k(labels) >= 0).mean():.3f}")
@@ -105,7 +111,23 @@ def main(argv=None) -> None:
             print(f"{k:>6} {tail:>8} {cal.fit_info_['label_in_top_k']:>8.3f} {cal.beta_:>10.6f} "
                   f"{gap:>+8.2%} {cost:>12.2e} {seconds:>8.3f}")
     tail_shape(z)
+    held_out(z, fixture, labels, sequence_ids)
     print(f"load average {load_average()}")
+
+
+def held_out(z, rows: topk.TopK, labels, sequence_ids) -> None:
+    """Part 5 of the module docstring."""
+    fit, test = split_indices(len(labels), 0.2, 0, groups=sequence_ids)
+    zt = np.asarray(z[np.sort(test)])
+    yt = labels[np.sort(test)]
+    print(f"held out: {len(test):,} rows of {len(np.unique(sequence_ids[test]))} sequences; "
+          f"full-vocabulary NLL at beta 1 {full_nll(zt, yt, 1.0):.5f}")
+    fits = {"full vocabulary": TemperatureScaler().fit(z[np.sort(fit)], labels[np.sort(fit)])}
+    part = topk.as_topk(rows.ids[fit], rows.logprobs[fit], rows.vocab_size)
+    for tail in topk.TAILS:
+        fits[f"top-20, {tail}"] = topk.TopKTemperature(tail=tail).fit(part, labels[fit])
+    for name, cal in fits.items():
+        print(f"  {name:<18} beta {cal.beta_:.6f}  held-out NLL {full_nll(zt, yt, cal.beta_):.5f}")
 
 
 def tail_shape(z: np.ndarray, k: int = 20) -> None:
