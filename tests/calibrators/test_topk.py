@@ -246,3 +246,21 @@ def test_the_chat_completions_shape_fits_as_the_arrays_do():
 def test_bad_chat_completions_content_is_refused(content, match):
     with pytest.raises(CalibrationInputError, match=match):
         topk.from_chat_logprobs(content, 2)
+
+
+@pytest.mark.parametrize("tail", topk.TAILS)
+def test_a_tail_label_scores_the_tails_own_mean_log_probability(tail):
+    """For a tail label, NLL(beta) = logsumexp(w + beta s) - beta tbar and log(tail mass)
+    = logsumexp over the tail - logsumexp(w + beta s): their sum's derivative at beta = 1
+    is the untempered tail's mean log-probability minus tbar, 0 when tbar is that mean."""
+    rows, labels, _ = fixture()
+    in_tail = np.flatnonzero(rows.label_in_top_k(labels) < 0)[:50]
+    part = topk.as_topk(rows.ids[in_tail], rows.logprobs[in_tail], rows.vocab_size)
+    params = topk.TopKTemperature(tail=tail).fit(part, labels[in_tail]).to_params()
+
+    def both(beta: float) -> float:
+        tail_mass = topk.TopKTemperature.from_params({**params, "beta": beta}).predict(part)[1]
+        return topk.mean_nll(part, labels[in_tail], beta, tail) + np.log(tail_mass).mean()
+
+    h = 1e-4
+    assert abs(both(1 + h) - both(1 - h)) / (2 * h) < 1e-6
