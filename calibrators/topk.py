@@ -506,9 +506,9 @@ class TopKTemperature:
         cal.fit_info_ = params.get("fit_info", {})
         return cal
 
-    def to_onnx(self, k: int | None = None, vocab_size: int | None = None) -> onnx.ModelProto:
-        """The ONNX model of :meth:`predict` for rows of ``k`` log-probabilities out of
-        ``vocab_size`` tokens (default: the fit's).
+    def to_onnx(self, k: int | None = None, vocab_size: int | None = None) -> bytes:
+        """The serialised ONNX model of :meth:`predict` for rows of ``k`` log-probabilities
+        out of ``vocab_size`` tokens (default: the fit's), as ``Calibrator.to_onnx``.
 
         Input ``topk_logprobs`` float32 (N, k) (validated rows: finite, ``<= 0``);
         outputs ``probabilities`` float32 (N, k) and ``tail`` float32 (N,). The graph
@@ -594,4 +594,4 @@ class TopKTemperature:
         helper.set_model_props(onnx_model, {"method": "temperature", "format": "topk",
                                             "tail": self.tail, "k": str(k), "vocab_size": str(v)})
         onnx.checker.check_model(onnx_model, full_check=True)
-        return onnx_model
+        return onnx_model.SerializeToString()
