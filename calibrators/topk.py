@@ -66,8 +66,10 @@ from typing import ClassVar
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
+from scipy.special import gammaln, logsumexp
 
 from calibrators.methods.temperature import BETA_MAX, BETA_MIN, safeguarded_newton
+from calibrators.numerics import map_chunks, softmax, softmax_terms
 from calibrators.onnx_export import IR_VERSION, OPSET, GraphBuilder
 from calibrators.options import Integer, Positive
 from calibrators.validation import (
@@ -301,8 +303,7 @@ def _tail_model(tail: str, k: int, v: int) -> _Tail:
     edges = edges.astype(np.int64)
     counts = np.diff(edges).astype(np.float64)
     # mean of log r over ranks e .. e' - 1: (lgamma(e') - lgamma(e)) / (e' - e)
-    lgamma = np.vectorize(math.lgamma)
-    rho = (lgamma(edges[1:].astype(np.float64)) - lgamma(edges[:-1].astype(np.float64))) / counts
+    rho = np.diff(gammaln(edges.astype(np.float64))) / counts
     log_r = np.log(np.arange(1, k + 1, dtype=np.float64))
     centred = log_r - log_r.mean()
     slope = centred / (centred @ centred) if k > 1 else np.zeros(1)
@@ -329,12 +330,7 @@ def _tail_scores(t: TopK, model: _Tail) -> np.ndarray:
         concave = cq < 0
         b, c = np.where(concave, bq, b), np.where(concave, cq, 0.0)
     shape = b * model.rho + c * model.rho**2
-    return shape + (log_tail - _logsumexp(shape + model.log_m))
-
-
-def _logsumexp(u: np.ndarray) -> np.ndarray:
-    top = u.max(axis=1, keepdims=True)
-    return top + np.log(np.exp(u - top).sum(axis=1, keepdims=True))
+    return shape + (log_tail - logsumexp(shape + model.log_m, axis=1, keepdims=True))
 
 
 @dataclass(frozen=True)
@@ -374,18 +370,23 @@ def _rows(t: TopK, labels: np.ndarray, model: _Tail) -> _Rows:
 
 
 def _moments(r: _Rows, beta: float) -> tuple[float, float, float, float]:
-    """Mean NLL, dNLL/dbeta, d2NLL/dbeta2 and d3NLL/dbeta3 at ``beta``."""
-    u = r.w + beta * r.s
-    top = u.max(axis=1, keepdims=True)
-    e = np.exp(u - top)
-    total = e.sum(axis=1)
-    q = e / total[:, None]
-    mean = (q * r.s).sum(axis=1)
-    d = r.s - mean[:, None]
-    var = (q * d * d).sum(axis=1)
-    third = (q * d * d * d).sum(axis=1)
-    nll = top[:, 0] + np.log(total) - beta * r.sy
-    return float(nll.mean()), float((mean - r.sy).mean()), float(var.mean()), float(third.mean())
+    """Mean NLL, dNLL/dbeta, d2NLL/dbeta2 and d3NLL/dbeta3 at ``beta``: one pass in row
+    chunks, float64 sums."""
+
+    def chunk(rows: slice) -> np.ndarray:
+        s, sy = r.s[rows], r.sy[rows]
+        q, row_max, log_total = softmax_terms(r.w + beta * s, overwrite=True)
+        mean = np.einsum("ij,ij->i", q, s)
+        d = s - mean[:, None]
+        q *= d
+        q *= d
+        var = q.sum(axis=1)
+        third = np.einsum("ij,ij->i", q, d)
+        return np.array([np.sum(row_max + log_total - beta * sy), np.sum(mean - sy),
+                         var.sum(), third.sum()])
+
+    total = np.sum(map_chunks(chunk, *r.s.shape), axis=0) / r.s.shape[0]
+    return tuple(map(float, total))
 
 
 def mean_nll(topk: TopK, labels, beta: float, tail: str = "decay") -> float:
@@ -483,8 +484,7 @@ class TopKTemperature:
         order (tempering keeps their order), and the tail's mass; each row sums to 1."""
         self._check_fitted()
         s, w, _, _ = _scores(topk, _tail_model(self.tail, topk.k, topk.vocab_size))
-        u = self.beta_ * s + w
-        q = np.exp(u - _logsumexp(u))
+        q = softmax(self.beta_ * s + w)
         return q[:, : topk.k], q[:, topk.k:].sum(axis=1)
 
     def to_params(self) -> dict:
