@@ -281,7 +281,7 @@ def _next(x: float, value: float, deriv: float, second: float, lo: float, hi: fl
     return x_new, True
 
 
-def _safeguarded_newton(f, lo, hi, x, *, tol, max_passes, increasing, first=None,
+def safeguarded_newton(f, lo, hi, x, *, tol, max_passes, increasing, first=None,
                         last_step=None, extrapolate=None):
     """Root of a monotone ``f`` in ``[lo, hi]`` by Halley/Newton steps with bisection fallback.
 
@@ -487,7 +487,7 @@ class TemperatureScaler(LinearSoftmax):
         # in float32, where a pass costs about a third of a float64 one. Then, for a
         # subsample, one float32 pass over every row and its Halley step; then the
         # float64 passes over every row, the last step usually extrapolated (see
-        # _safeguarded_newton): float32's rounding only moves the start, the root
+        # safeguarded_newton): float32's rounding only moves the start, the root
         # is float64's.
         start_dtype = np.float32
         first = _pass(zs, ys, kind, 1.0, np.float32, exponent)
@@ -532,7 +532,7 @@ class TemperatureScaler(LinearSoftmax):
         def start(dtype, first):
             """The root for the subsample (or every row) in ``dtype``; after a float32
             subsample, a Halley step from one float32 pass over every row."""
-            beta0, _, _, passes, _ = _safeguarded_newton(
+            beta0, _, _, passes, _ = safeguarded_newton(
                 lambda beta: f(beta, zs, ys, dtype), lo, hi, 1.0, tol=START_TOL,
                 max_passes=max_passes, increasing=increasing, first=first,
             )
@@ -552,7 +552,7 @@ class TemperatureScaler(LinearSoftmax):
             start_dtype = np.float64
             beta0, last_step, start_passes, float32_passes = start(np.float64, None)
         progress(0.2)
-        beta, value, r, passes, reason = _safeguarded_newton(
+        beta, value, r, passes, reason = safeguarded_newton(
             f, lo, hi, beta0, tol=tol, max_passes=max_passes, increasing=increasing,
             last_step=last_step, extrapolate=_taylor,
         )

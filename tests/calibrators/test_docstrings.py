@@ -20,6 +20,7 @@ MODULES = [
     "calibrators.linear_softmax",
     "calibrators.numerics",
     "calibrators.onnx_export",
+    "calibrators.topk",
     "calibrators.torch_export",
     "calibrators.triton",
     "calibrators.validation",
