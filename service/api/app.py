@@ -32,6 +32,7 @@ from service.observe.monitoring import (
     observe_array_cache,
     observe_finished_fit,
 )
+from service.observe.served import Flusher, ServedCounts
 from service.server import budget, problems
 from service.server.faults import DatabaseFaultMiddleware
 from service.server.hotpath import ServingApp
@@ -81,9 +82,12 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
             onnx = SessionCache(settings.onnx_threads, settings.onnx_cache_size)
             serving = ServingCache(sessions, onnx, settings.alias_cache_seconds)
             limiter = anyio.CapacityLimiter(settings.predict_threads or os.cpu_count() or 1)
+            served_counts = ServedCounts(settings.feedback_bucket_seconds)
             app.state.welltempered = AppState(
-                settings, engine, sessions, arrays, fits, serving, metrics, limiter
+                settings, engine, sessions, arrays, fits, serving, metrics, limiter,
+                served_counts,
             )
+            flusher = Flusher(served_counts, sessions, settings.served_flush_seconds).start()
             sweeper = None
             if settings.sweep_interval_seconds > 0:
                 sweeper = Sweeper(
@@ -99,6 +103,7 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
                 if sweeper is not None:
                     sweeper.stop()
                 await fits.stop()
+                flusher.stop()
         finally:
             engine.dispose()
             metrics.mark_process_dead()

@@ -23,6 +23,7 @@ from service.api.auth import PrincipalDep
 from service.api.schemas import Kind, ScoreDtype
 from service.jobs.queue import Fits
 from service.observe.metrics import ServiceMetrics
+from service.observe.served import ServedCounts
 from service.serving.inference import ServingCache
 from service.settings import Settings
 from service.storage import registry, retry
@@ -68,6 +69,8 @@ class AppState:
     metrics: ServiceMetrics
     #: Threads that compute predictions at once (``Settings.predict_threads``).
     predict_limiter: anyio.CapacityLimiter
+    #: The predicted classes this process served, until its flusher writes them.
+    served_counts: ServedCounts
 
 
 def get_app_state(request: Request) -> AppState:
