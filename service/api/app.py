@@ -19,6 +19,7 @@ from service.api.routers import (
     datasets,
     health,
     keys,
+    label_shift,
     models,
     monitoring,
     predict,
@@ -27,6 +28,7 @@ from service.api.routers import (
 from service.jobs.queue import Fits
 from service.jobs.sweeper import Sweeper
 from service.observe.access import AccessLog
+from service.observe.label_shift import ConfusionCache
 from service.observe.metrics import ServiceMetrics
 from service.observe.monitoring import (
     observe_array_cache,
@@ -85,7 +87,7 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
             served_counts = ServedCounts(settings.feedback_bucket_seconds)
             app.state.welltempered = AppState(
                 settings, engine, sessions, arrays, fits, serving, metrics, limiter,
-                served_counts,
+                served_counts, ConfusionCache(),
             )
             flusher = Flusher(served_counts, sessions, settings.served_flush_seconds).start()
             sweeper = None
@@ -144,7 +146,7 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
     )
     # Outermost: 413s and 401s are counted and logged too.
     app.add_middleware(MetricsMiddleware, metrics=metrics, access=access)
-    for module in (models, datasets, calibrators, aliases, keys, monitoring, health):
+    for module in (models, datasets, calibrators, aliases, keys, monitoring, label_shift, health):
         app.include_router(module.router)
     budget.attach(app.routes, settings)
     return app

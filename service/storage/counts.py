@@ -16,10 +16,17 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, undefer
 
 from service.errors import NotFound
-from service.storage.db import CalibratorVersion, FeedbackNllBin, ServedClass, as_utc
+from service.storage.db import (
+    CalibratorVersion,
+    Dataset,
+    FeedbackNllBin,
+    Model,
+    ServedClass,
+    as_utc,
+)
 
 #: Each count table and the name of its index column.
 TABLES = {ServedClass: "class_index", FeedbackNllBin: "bin_index"}
@@ -90,3 +97,19 @@ def live_versions(
         ).all()
     )
     return {(i, t) for i, t in keys if i in rows and as_utc(rows[i]) == as_utc(t)}
+
+
+def versions_with_datasets(
+    session: Session, version_ids: Iterable[int]
+) -> list[tuple[CalibratorVersion, Model, Dataset]]:
+    """Each version of ``version_ids`` (its params loaded), its model and its dataset."""
+    return [
+        tuple(found)
+        for found in session.execute(
+            select(CalibratorVersion, Model, Dataset)
+            .join(Model, Model.id == CalibratorVersion.model_id)
+            .join(Dataset, Dataset.id == CalibratorVersion.dataset_id)
+            .where(CalibratorVersion.id.in_(list(version_ids)))
+            .options(undefer(CalibratorVersion.params))
+        )
+    ]
