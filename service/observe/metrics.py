@@ -527,6 +527,14 @@ DB_GAUGES: dict[str, GaugeSpec] = {
             "Accuracy of the labelled feedback rows in the window.",
             _LIVE,
         ),
+        "live_token_nll": (
+            "welltempered_live_token_nll_nats",
+            "Quantiles (0.5, 0.95) of the per-row (per-token) negative log-likelihood of the "
+            "labelled feedback rows in the window, from a fixed histogram of 32 log-spaced "
+            "bins per decade (service.observe.token_nll): within 7.5 % of the exact quantile "
+            "above 1e-4 nats.",
+            (*_LIVE, "quantile"),
+        ),
         "live_entropy": (
             "welltempered_live_entropy_nats",
             "Mean entropy of the calibrated feedback rows in the window, in nats.",

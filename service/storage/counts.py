@@ -35,9 +35,12 @@ TABLES = {ServedClass: "class_index", FeedbackNllBin: "bin_index"}
 CountRow = tuple[int, int, int, int]
 
 
-def add_counts(session: Session, table: type, rows: Iterable[CountRow]) -> None:
+def add_counts(
+    session: Session, table: type, rows: Iterable[CountRow], *, commit: bool = True
+) -> None:
     """Add each count to its (version, bucket, index) row of ``table``: one upsert, in key
-    order (two writers on PostgreSQL lock rows in the same order: no deadlock). Commits.
+    order (two writers on PostgreSQL lock rows in the same order: no deadlock). Commits
+    unless ``commit`` is False (the caller's transaction goes on).
 
     Raises NotFound, with nothing written, when a version was deleted since it was read.
     """
@@ -56,7 +59,8 @@ def add_counts(session: Session, table: type, rows: Iterable[CountRow]) -> None:
     )
     try:
         session.execute(stmt)
-        session.commit()
+        if commit:
+            session.commit()
     except IntegrityError:
         session.rollback()
         raise NotFound("A calibrator version these counts belong to was deleted.") from None

@@ -289,6 +289,7 @@ def post_feedback(
     }
     # In the transaction record_feedback commits: the answer is stored iff the rows count.
     claim.store(session, answer)
+    monitoring.record_nll_histogram(session, row.id, stats, bucket)
     monitoring.record_feedback(session, row.id, stats, bucket)
     state.metrics.observe_feedback(model.namespace, model.name, row.version, n)
     return answer
