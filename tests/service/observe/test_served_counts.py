@@ -4,6 +4,7 @@ window, flushed from each process and added up across processes sharing a databa
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from fastapi.testclient import TestClient
 
 from service.api.app import create_app
@@ -66,3 +67,38 @@ def test_two_app_instances_sharing_a_database_add_up(settings):
             got = counts.window_counts(session, ServedClass, window_start(3600, 60))
     ((_, window),) = got.items()
     assert window == {c: int(n) for c, n in enumerate(expected) if n}
+
+
+def test_counts_of_a_deleted_version_are_dropped_and_the_others_kept(client):
+    logits, labels = logits_data(n=300, k=4, seed=1)
+    create_model(client, "m", k=4)
+    dataset = upload(client, "m", logits, labels)["id"]
+    promote(client, "m", dataset)  # version 1: production
+    promote(client, "m", dataset, seed=1)  # version 2: production now, 1 free to delete
+    for version in (1, 2):
+        r = client.post(
+            "/v1/models/m/predict",
+            params={"version": version},
+            json={"logits": logits[:30].tolist()},
+        )
+        assert r.status_code == 200, r.text
+    assert client.delete("/v1/models/m/calibrators/1").status_code == 200
+    state = client.app.state.welltempered
+    state.served_counts.flush(state.sessions)
+    with state.sessions() as session:
+        got = counts.window_counts(session, ServedClass, window_start(3600, 60))
+    ((_, window),) = got.items()  # version 2's only
+    assert sum(window.values()) == 30
+
+
+def test_a_failed_flush_keeps_the_counts_for_the_next():
+    counter = served.ServedCounts(60, clock=lambda: 0.0)
+    counter.add((1, None), 3, [0, 2, 2])
+
+    def broken():
+        raise ConnectionError("the database is down")
+
+    with pytest.raises(ConnectionError):
+        counter.flush(broken)
+    counter.add((1, None), 3, [1])
+    assert counter.drain()[((1, None), 0)].tolist() == [1, 1, 2]
