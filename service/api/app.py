@@ -28,7 +28,7 @@ from service.api.routers import (
 from service.jobs.queue import Fits
 from service.jobs.sweeper import Sweeper
 from service.observe.access import AccessLog
-from service.observe.label_shift import ConfusionCache
+from service.observe.label_shift import HoldoutCache
 from service.observe.metrics import ServiceMetrics
 from service.observe.monitoring import (
     observe_array_cache,
@@ -87,7 +87,7 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
             served_counts = ServedCounts(settings.feedback_bucket_seconds)
             app.state.welltempered = AppState(
                 settings, engine, sessions, arrays, fits, serving, metrics, limiter,
-                served_counts, ConfusionCache(),
+                served_counts, HoldoutCache(),
             )
             flusher = Flusher(served_counts, sessions, settings.served_flush_seconds).start()
             sweeper = None

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.api.auth import PrincipalDep
 from service.api.schemas import Kind, ScoreDtype
 from service.jobs.queue import Fits
-from service.observe.label_shift import ConfusionCache
+from service.observe.label_shift import HoldoutCache
 from service.observe.metrics import ServiceMetrics
 from service.observe.served import ServedCounts
 from service.serving.inference import ServingCache
@@ -72,8 +72,8 @@ class AppState:
     predict_limiter: anyio.CapacityLimiter
     #: The predicted classes this process served, until its flusher writes them.
     served_counts: ServedCounts
-    #: The hold-out confusion matrix of each version label shift was asked about.
-    holdout_confusions: ConfusionCache
+    #: The hold-out rows' predicted and true classes of each version label shift read.
+    holdouts: HoldoutCache
 
 
 def get_app_state(request: Request) -> AppState:

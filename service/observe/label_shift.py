@@ -16,12 +16,14 @@ the probabilities (EM reads any miscalibration as a shift).
 
 The confusion matrix is the version's own: its calibrated argmax against the labels
 on the hold-out rows of its dataset (the split of its fit: holdout, seed and sequence
-ids), computed once per process and version (:class:`ConfusionCache`; versions are
-immutable). Above :data:`~service.observe.served.EXACT_CLASSES` classes the counts
-keep the most served classes and an ``other`` bucket, and the estimate is made on
-those classes plus ``other`` (:func:`coarsen`): the confusion matrix is summed the same
-way on both axes, and every class in ``other`` gets that group's weight (the shift
-inside the group is assumed proportional).
+ids). Each process computes the predicted and true class of those rows once per
+version (:class:`HoldoutCache`; versions are immutable) and counts a matrix from them
+for each estimate, so memory is O(rows) whatever K. Above
+:data:`~service.observe.served.EXACT_CLASSES` classes the served counts keep the most
+served classes and an ``other`` bucket, and the estimate is made on those classes plus
+``other`` (:func:`coarsen`): the confusion matrix counts every other class as
+``other`` on both axes, and every class in ``other`` gets that group's weight (the
+shift inside the group is assumed proportional).
 
 The proposed correction is a ``prior-shift`` version over the served version's
 calibrator (``p'(y|x) ∝ p(y|x) w_y``, :class:`calibrators.PriorShift`) with BBSE's
@@ -57,11 +59,13 @@ from service.storage.db import CalibratorVersion, Dataset, ServedClass
 log = logging.getLogger("welltempered.monitoring")
 
 
-def holdout_confusion(
+def holdout_pairs(
     arrays: ArrayStore, dataset: Dataset, row: CalibratorVersion, params: Mapping[str, Any]
 ) -> np.ndarray:
-    """Counts per (predicted, true) class of the version's calibrated hold-out rows:
-    int64 of shape (K, K), rows indexed by the calibrated first argmax.
+    """The predicted and the true class of each of the version's hold-out rows: int64 of
+    shape (2, m), the first row the calibrated first argmax. Every confusion matrix of
+    :func:`coarsen` is counted from them, in O(m) memory whatever K (a K x K matrix
+    would not fit at a language model's K).
 
     The hold-out is the one of its fit (:func:`calibrators.evaluation.holdout.split_indices`
     of the dataset's rows with the version's holdout, seed and sequence ids); its rows are
@@ -72,19 +76,17 @@ def holdout_confusion(
     groups = registry.dataset_sequences(arrays, dataset)
     _, hold = split_indices(labels.shape[0], row.holdout, row.seed, groups=groups)
     cal = calibrators.from_params(dict(params))
-    k = scores.shape[1]
-    confusion = np.zeros((k, k), dtype=np.int64)
-    for rows in row_chunks(hold.size, k):
-        idx = hold[rows]
-        predicted = cal.predict_proba(np.asarray(scores[idx]), kind=dataset.kind).argmax(axis=1)
-        flat = predicted * k + np.asarray(labels[idx], dtype=np.int64)
-        confusion += np.bincount(flat, minlength=k * k).reshape(k, k)
-    return confusion
+    pairs = np.empty((2, hold.size), dtype=np.int64)
+    pairs[1] = labels[hold]
+    for rows in row_chunks(hold.size, scores.shape[1]):
+        x = np.asarray(scores[hold[rows]])
+        pairs[0, rows] = cal.predict_proba(x, kind=dataset.kind).argmax(axis=1)
+    return pairs
 
 
-class ConfusionCache:
-    """:func:`holdout_confusion` per version key (a version is immutable), the most
-    recently used ``size`` kept; one computation per key at a time."""
+class HoldoutCache:
+    """:func:`holdout_pairs` per version key (a version is immutable), the most recently
+    used ``size`` kept; one computation at a time."""
 
     def __init__(self, size: int = 64):
         self.size = size
@@ -105,40 +107,38 @@ class ConfusionCache:
 
 
 def coarsen(
-    confusion: np.ndarray, served: Mapping[int, int]
+    pairs: np.ndarray, served: Mapping[int, int], k: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The classes the estimate is made on, the confusion matrix and the served counts
-    over them.
+    """The classes the estimate is made on, and over them the hold-out's confusion
+    matrix (counts per (predicted, true) class) and the served counts.
 
-    Up to :data:`EXACT_CLASSES` classes, every class: ``(arange(K), confusion, counts)``.
-    Above, the :data:`EXACT_CLASSES` most served classes (ties by index) and ``other``
-    (:data:`OTHER`, last), the confusion matrix summed over ``other`` on both axes.
+    Up to :data:`EXACT_CLASSES` classes, every class. Above, the :data:`EXACT_CLASSES`
+    most served classes (ties by index) and ``other`` (:data:`OTHER`, last): the
+    confusion matrix counts every class outside them as ``other``, on both axes.
 
-    >>> classes, c, n = coarsen(np.eye(3, dtype=int) * 10, {0: 4, 2: 1})
-    >>> classes.tolist(), n.tolist()
-    ([0, 1, 2], [4, 0, 1])
+    >>> pairs = np.array([[0, 0, 1, 2, 2], [0, 1, 1, 2, 2]])
+    >>> classes, c, n = coarsen(pairs, {0: 4, 2: 1}, 3)
+    >>> classes.tolist(), c.tolist(), n.tolist()
+    ([0, 1, 2], [[1, 1, 0], [0, 1, 0], [0, 0, 2]], [4, 0, 1])
     """
-    k = confusion.shape[0]
     if k <= EXACT_CLASSES:
-        counts = np.zeros(k, dtype=np.int64)
-        for c, n in served.items():
-            counts[c] = n
-        return np.arange(k), confusion, counts
-    known = [(n, c) for c, n in served.items() if c != OTHER]
-    known.sort(key=lambda item: (-item[0], item[1]))
-    tracked = np.array(sorted(c for _, c in known[:EXACT_CLASSES]), dtype=np.int64)
-    group = np.full(k, tracked.size, dtype=np.int64)
-    group[tracked] = np.arange(tracked.size)
-    size = tracked.size + 1
-    summed = np.zeros((size, size), dtype=np.int64)
-    np.add.at(summed, (group[:, None], group[None, :]), confusion)
+        classes = np.arange(k)
+        group = classes
+    else:
+        known = sorted(((-n, c) for c, n in served.items() if c != OTHER))[:EXACT_CLASSES]
+        tracked = np.array(sorted(c for _, c in known), dtype=np.int64)
+        group = np.full(k, tracked.size, dtype=np.int64)
+        group[tracked] = np.arange(tracked.size)
+        classes = np.append(tracked, OTHER)
+    size = classes.size
+    joint = np.bincount(group[pairs[0]] * size + group[pairs[1]], minlength=size * size)
     counts = np.zeros(size, dtype=np.int64)
     for c, n in served.items():
         counts[size - 1 if c == OTHER else group[c]] += n
-    return np.append(tracked, OTHER), summed, counts
+    return classes, joint.reshape(size, size), counts
 
 
-def estimate(confusion: np.ndarray, served: Mapping[int, int]) -> dict[str, Any]:
+def estimate(pairs: np.ndarray, served: Mapping[int, int], k: int) -> dict[str, Any]:
     """The label-shift answer of a window: the verdict, and the BBSE estimate when the
     hold-out identifies it.
 
@@ -153,7 +153,7 @@ def estimate(confusion: np.ndarray, served: Mapping[int, int]) -> dict[str, Any]
         ``source_priors``, ``weights`` and ``level``, and ``prior_l1_distance``
         (:math:`\\sum_j |\\hat q_j - p_j|`, 0 without shift, at most 2).
     """
-    classes, joint, counts = coarsen(confusion, served)
+    classes, joint, counts = coarsen(pairs, served, k)
     out: dict[str, Any] = {
         "classes": classes.tolist(),
         "served_rows": int(counts.sum()),
@@ -197,7 +197,7 @@ def corrected_params(params: Mapping[str, Any], weights: np.ndarray) -> dict[str
 def snapshot(
     sessions: sessionmaker,
     arrays: ArrayStore,
-    confusions: ConfusionCache,
+    holdouts: HoldoutCache,
     params_of: Callable[[CalibratorVersion], Mapping[str, Any]],
     window_seconds: int,
     bucket_seconds: int,
@@ -221,9 +221,9 @@ def snapshot(
     for row, model, dataset in versions:
         labels = {"namespace": model.namespace, "model": model.name, "version": row.version}
         try:
-            compute = functools.partial(holdout_confusion, arrays, dataset, row, params_of(row))
-            confusion = confusions.get((row.id, row.created_at), compute)
-            found = estimate(confusion, served[row.id])
+            compute = functools.partial(holdout_pairs, arrays, dataset, row, params_of(row))
+            pairs = holdouts.get((row.id, row.created_at), compute)
+            found = estimate(pairs, served[row.id], model.num_classes)
         except Exception:
             log.exception("metrics: no label-shift estimate for version id %s", row.id)
             continue

@@ -39,16 +39,16 @@ def served_shift(
     since = monitoring.window_start(seconds, width)
     served = counts.window_counts(session, ServedClass, since, [row.id]).get(row.id, {})
     dataset = session.get(Dataset, row.dataset_id)
-    confusion = state.holdout_confusions.get(
+    pairs = state.holdouts.get(
         version_key(row),
-        lambda: label_shift.holdout_confusion(state.arrays, dataset, row, version_params(row)),
+        lambda: label_shift.holdout_pairs(state.arrays, dataset, row, version_params(row)),
     )
     return {
         "window": monitoring.format_window(seconds),
         "window_seconds": seconds,
         "since": since,
         "bucket_seconds": width,
-        **label_shift.estimate(confusion, served),
+        **label_shift.estimate(pairs, served, dataset.n_classes),
     }
 
 

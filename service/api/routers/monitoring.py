@@ -128,7 +128,7 @@ def label_shift_snapshot(state: AppState) -> obs.Snapshot:
         label_shift.snapshot,
         state.sessions,
         state.arrays,
-        state.holdout_confusions,
+        state.holdouts,
         inference.version_params,
         settings.monitoring_window_seconds,
         settings.feedback_bucket_seconds,
