@@ -39,6 +39,9 @@ def served_shift(
     since = monitoring.window_start(seconds, width)
     served = counts.window_counts(session, ServedClass, since, [row.id]).get(row.id, {})
     dataset = session.get(Dataset, row.dataset_id)
+    # The reads are done: end their transaction, so the connection goes back to the pool
+    # while the hold-out is calibrated (the first time) and the estimate computed.
+    session.commit()
     pairs = state.holdouts.get(
         version_key(row),
         lambda: label_shift.holdout_pairs(state.arrays, dataset, row, version_params(row)),
@@ -81,9 +84,10 @@ def propose_correction(
     claim: IdempotentJson,
 ) -> FitAccepted:
     """Queue a prior-shift version: the version's calibrator with the window's estimated
-    weights (p'(y|x) ∝ p(y|x) w_y), evaluated on the version's hold-out and policed by
-    the model's argmax policy like any version (it can change predictions). It is only
-    proposed: no alias moves. 409 when the window gives no estimate."""
+    weights (p'(y|x) ∝ p(y|x) w_y), evaluated on the version's hold-out resampled to the
+    estimated priors and policed like any version (the argmax policy applies: it can change
+    predictions). It is only proposed: no alias moves. 409 when the window gives no
+    estimate."""
     if claim.replay is not None:
         return claim.replay
     found = served_shift(session, state, row, seconds)

@@ -87,8 +87,11 @@ def test_skewed_stream_estimate_verdict_and_a_better_proposal(client, cifar10, s
         out["verdict"]["p_value"]
     )
 
-    r = client.post("/v1/models/lenet/label-shift", params={"window": "30m"})
+    key = {"Idempotency-Key": "shift-1"}
+    r = client.post("/v1/models/lenet/label-shift", params={"window": "30m"}, headers=key)
     assert r.status_code == 202, r.text
+    again = client.post("/v1/models/lenet/label-shift", params={"window": "30m"}, headers=key)
+    assert again.json() == r.json() and again.headers["idempotent-replayed"] == "true"
     proposed = wait_for_version(client, "lenet", r.json()["version"], interval=0.05)
     assert proposed["status"] == "succeeded", proposed["rejection"]
     assert proposed["method"] == "prior-shift" and proposed["source"] == "params"
