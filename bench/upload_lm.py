@@ -33,9 +33,9 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import serve_peers  # free ports, waiting for a port, CPU of a process tree  # noqa: E402
-from lm_vocab import stream, upload_floor  # noqa: E402
-from upload_metrics import make_logits  # noqa: E402
+import serve_peers  # free ports, waiting for a port, CPU of a process tree
+from lm_vocab import stream, upload_floor
+from upload_metrics import make_logits
 
 MODEL = "lm"
 MiB = 1 << 20

@@ -173,6 +173,14 @@ class Settings(BaseSettings):
         description="Window of the welltempered_live_* gauges of /metrics (and the default "
         "window of GET /v1/models/{model}/monitoring).",
     )
+    served_flush_seconds: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="How often each serve process adds the predicted-class counts of the rows "
+        "it served to the database (label shift): a window misses at most this much of the "
+        "latest rows, and a killed process loses that much.",
+    )
     # -- security and limits (service/security/auth.py, docs/security.md) --
     auth: Literal["on", "off"] = Field(
         "on",

@@ -28,6 +28,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.observe import metrics as obs
+from service.observe.monitoring import format_window
+from service.settings import Settings
 from tests import fleet_lb
 from tests.fleet_lb import haproxy_binary
 from tests.helpers import WHEEL_SOURCES, skip_or_fail
@@ -203,6 +205,24 @@ def test_alert_annotations_name_the_namespace():
             for text in rule["annotations"].values():
                 if "$labels.model" in text:
                     assert "$labels.namespace" in text, (rule["alert"], text)
+
+
+def test_the_expected_accuracy_window_is_the_monitoring_window(dashboard):
+    """The label-free expected accuracy is PromQL over per-process counters, so its window
+    is a literal range; the realised accuracy it is compared with is the live window of
+    MONITORING_WINDOW_SECONDS. The two must be the same window, and no deploy file may
+    move one without the other."""
+    window = format_window(Settings.model_fields["monitoring_window_seconds"].default)
+    exprs = [
+        e
+        for e in dashboard_exprs(dashboard) + alert_exprs()
+        if "welltempered_prediction_confidence_total" in e
+    ]
+    assert exprs
+    for expr in exprs:
+        assert set(re.findall(r"\[([^\]]+)\]", expr)) == {window}, expr
+    for path in (COMPOSE, *(ROOT / "deploy").rglob("*.yaml"), *(ROOT / "deploy").rglob("*.sh")):
+        assert "MONITORING_WINDOW_SECONDS" not in path.read_text(), path
 
 
 def test_database_gauges_are_aggregated_with_max_or_min(dashboard):

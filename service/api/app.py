@@ -19,6 +19,7 @@ from service.api.routers import (
     datasets,
     health,
     keys,
+    label_shift,
     loop,
     models,
     monitoring,
@@ -29,11 +30,13 @@ from service.jobs.dataset_metrics import MetricsFiller
 from service.jobs.queue import Fits
 from service.jobs.sweeper import Sweeper
 from service.observe.access import AccessLog
+from service.observe.label_shift import HoldoutCache
 from service.observe.metrics import ServiceMetrics
 from service.observe.monitoring import (
     observe_array_cache,
     observe_finished_fit,
 )
+from service.observe.served import Flusher, ServedCounts
 from service.server import budget, problems
 from service.server.faults import DatabaseFaultMiddleware
 from service.server.hotpath import ServingApp
@@ -83,10 +86,13 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
             onnx = SessionCache(settings.onnx_threads, settings.onnx_cache_size)
             serving = ServingCache(sessions, onnx, settings.alias_cache_seconds)
             limiter = anyio.CapacityLimiter(settings.predict_threads or os.cpu_count() or 1)
+            served_counts = ServedCounts(settings.feedback_bucket_seconds)
             filler = MetricsFiller(sessions, arrays, settings.sweep_interval_seconds).start()
             app.state.welltempered = AppState(
-                settings, engine, sessions, arrays, fits, serving, metrics, limiter, filler
+                settings, engine, sessions, arrays, fits, serving, metrics, limiter,
+                served_counts, HoldoutCache(), filler,
             )
+            flusher = Flusher(served_counts, sessions, settings.served_flush_seconds).start()
             sweeper = None
             if settings.sweep_interval_seconds > 0:
                 sweeper = Sweeper(
@@ -103,6 +109,7 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
                     sweeper.stop()
                 filler.stop()
                 await fits.stop()
+                flusher.stop()
         finally:
             engine.dispose()
             metrics.mark_process_dead()
@@ -143,7 +150,9 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
     )
     # Outermost: 413s and 401s are counted and logged too.
     app.add_middleware(MetricsMiddleware, metrics=metrics, access=access)
-    for module in (models, datasets, calibrators, aliases, keys, monitoring, loop, health):
+    for module in (
+        models, datasets, calibrators, aliases, keys, monitoring, label_shift, loop, health
+    ):
         app.include_router(module.router)
     budget.attach(app.routes, settings)
     return app

@@ -23,7 +23,9 @@ from service.api.auth import PrincipalDep
 from service.api.schemas import Kind, ScoreDtype
 from service.jobs.dataset_metrics import MetricsFiller
 from service.jobs.queue import Fits
+from service.observe.label_shift import HoldoutCache
 from service.observe.metrics import ServiceMetrics
+from service.observe.served import ServedCounts
 from service.serving.inference import ServingCache
 from service.settings import Settings
 from service.storage import registry, retry
@@ -69,6 +71,10 @@ class AppState:
     metrics: ServiceMetrics
     #: Threads that compute predictions at once (``Settings.predict_threads``).
     predict_limiter: anyio.CapacityLimiter
+    #: The predicted classes this process served, until its flusher writes them.
+    served_counts: ServedCounts
+    #: The hold-out rows' predicted and true classes of each version label shift read.
+    holdouts: HoldoutCache
     #: Computes big datasets' metrics after their upload's answer (None: not started).
     dataset_metrics: MetricsFiller | None = None
 

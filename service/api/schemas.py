@@ -423,6 +423,61 @@ class MonitoringOut(BaseModel):
     drift: DriftVerdict
 
 
+class ShiftVerdict(BaseModel):
+    """``calibrators.evaluation.shift.shift_test``: the served predicted-class counts
+    against the hold-out's."""
+
+    verdict: Literal["shift", "no_shift", "insufficient_data"]
+    statistic: float | None = _OPTIONAL_FIGURE(description="Pearson's chi-square.")
+    df: int | None = None
+    p_value: float | None = _OPTIONAL_FIGURE()
+    alpha: float
+    n: int = Field(description="Served rows in the window.")
+
+
+class PriorEstimate(BaseModel):
+    """``calibrators.evaluation.shift.bbse``: the production class priors, one entry per
+    class of ``classes``, with their interval."""
+
+    priors: list[float]
+    lower: list[float]
+    upper: list[float]
+    std: list[float]
+    source_priors: list[float] = Field(description="The hold-out's class frequencies.")
+    weights: list[float] = Field(
+        description="The correction's weights: add-one smoothed priors over source_priors."
+    )
+    level: float
+    n: int
+    m: int
+    prior_l1_distance: float = Field(
+        description="sum |priors - source_priors|: 0 without shift, at most 2."
+    )
+
+
+class LabelShiftOut(BaseModel):
+    """The label shift of a version's served rows over a window (BBSE from counts)."""
+
+    model: str
+    version: int
+    window: str
+    window_seconds: int
+    since: int = Field(description="Unix time of the window's first bucket.")
+    bucket_seconds: int
+    classes: list[int] = Field(
+        description="The classes estimated: every class up to 1,000 classes; above, the "
+        "1,000 most served and -1 for all the others together."
+    )
+    served_rows: int
+    holdout_rows: int
+    verdict: ShiftVerdict
+    estimate: PriorEstimate | None
+    unidentified: str | None = Field(
+        None, description="Why there is no estimate (no served rows, a singular confusion "
+        "matrix), when there is none."
+    )
+
+
 class AliasPut(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

@@ -35,6 +35,7 @@ from calibrators import CalibrationInputError
 from calibrators.base import Calibrator
 from calibrators.evaluation import checks, metrics
 from calibrators.evaluation.holdout import split_indices
+from calibrators.methods.prior_shift import PriorShift
 from service.errors import InvalidInput
 from service.vocabulary import ARGMAX_CHANGED, NLL_WORSE, REJECTION_REASONS, check_text
 
@@ -231,6 +232,21 @@ def check_fit_info(fit_info: Mapping[str, Any]) -> None:
     _check_strings(dict(fit_info), 0, "fit_info")
 
 
+def target_rows(cal: Calibrator, hold_idx: np.ndarray, labels: np.ndarray, seed: int) -> np.ndarray:
+    """The rows a version is evaluated on: its hold-out rows, except for a prior-shift
+    version, which is made for other class priors than the hold-out's: it is evaluated
+    on the hold-out importance-resampled to the priors it corrects to (each row drawn
+    with probability proportional to the weight of its label, with replacement, as many
+    rows as the hold-out, ``default_rng(seed)``), and so are the uncalibrated scores it
+    is compared with. On the hold-out as it is, a correction for a real shift is worse
+    than the raw scores by construction, and the NLL policy would refuse every one."""
+    if not isinstance(cal, PriorShift) or not np.any(cal.log_weight_):
+        return hold_idx
+    weight = np.exp(cal.log_weight_)[labels[hold_idx]]
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.choice(hold_idx, size=hold_idx.size, p=weight / weight.sum()))
+
+
 def evaluate_params(
     params: Mapping[str, Any],
     scores: np.ndarray,
@@ -245,12 +261,14 @@ def evaluate_params(
 ) -> dict[str, Any]:
     """The outcome of a version made from posted ``params``: evaluated on the hold-out
     rows of ``scores``/``labels`` (the split of a fit with the same holdout, seed and
-    ``sequences``, the dataset's sequence ids) and policed like a fitted one. The
+    ``sequences``, the dataset's sequence ids; resampled to its priors for a prior-shift
+    version, :func:`target_rows`) and policed like a fitted one. The
     columns :func:`service.jobs.fitting.fit_job` returns (status succeeded or rejected,
     chosen_method, params, metrics, argmax, warning, rejection, rejected_for), without
     the fit's own (candidates, fit_seconds)."""
     cal = from_posted_params(params, num_classes, kind)
     _, hold_idx = split_indices(labels.shape[0], holdout, seed, groups=sequences)
+    hold_idx = target_rows(cal, hold_idx, labels, seed)
     x_hold, y_hold = np.asarray(scores[hold_idx]), labels[hold_idx]
     s_hold = None if sequences is None else np.asarray(sequences[hold_idx])
     result = evaluate(

@@ -527,6 +527,14 @@ DB_GAUGES: dict[str, GaugeSpec] = {
             "Accuracy of the labelled feedback rows in the window.",
             _LIVE,
         ),
+        "live_token_nll": (
+            "welltempered_live_token_nll_nats",
+            "Quantiles (0.5, 0.95) of the per-row (per-token) negative log-likelihood of the "
+            "labelled feedback rows in the window, from a fixed histogram of 32 log-spaced "
+            "bins per decade (service.observe.token_nll): within 7.5 % of the exact quantile "
+            "above 1e-4 nats.",
+            (*_LIVE, "quantile"),
+        ),
         "live_entropy": (
             "welltempered_live_entropy_nats",
             "Mean entropy of the calibrated feedback rows in the window, in nats.",
@@ -535,6 +543,28 @@ DB_GAUGES: dict[str, GaugeSpec] = {
         "live_labelled_rows": (
             "welltempered_live_labelled_rows",
             "Labelled feedback rows in the window.",
+            _LIVE,
+        ),
+        "label_shift_served_rows": (
+            "welltempered_label_shift_served_rows",
+            "Rows a version served in the window, counted by predicted class for label shift "
+            "(each serve process adds its counts every WELLTEMPERED_SERVED_FLUSH_SECONDS).",
+            _LIVE,
+        ),
+        "label_shift_prior_l1": (
+            "welltempered_label_shift_prior_l1_distance",
+            "Label shift: sum over classes of |q - p|, q the class priors of the rows a "
+            "version served in the window (black-box shift estimation from their "
+            "predicted-class counts and the version's hold-out confusion matrix), p its "
+            "hold-out's; 0 without shift, at most 2. Absent when the hold-out does not "
+            "identify the priors.",
+            _LIVE,
+        ),
+        "label_shift_p_value": (
+            "welltempered_label_shift_p_value",
+            "Label shift verdict: p-value of the chi-square test of a version's served "
+            "predicted-class counts in the window against its hold-out's ('shift' below "
+            "0.01); absent under 200 served rows.",
             _LIVE,
         ),
         "live_window_seconds": (

@@ -43,9 +43,10 @@ from calibrators.numerics import row_chunks
 from calibrators.validation import PROBABILITY_FLOOR
 from service.errors import InvalidInput, NotReady
 from service.observe import metrics as obs
-from service.storage import fits, loops, quality, registry
+from service.observe import token_nll
+from service.storage import counts, fits, loops, quality, registry
 from service.storage.array_cache import CacheStats
-from service.storage.db import CalibratorVersion, Model, as_utc, utcnow
+from service.storage.db import CalibratorVersion, FeedbackNllBin, Model, as_utc, utcnow
 from service.storage.quality import SUMS
 from service.vocabulary import FITTED, STATUSES, format_duration, parse_duration
 
@@ -79,6 +80,9 @@ HOLDOUT_INTERVALS = (
     "smooth_ece_upper",
 )
 MAX_WINDOW_SECONDS = 366 * 86_400
+#: The key of the per-row NLL histogram in the statistics of a feedback post
+#: (:mod:`service.observe.token_nll`).
+NLL_HISTOGRAM = "nll_histogram"
 
 
 # ---------------------------------------------------------------------------
@@ -172,6 +176,7 @@ def _statistics(probs: np.ndarray, labels: np.ndarray) -> dict[str, np.ndarray]:
         "nll_sum": np.bincount(index, weights=nll, minlength=N_BINS),
         "entropy_sum": np.bincount(index, weights=entropy, minlength=N_BINS),
         "brier_sum": np.bincount(index, weights=brier, minlength=N_BINS),
+        NLL_HISTOGRAM: token_nll.nll_histogram(nll),
     }
 
 
@@ -180,7 +185,7 @@ def add_statistics(parts: Iterable[Mapping[str, np.ndarray]]) -> dict[str, np.nd
     plus each part."""
     total = empty_statistics()
     for part in parts:
-        for name in SUMS:
+        for name in (*SUMS, NLL_HISTOGRAM):
             total[name] += part[name]
     return total
 
@@ -209,15 +214,45 @@ def record_feedback(
 
 def empty_statistics() -> dict[str, np.ndarray]:
     return {
-        name: np.zeros(N_BINS, dtype=np.int64 if name.endswith("count") else np.float64)
-        for name in SUMS
+        **{
+            name: np.zeros(N_BINS, dtype=np.int64 if name.endswith("count") else np.float64)
+            for name in SUMS
+        },
+        NLL_HISTOGRAM: np.zeros(token_nll.N_BINS, dtype=np.int64),
     }
+
+
+def record_nll_histogram(
+    session: Session, version_id: int, stats: Mapping[str, np.ndarray], bucket: int
+) -> None:
+    """Add ``stats``' per-row NLL histogram to the (version, bucket) rows of
+    ``feedback_nll_bins`` (:mod:`service.observe.token_nll`), without committing: in the
+    transaction :func:`record_feedback` commits, so a post counts in both or neither."""
+    histogram = stats[NLL_HISTOGRAM]
+    rows = [(version_id, bucket, int(b), int(histogram[b])) for b in np.flatnonzero(histogram)]
+    counts.add_counts(session, FeedbackNllBin, rows, commit=False)
+
+
+def window_token_nll(
+    session: Session, since: int, version_ids: Iterable[int] | None = None
+) -> dict[int, list[float | None]]:
+    """The :data:`service.observe.token_nll.QUANTILES` of the per-row NLL of the feedback
+    in the buckets starting at or after ``since``, per version id (versions with rows)."""
+    out = {}
+    for version_id, found in counts.window_counts(
+        session, FeedbackNllBin, since, version_ids
+    ).items():
+        histogram = np.zeros(token_nll.N_BINS, dtype=np.int64)
+        histogram[list(found)] = list(found.values())
+        out[version_id] = token_nll.quantiles(histogram)
+    return out
 
 
 def window_statistics(
     session: Session, since: int, version_ids: Iterable[int] | None = None
 ) -> dict[int, dict[str, np.ndarray]]:
-    """Per-bin sums over the buckets starting at or after ``since``, per version id."""
+    """Per-bin sums over the buckets starting at or after ``since``, per version id
+    (without the NLL histogram: :func:`window_token_nll` reads it)."""
     out: dict[int, dict[str, np.ndarray]] = {}
     for version_id, bin_index, *sums in quality.window_sums(session, since, version_ids):
         stats = out.setdefault(version_id, empty_statistics())
@@ -372,7 +407,9 @@ def snapshot(
         queue = fits.queue_rows(session, now - timedelta(seconds=window_seconds))
         alive = quality.fit_workers_alive(session, stalled_seconds)
         aliased = quality.aliased_holdout(session)
-        live = window_statistics(session, window_start(window_seconds, bucket_seconds))
+        since = window_start(window_seconds, bucket_seconds)
+        live = window_statistics(session, since)
+        token = window_token_nll(session, since)
         versions = quality.version_labels(session, live)
         runs = loops.outcomes(session)
     snap: dict[str, list] = {key: [] for key in obs.DB_GAUGES}
@@ -407,6 +444,8 @@ def snapshot(
         for key in ("ece", "nll", "accuracy", "entropy", *DEBIASED_KEYS):
             snap[f"live_{key}"].append((labels, report[key]))
         snap["live_labelled_rows"].append((labels, report["n"]))
+        for q, value in zip(token_nll.QUANTILES, token.get(version_id, ()), strict=False):
+            snap["live_token_nll"].append(({**labels, "quantile": f"{q:g}"}, value))
         if after and after.get("bins"):
             snap["live_ece_bound"].append((labels, drift_verdict(after["bins"], stats)["bound"]))
     return snap

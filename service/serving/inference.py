@@ -108,6 +108,8 @@ class Served:
     model: str
     num_classes: int
     version: int
+    #: :func:`version_key` of its row: what the served counts are kept under.
+    version_key: tuple
     session: ort.InferenceSession
     #: The model's class names as an object array (index it with labels), or None.
     class_names: np.ndarray | None = None
@@ -185,6 +187,7 @@ class ServingCache:
                 model=model.name,
                 num_classes=model.num_classes,
                 version=row.version,
+                version_key=version_key(row),
                 session=onnx,
                 class_names=(
                     None if model.class_names is None else np.array(model.class_names, object)

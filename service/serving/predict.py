@@ -1,5 +1,6 @@
 """The prediction path from validated scores on, shared by /v1 predict and /v2 infer:
-the row limit, the version's ONNX session, the prediction metrics and ``top_k``."""
+the row limit, the version's ONNX session, the prediction metrics, the served class
+counts and ``top_k``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import numpy as np
 
 from calibrators.numerics import row_chunks
 from service.observe.metrics import ServiceMetrics
+from service.observe.served import ServedCounts
 from service.security import limits
 from service.serving import inference
 from service.serving.inference import Served
@@ -18,13 +20,15 @@ def calibrate(
     kind: str,
     max_rows: int,
     metrics: ServiceMetrics,
+    served_counts: ServedCounts,
     top_k: int | None = None,
 ) -> dict[str, np.ndarray]:
     """The serving path from validated scores on, shared by /v1 predict and /v2 infer.
 
     The version's rule of kinds (422 for a kind it does not serve,
     :func:`service.serving.inference.check_input_kind`), the row limit (413), the
-    version's ONNX session, the prediction metrics, and with ``top_k`` the k largest
+    version's ONNX session, the prediction metrics, the predicted classes counted for
+    label shift (:class:`service.observe.served.ServedCounts`), and with ``top_k`` the k largest
     probabilities (:func:`service.serving.inference.top_k`).
     Returns the graph's outputs (:data:`~service.serving.inference.OUTPUTS`), plus
     :data:`~service.serving.inference.TOP_K_OUTPUTS` with ``top_k``.
@@ -40,6 +44,7 @@ def calibrate(
     metrics.observe_predictions(
         served.namespace, served.model, served.version, out["entropy"], out["confidence"], flipped
     )
+    served_counts.add(served.version_key, served.num_classes, out["label"])
     if top_k is not None:
         out.update(inference.top_k(out["probabilities"], top_k))
     return out

@@ -1,11 +1,13 @@
 """The registry's tables (SQLAlchemy 2.0 typed models) and the engine factory.
 
-Thirteen tables: ``models`` (a classifier to calibrate), ``datasets`` (immutable
+Fifteen tables: ``models`` (a classifier to calibrate), ``datasets`` (immutable
 labelled scores; the arrays are content-addressed files, see
 :mod:`service.storage.arrays`), ``calibrator_versions`` (one immutable fit per row,
 numbered per model; the row is also the background job), ``aliases``
 ((model, alias) -> version, moved in one UPDATE), ``feedback_bins``
 (time-bucketed reliability sums of labelled feedback, for live calibration),
+``feedback_nll_bins`` (the same feedback's per-row NLL histogram, for its quantiles),
+``served_classes`` (time-bucketed served rows per predicted class, for label shift),
 ``api_keys`` (the sha256 of each key, its namespace and scope), ``namespaces``
 (the row a quota check locks, :mod:`service.storage.usage`), ``array_files``
 (the row that guards an array file's removal, :mod:`service.storage.array_refs`),
@@ -266,6 +268,41 @@ class FeedbackBin(Base):
     nll_sum: Mapped[float] = mapped_column(Float)
     entropy_sum: Mapped[float] = mapped_column(Float)
     brier_sum: Mapped[float] = mapped_column(Float)
+
+
+class FeedbackNllBin(Base):
+    """Labelled feedback rows per bin of a fixed log-spaced histogram of their NLL
+    (:data:`service.observe.served.NLL_EDGES`): one row per (version, time bucket, bin),
+    added to like ``feedback_bins``, so a window's NLL quantiles need no rows."""
+
+    __tablename__ = "feedback_nll_bins"
+
+    version_id: Mapped[int] = mapped_column(
+        ForeignKey("calibrator_versions.id", ondelete="CASCADE"), primary_key=True
+    )
+    bucket_start: Mapped[int] = mapped_column(BigInteger, primary_key=True, index=True)
+    bin_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    count: Mapped[int] = mapped_column(BigInteger)
+
+
+class ServedClass(Base):
+    """Served rows per predicted class: one row per (version, time bucket, class).
+
+    Flushed periodically from each process's in-process counts
+    (:class:`service.observe.served.ServedCounts`) with ``count = count +
+    excluded.count``, so processes and replicas add up and predict writes nothing.
+    ``class_index`` -1 is the rows of the classes a flush did not keep (models of more
+    than :data:`service.observe.served.EXACT_CLASSES` classes).
+    """
+
+    __tablename__ = "served_classes"
+
+    version_id: Mapped[int] = mapped_column(
+        ForeignKey("calibrator_versions.id", ondelete="CASCADE"), primary_key=True
+    )
+    bucket_start: Mapped[int] = mapped_column(BigInteger, primary_key=True, index=True)
+    class_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    count: Mapped[int] = mapped_column(BigInteger)
 
 
 class ApiKey(Base):

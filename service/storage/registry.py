@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import hashlib
 import re
-from datetime import timedelta
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -45,7 +45,9 @@ from service.storage.db import (
     CalibratorVersion,
     Dataset,
     FeedbackBin,
+    FeedbackNllBin,
     Model,
+    ServedClass,
     json_bytes,
     utcnow,
 )
@@ -614,7 +616,7 @@ def delete_version(session: Session, model: Model, row: CalibratorVersion) -> De
     _refuse_aliased(what, model, _aliases_of(session, [row.id]))
     _refuse_unfinished(what, model, [(row.version, row.status)] if row.status in UNFINISHED else [])
     try:
-        session.execute(delete(FeedbackBin).where(FeedbackBin.version_id == row.id))
+        _delete_sums(session, [row.id])
         removed = session.execute(
             delete(CalibratorVersion).where(
                 CalibratorVersion.id == row.id, CalibratorVersion.status.not_in(UNFINISHED)
@@ -659,10 +661,19 @@ def _bytes_of(session: Session, ids: list[int]) -> int:
     )
 
 
+#: The tables of per-version sums, removed with their version.
+_VERSION_SUMS = (FeedbackBin, FeedbackNllBin, ServedClass)
+
+
+def _delete_sums(session: Session, ids: list[int]) -> None:
+    for table in _VERSION_SUMS:
+        session.execute(delete(table).where(table.version_id.in_(ids)))
+
+
 def _delete_versions(session: Session, ids: list[int]) -> int:
     if not ids:
         return 0
-    session.execute(delete(FeedbackBin).where(FeedbackBin.version_id.in_(ids)))
+    _delete_sums(session, ids)
     return session.execute(
         delete(CalibratorVersion).where(
             CalibratorVersion.id.in_(ids), CalibratorVersion.status.not_in(UNFINISHED)

@@ -416,6 +416,9 @@ ROUTES: dict[str, Route] = {
         lambda ids: _json({"logits": [[0.0] * K], "labels": [0]}), shapes=_feedback_shapes),
     f"GET {V1}/monitoring": Route(),
     f"GET {V1}/monitoring/reliability.svg": Route(),
+    # label shift (service/api/routers/label_shift.py)
+    f"GET {V1}/label-shift": Route(),
+    f"POST {V1}/label-shift": Route(victim=True),
     f"GET {V1}/datasets": Route(),
     f"POST {V1}/datasets": Route(_dataset_json, victim=True, shapes=_upload_shapes),
     f"GET {V1}/datasets/{{dataset_id}}": Route(),

@@ -183,21 +183,39 @@ def import_params(
     if claim.replay is not None:
         return claim.replay
     dataset = registry.find_dataset(session, model, body.dataset_id)
-    check_split(dataset, body.holdout, body.seed, state)
+    return enqueue_import(
+        model, dataset, session, state, response, claim, body.params, body.holdout, body.seed
+    )
+
+
+def enqueue_import(
+    model: Model,
+    dataset: Dataset,
+    session: Session,
+    state: AppState,
+    response: Response,
+    claim: Claim,
+    params: dict[str, Any],
+    holdout: float,
+    seed: int,
+) -> FitAccepted:
+    """A queued version made from ``params``, evaluated and policed on the hold-out of
+    ``dataset`` (``holdout``, ``seed``): posted params, and label shift's proposed
+    correction. 422 now for params, a split or an evaluation that cannot be."""
+    check_split(dataset, holdout, seed, state)
     # 422 now; params that do not say what kind they were fitted on: the dataset's
-    cal = evaluation.from_posted_params(body.params, model.num_classes, dataset.kind)
+    cal = evaluation.from_posted_params(params, model.num_classes, dataset.kind)
     import_affordable(  # 422 now for an evaluation no worker can hold
         cal.method,
         n_rows=dataset.n_rows,
         k=dataset.n_classes,
         itemsize=np.dtype(dataset.dtype).itemsize,
-        holdout=body.holdout,
+        holdout=holdout,
         budget=state.fits.config.memory_budget,
     )
     return _enqueue(
         model, dataset, session, state, response, claim, method=cal.method,
-        holdout=body.holdout, seed=body.seed, options={}, params=cal.to_params(),
-        kind=cal.kind_,
+        holdout=holdout, seed=seed, options={}, params=cal.to_params(), kind=cal.kind_,
     )
 
 

@@ -14,15 +14,23 @@ import numpy as np
 from fastapi import APIRouter, Depends, Query, Request, Response
 
 from service.api.codecs import json_body, npz, rules
-from service.api.deps import DtypeQuery, KindQuery, ModelDep, SessionDep, StateDep, VersionDep
+from service.api.deps import (
+    AppState,
+    DtypeQuery,
+    KindQuery,
+    ModelDep,
+    SessionDep,
+    StateDep,
+    VersionDep,
+)
 from service.api.idempotent import idempotent
 from service.api.openapi import BINARY, LABELS, OCTET_STREAM, SCORE_PROPERTIES
 from service.api.schemas import FeedbackOut, MonitoringOut
 from service.api.uploads import NPZ_TYPES, Upload, labelled_body
 from service.errors import InvalidInput
 from service.jobs import loop
+from service.observe import label_shift, monitoring
 from service.observe import metrics as obs
-from service.observe import monitoring
 from service.observe.svg import CONTENT_TYPE as SVG
 from service.observe.svg import reliability_svg
 from service.security import limits
@@ -99,16 +107,34 @@ def metrics(state: StateDep) -> Response:
     settings = state.settings
 
     def snapshot() -> obs.Snapshot:
-        return retry_read(
-            monitoring.snapshot,
-            state.sessions,
-            settings.monitoring_window_seconds,
-            settings.feedback_bucket_seconds,
-            settings.worker_stalled_seconds,
-        )
+        return {
+            **retry_read(
+                monitoring.snapshot,
+                state.sessions,
+                settings.monitoring_window_seconds,
+                settings.feedback_bucket_seconds,
+                settings.worker_stalled_seconds,
+            ),
+            **label_shift_snapshot(state),
+        }
 
     body, content_type = state.metrics.render(snapshot, state.arrays.read_cache.usage)
     return Response(body, headers={"Content-Type": content_type})
+
+
+def label_shift_snapshot(state: AppState) -> obs.Snapshot:
+    """The label-shift gauges over the monitoring window
+    (:func:`service.observe.label_shift.snapshot`)."""
+    settings = state.settings
+    return retry_read(
+        label_shift.snapshot,
+        state.sessions,
+        state.arrays,
+        state.holdouts,
+        inference.version_params,
+        settings.monitoring_window_seconds,
+        settings.feedback_bucket_seconds,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -267,6 +293,7 @@ def post_feedback(
     # (and are kept, for a model that keeps them).
     answer["kept"] = keep_feedback(session, state, model, row, labelled)
     claim.store(session, answer)
+    monitoring.record_nll_histogram(session, row.id, stats, bucket)
     monitoring.record_feedback(session, row.id, stats, bucket)
     state.metrics.observe_feedback(model.namespace, model.name, row.version, n)
     loop_on_drift(session, state, model, row)

@@ -28,6 +28,7 @@ from service.api.schemas import Kind, PredictOut, ScoreDtype
 from service.api.uploads import media_type, read_body, read_npy
 from service.errors import UnsupportedMediaType
 from service.observe.metrics import ServiceMetrics
+from service.observe.served import ServedCounts
 from service.server import budget
 from service.server.budget import declare
 from service.server.hotpath import add_hot_route
@@ -170,6 +171,7 @@ def respond(
     want_npy: bool,
     bounds: rules.Bounds,
     metrics: ServiceMetrics,
+    served_counts: ServedCounts,
     limits: answers.AnswerLimits,
 ) -> Response:
     """Parse, validate, bound the answer, run ONNX Runtime and serialise: CPU work."""
@@ -181,7 +183,7 @@ def respond(
     data = answers.predict_answer_bytes(n, k, query.top_k, want_npy, served.max_name_bytes)
     fix = answers.NPY_ANSWER_FIX if query.top_k is None else answers.TOP_K_ANSWER_FIX
     limits.check(data + answers.CONSTANT_BYTES, 0 if want_npy else data, fix)
-    out = calibrate(served, scores, kind, bounds.max_rows, metrics, query.top_k)
+    out = calibrate(served, scores, kind, bounds.max_rows, metrics, served_counts, query.top_k)
     headers = {VERSION_HEADER: str(served.version)}
     if want_npy:
         if query.top_k is None:
@@ -244,7 +246,7 @@ async def _predict(request: Request, want_npy: bool) -> Response:
     size = len(raw) if fmt == "json" else raw.nbytes
     declared = budget.limits_of(request.scope).answer
     limits = answers.AnswerLimits.of(declared, state.settings.max_json_bytes, size)
-    args = (served, fmt, raw, query, want_npy, bounds, state.metrics, limits)
+    args = (served, fmt, raw, query, want_npy, bounds, state.metrics, state.served_counts, limits)
     if size <= state.settings.inline_predict_bytes:
         return respond(*args)
     return await anyio.to_thread.run_sync(respond, *args, limiter=state.predict_limiter)

@@ -64,6 +64,7 @@ from service.errors import (
     NotFound,
 )
 from service.observe.metrics import ServiceMetrics
+from service.observe.served import ServedCounts
 from service.server import budget
 from service.server.budget import declare
 from service.server.hotpath import add_hot_route
@@ -80,6 +81,7 @@ def respond(
     head: int | None,
     bounds: rules.Bounds,
     metrics: ServiceMetrics,
+    served_counts: ServedCounts,
     limits: answers.AnswerLimits,
 ) -> Response:
     """Parse, validate, bound the answer, run ONNX Runtime and serialise: CPU work."""
@@ -87,7 +89,10 @@ def respond(
     request = oip.parse_request(raw, head, bounds, named)
     total, as_json = oip.answer_bytes(request, served.max_name_bytes)
     limits.check(total, as_json, oip.BINARY_ANSWER_FIX)
-    out = calibrate(served, request.scores, request.kind, bounds.max_rows, metrics, request.top_k)
+    out = calibrate(
+        served, request.scores, request.kind, bounds.max_rows, metrics, served_counts,
+        request.top_k,
+    )
     encoded = oip.encode(served.model, served.version, served.class_names, request, out)
     headers = {VERSION_HEADER: str(served.version)}
     if not encoded.binary:
@@ -134,7 +139,7 @@ async def infer(request: Request) -> Response:
     raw = await read_body(request, limit)
     declared = budget.limits_of(request.scope).answer
     answer = answers.AnswerLimits.of(declared, settings.max_json_bytes, len(raw))
-    args = (served, raw, head, bounds, state.metrics, answer)
+    args = (served, raw, head, bounds, state.metrics, state.served_counts, answer)
     if len(raw) <= settings.inline_predict_bytes:
         return respond(*args)
     return await anyio.to_thread.run_sync(respond, *args, limiter=state.predict_limiter)

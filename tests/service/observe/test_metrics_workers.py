@@ -101,6 +101,7 @@ def server(request, tmp_path_factory):
             WELLTEMPERED_FIT_EXECUTOR="thread",
             PROMETHEUS_MULTIPROC_DIR=str(mp_dir),
             WELLTEMPERED_METRICS_ADDRESS="",  # no listener: a fixed port would clash
+            WELLTEMPERED_SERVED_FLUSH_SECONDS="0.5",
         )
         log = (tmp / "serve.log").open("w")
         command = [WELLTEMPERED, "serve", "--workers", "2", "--port", str(port)]
@@ -306,7 +307,15 @@ def test_prometheus_evaluates_dashboard_and_alerts(server, tmp_path):
                 m = f"{server['base']}/v1/models/m"
                 for _ in range(5):
                     s.post(f"{m}/predict", json={"logits": [[0.5, 1.0, -1.0, 2.0]]})
+                # The label-shift verdict needs 200 served rows in the window.
+                s.post(f"{m}/predict", json={"logits": [[0.5, 1.0, -1.0, 2.0]] * 200})
             time.sleep(1.5)  # one more scrape
+            wait_until(  # the served counts flushed (SERVED_FLUSH_SECONDS) and scraped
+                lambda: query(c, base, "welltempered_label_shift_p_value")["result"],
+                30,
+                "the label-shift verdict",
+                interval=0.5,
+            )
 
             dashboard = json.loads(DASHBOARD.read_text())
             exprs = [for_prometheus(e) for e in dashboard_exprs(dashboard)]
