@@ -35,6 +35,7 @@ MODULES = [
     "calibrators.methods.matrix",
     "calibrators.methods.prior_shift",
     "calibrators.methods.pts",
+    "calibrators.methods.row_entropy",
     "calibrators.methods.sms",
     "calibrators.methods.svs",
     "calibrators.methods.temperature",
