@@ -166,11 +166,18 @@ class DatasetOut(BaseModel):
         description="Distinct sequence ids (texts) when the rows carry them: every hold-out "
         "split is then by sequence. Null: the rows are independent.",
     )
+    labelled: bool = Field(
+        True,
+        description="Whether the rows carry labels. A dataset without labels serves "
+        "label-free fits only (an entropy target: temperature with target_entropy, "
+        "row-entropy).",
+    )
     created_at: Timestamp
     metrics: dict[str, Any] | None = Field(
         None,
         description="calibrators.evaluation.metrics.report of the raw scores (with "
-        "sequence ids, plus 'sequences': the NLL per token and per sequence).",
+        "sequence ids, plus 'sequences': the NLL per token and per sequence); without "
+        "labels, calibrators.evaluation.entropy.entropy_report (the rows' entropies).",
     )
 
 

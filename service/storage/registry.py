@@ -35,7 +35,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from calibrators.evaluation import metrics
+from calibrators.evaluation import entropy, metrics
 from service.errors import ArgmaxChanged, Conflict, InUse, InvalidInput, NotFound, NotReady
 from service.storage import array_refs, usage
 from service.storage.arrays import ArrayStore
@@ -148,11 +148,12 @@ def find_model(session: Session, name: str, namespace: str) -> Model:
 
 
 def dataset_sha256(
-    kind: str, scores_sha: str, labels_sha: str, sequences_sha: str | None = None
+    kind: str, scores_sha: str, labels_sha: str | None, sequences_sha: str | None = None
 ) -> str:
-    """The content hash of a dataset: the same scores with other sequence ids (or none)
-    are another dataset; one without them keeps the hash it always had."""
-    text = f"{kind}\n{scores_sha}\n{labels_sha}"
+    """The content hash of a dataset: the same scores with other sequence ids (or none),
+    or without labels, are another dataset; one with labels and without sequence ids
+    keeps the hash it always had."""
+    text = f"{kind}\n{scores_sha}\n{labels_sha or 'unlabelled'}"
     if sequences_sha is not None:
         text += f"\n{sequences_sha}"
     return hashlib.sha256(text.encode()).hexdigest()
@@ -163,7 +164,7 @@ def add_dataset(
     model: Model,
     arrays: ArrayStore,
     scores: np.ndarray,
-    labels: np.ndarray,
+    labels: np.ndarray | None,
     kind: str,
     quotas: Quotas | None = None,
     before_commit: Callable[[Session, Dataset], None] | None = None,
@@ -179,16 +180,17 @@ def add_dataset(
     ``before_commit(session, dataset)`` runs after a new row is flushed, in its
     transaction (an idempotency key's answer commits with it). ``sequences``: the
     sequence id of each row (validated), a third file; the metrics then add the NLL per
-    sequence.
+    sequence. ``labels`` None: scores alone, for label-free fits; the metrics are then
+    the entropies of the rows (:func:`calibrators.evaluation.entropy.entropy_report`).
     """
-    files = [
-        array_refs.Held(*arrays.digest(scores), scores),
-        array_refs.Held(*arrays.digest(labels), labels),
-    ]
-    if sequences is not None:
-        files.append(array_refs.Held(*arrays.digest(sequences), sequences))
+    def held(array: np.ndarray | None) -> array_refs.Held | None:
+        return None if array is None else array_refs.Held(*arrays.digest(array), array)
+
+    named = [held(scores), held(labels), held(sequences)]
+    files = [f for f in named if f is not None]
     shas = [f.sha256 for f in files]
-    sha = dataset_sha256(kind, *shas)
+    score_sha, label_sha, sequence_sha = (None if f is None else f.sha256 for f in named)
+    sha = dataset_sha256(kind, score_sha, label_sha, sequence_sha)
     existing = _dataset_by_sha(session, model, sha)
     if existing is not None:
         return existing, False
@@ -202,12 +204,16 @@ def add_dataset(
         n_rows=rows,
         n_classes=int(scores.shape[1]),
         dtype=str(scores.dtype),
-        scores_sha256=shas[0],
-        labels_sha256=shas[1],
-        sequences_sha256=shas[2] if sequences is not None else None,
+        scores_sha256=score_sha,
+        labels_sha256=label_sha,
+        sequences_sha256=sequence_sha,
         n_sequences=None if sequences is None else int(np.unique(sequences).size),
         n_bytes=n_bytes,
-        metrics=metrics.scores_report(scores, labels, kind, sequences=sequences),
+        metrics=(
+            metrics.scores_report(scores, labels, kind, sequences=sequences)
+            if labels is not None
+            else entropy.entropy_report(scores, kind)
+        ),
     )
     for f in files:
         arrays.put(f.array, sha256=f.sha256)

@@ -25,6 +25,7 @@ MODULES = [
     "calibrators.validation",
     "calibrators.evaluation.checks",
     "calibrators.evaluation.drift",
+    "calibrators.evaluation.entropy",
     "calibrators.evaluation.holdout",
     "calibrators.evaluation.metrics",
     "calibrators.evaluation.pair",
