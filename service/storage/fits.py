@@ -29,8 +29,8 @@ class FitTask:
     """What an attempt needs of the version it claimed: the keyword arguments of
     :func:`service.jobs.fitting.fit_job` (of :func:`~service.jobs.fitting.import_job`
     for a version from posted parameters), the hashes of the dataset's arrays (the
-    labels' None for scores without labels, the sequence ids' None when it has none), the attempt's number, and the posted
-    parameters (None for a fit)."""
+    labels' None for scores without labels, the sequence ids' None when it has none),
+    the attempt's number, and the posted parameters (None for a fit)."""
 
     spec: dict[str, Any]
     scores_sha256: str
