@@ -205,22 +205,26 @@ class _RowEntropy(nn.Module):
         super().__init__()
         self.register_buffer("target", _buffer(cal.target_))
         self.log_k: float = math.log(cal.n_classes_)
+        self.steps: int = STEPS
+        self.t_min: float = T_MIN
+        self.t_max: float = T_MAX
+        self.jump: float = JUMP
 
     def forward(self, z: Tensor) -> Tensor:
         c = z - z.max(dim=1, keepdim=True).values
         spread = -c.min(dim=1).values
         x = c / torch.where(spread > 0, spread, torch.ones_like(spread)).unsqueeze(1)
         gap = torch.clamp(self.log_k - self.target, min=0.0)
-        lo = torch.clamp(0.5 * torch.log(8.0 * torch.clamp(gap, min=1e-300)), T_MIN, T_MAX)
+        lo = torch.clamp(0.5 * torch.log(8.0 * torch.clamp(gap, min=1e-300)), self.t_min, self.t_max)
         lo = lo.expand(x.shape[0])
         var0 = x.var(dim=1, unbiased=False)
         ratio = 2.0 * gap / torch.where(var0 > 0, var0, torch.full_like(var0, math.inf))
         t = torch.minimum(torch.maximum(0.5 * torch.log(torch.clamp(ratio, min=1e-300)), lo),
-                          torch.full_like(lo, T_MAX))
-        hi = torch.full_like(t, T_MAX)
+                          torch.full_like(lo, self.t_max))
+        hi = torch.full_like(t, self.t_max)
         n_lo = torch.full_like(t, math.nan)
         n_hi = torch.full_like(t, math.nan)
-        for _ in range(STEPS):
+        for _ in range(self.steps):
             beta = torch.exp(t)
             e = torch.exp(x * beta.unsqueeze(1))
             s = e.sum(dim=1)
@@ -235,7 +239,7 @@ class _RowEntropy(nn.Module):
             hi = torch.where(above, hi, t)
             n_hi = torch.where(above, n_hi, newton)
             other = torch.where(above, n_hi, n_lo)
-            fallback = torch.minimum(0.5 * (lo + hi), lo + JUMP)
+            fallback = torch.minimum(0.5 * (lo + hi), lo + self.jump)
             t = torch.where((other > lo) & (other < hi), other, fallback)
             t = torch.where((newton >= lo) & (newton <= hi), newton, t)
         return x * torch.exp(t).unsqueeze(1)
