@@ -215,7 +215,8 @@ class _RowEntropy(nn.Module):
         spread = -c.min(dim=1).values
         x = c / torch.where(spread > 0, spread, torch.ones_like(spread)).unsqueeze(1)
         gap = torch.clamp(self.log_k - self.target, min=0.0)
-        lo = torch.clamp(0.5 * torch.log(8.0 * torch.clamp(gap, min=1e-300)), self.t_min, self.t_max)
+        lo = torch.clamp(0.5 * torch.log(8.0 * torch.clamp(gap, min=1e-300)),
+                         self.t_min, self.t_max)
         lo = lo.expand(x.shape[0])
         var0 = x.var(dim=1, unbiased=False)
         ratio = 2.0 * gap / torch.where(var0 > 0, var0, torch.full_like(var0, math.inf))
