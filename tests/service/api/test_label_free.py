@@ -11,7 +11,16 @@ import pytest
 
 from calibrators.evaluation.holdout import split_indices
 from tests.oracles import softmax
-from tests.service.helpers import assert_problem, create_model, fit, logits_data, npz, upload
+from service.vocabulary import DEFAULT_NAMESPACE
+from tests.service.helpers import (
+    assert_problem,
+    create_model,
+    families,
+    fit,
+    logits_data,
+    npz,
+    upload,
+)
 
 
 def entropy(p: np.ndarray) -> np.ndarray:
@@ -135,3 +144,19 @@ def test_a_npz_without_labels_may_not_hold_two_label_arrays(client):
                     content=npz(logits=logits, labels=labels, ground_truth=labels),
                     headers={"Content-Type": "application/octet-stream"})
     assert_problem(r, 422, "at most one label array")
+
+
+def test_an_aliased_label_free_version_with_feedback_leaves_the_metrics_whole(client):
+    logits, labels = logits_data(200, seed=6)
+    create_model(client)
+    dataset = upload_scores(client, "m", logits)
+    version = fit(client, "m", dataset["id"], method="row-entropy")
+    r = client.put("/v1/models/m/aliases/production", json={"version": version["version"]})
+    assert r.status_code == 200, r.text
+    body = {"logits": logits[:50].tolist(), "labels": labels[:50].tolist()}
+    assert client.post("/v1/models/m/feedback", json=body).status_code == 200
+    gauges = families(client.get("/metrics").text)
+    hold = tuple(sorted({"namespace": DEFAULT_NAMESPACE, "model": "m",
+                         "version": str(version["version"]), "alias": "production"}.items()))
+    assert gauges["welltempered_holdout_rows"][hold] == version["metrics"]["after"]["n"]
+    assert hold not in gauges.get("welltempered_holdout_ece_ratio", {})
