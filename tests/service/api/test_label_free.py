@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from calibrators.evaluation.holdout import split_indices
-from tests.oracles import softmax
 from service.vocabulary import DEFAULT_NAMESPACE
+from tests.oracles import softmax
 from tests.service.helpers import (
     assert_problem,
     create_model,
