@@ -22,6 +22,7 @@ from calibrators.methods.iop import IntraOrderPreserving
 from calibrators.methods.matrix import MatrixScaler
 from calibrators.methods.prior_shift import PriorShift
 from calibrators.methods.pts import ParameterizedTemperatureScaler
+from calibrators.methods.row_entropy import RowEntropyTemperature
 from calibrators.methods.sms import StructuredMatrixScaler
 from calibrators.methods.svs import StructuredVectorScaler
 from calibrators.methods.temperature import TemperatureScaler
@@ -47,6 +48,7 @@ CALIBRATORS: dict[str, type[Calibrator]] = {
         ParameterizedTemperatureScaler,
         IntraOrderPreserving,
         PriorShift,
+        RowEntropyTemperature,
     )
 }
 #: The method names accepted by :func:`create`.
@@ -67,6 +69,7 @@ __all__ = [
     "NotFittedError",
     "ParameterizedTemperatureScaler",
     "PriorShift",
+    "RowEntropyTemperature",
     "TemperatureScaler",
     "VectorScaler",
     "check_options",

@@ -105,6 +105,8 @@ class Calibrator(BaseEstimator):
     learns_from_labels : bool
         False for a method whose ``fit`` on labelled rows learns nothing of its own
         (a wrapper whose parameters come from elsewhere): ``auto`` does not try it.
+        Whether a fit needs labels at all is :meth:`needs_labels` (it may depend on
+        the options).
     onnx_graph_name : str
         Name of the exported ONNX graph.
 
@@ -209,15 +211,27 @@ class Calibrator(BaseEstimator):
         return conservative_cost(n_samples, n_classes)
 
     # -- fitting ----------------------------------------------------------
-    def fit(self, scores, labels, *, kind: str = "logits", progress: Progress | None = None):
-        """Fit on a labelled validation set.
+    @classmethod
+    def needs_labels(cls, options: Mapping[str, Any]) -> bool:
+        """Whether :meth:`fit` with these (canonical) options needs labels.
+
+        True by default: a calibrator is fitted to labels. A method whose target is a
+        property of the scores alone (an entropy) says False, for the options that
+        make it so; its ``_fit`` then gets ``y`` None when no labels are given.
+        """
+        return True
+
+    def fit(self, scores, labels=None, *, kind: str = "logits",
+            progress: Progress | None = None):
+        """Fit on a validation set, labelled unless the method needs no labels.
 
         Parameters
         ----------
         scores : array-like of shape (n_samples, n_classes)
             Logits, or probabilities with ``kind="probabilities"``.
-        labels : array-like of shape (n_samples,)
-            Integer class labels in ``[0, n_classes)``.
+        labels : array-like of shape (n_samples,), optional
+            Integer class labels in ``[0, n_classes)``. Required unless
+            :meth:`needs_labels` says otherwise for the options.
         kind : {"logits", "probabilities"}
         progress : callable, optional
             Called with a fraction in [0, 1] as a long fit advances.
@@ -225,9 +239,23 @@ class Calibrator(BaseEstimator):
         Returns
         -------
         self
+
+        Raises
+        ------
+        CalibrationInputError
+            No labels for a method (and options) that learns from them.
         """
         options = self.checked_options()
-        x, y = as_scores_and_labels(scores, labels, kind)
+        if labels is None:
+            if self.needs_labels(options):
+                raise CalibrationInputError(
+                    f"{self.method} calibration with these options learns from labels: give "
+                    "one class index per row, or choose a label-free fit (temperature with "
+                    "target_entropy, or row-entropy). Got no labels."
+                )
+            x, y = as_scores(scores, kind), None
+        else:
+            x, y = as_scores_and_labels(scores, labels, kind)
         fit_info = self._fit(x, y, kind=kind, options=options, progress=progress or _no_progress)
         for name, shape in self.fitted_arrays.items():
             if shape is None:
@@ -239,7 +267,7 @@ class Calibrator(BaseEstimator):
         return self
 
     def _fit(
-        self, x: np.ndarray, y: np.ndarray, *, kind: str, options: dict[str, Any],
+        self, x: np.ndarray, y: np.ndarray | None, *, kind: str, options: dict[str, Any],
         progress: Progress,
     ) -> dict[str, Any]:
         """Learn the fitted arrays from validated scores; return ``fit_info``.
@@ -250,7 +278,8 @@ class Calibrator(BaseEstimator):
             Validated scores, logits or probabilities per ``kind``: turn row
             blocks of it into float64 logits with
             :func:`calibrators.validation.logits64`.
-        y : ndarray of shape (n_samples,), int64
+        y : ndarray of shape (n_samples,), int64, or None
+            None only when :meth:`needs_labels` is False for ``options``.
         kind : {"logits", "probabilities"}
         options : dict
             The canonical options (:meth:`checked_options`).

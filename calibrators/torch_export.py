@@ -48,6 +48,7 @@ from calibrators.methods.ets import EnsembleTemperatureScaler
 from calibrators.methods.iop import FEATURE_RANKS, N_KNOTS, IntraOrderPreserving
 from calibrators.methods.prior_shift import PriorShift
 from calibrators.methods.pts import SQUASH, ParameterizedTemperatureScaler
+from calibrators.methods.row_entropy import JUMP, STEPS, T_MAX, T_MIN, RowEntropyTemperature
 from calibrators.methods.sms import StructuredMatrixScaler
 from calibrators.methods.svs import StructuredVectorScaler
 from calibrators.validation import KINDS, LOG_FLOOR, PROBABILITY_FLOOR, check_kind
@@ -196,6 +197,55 @@ class _PriorShift(nn.Module):
         return self.base(z) + self.log_weight
 
 
+class _RowEntropy(nn.Module):
+    """Row-entropy: ``beta_i * x_i`` after the fixed safeguarded Newton steps of
+    :func:`calibrators.methods.row_entropy.row_log_betas` (the same steps, unrolled)."""
+
+    def __init__(self, cal: RowEntropyTemperature):
+        super().__init__()
+        self.register_buffer("target", _buffer(cal.target_))
+        self.log_k: float = math.log(cal.n_classes_)
+        self.steps: int = STEPS
+        self.t_min: float = T_MIN
+        self.t_max: float = T_MAX
+        self.jump: float = JUMP
+
+    def forward(self, z: Tensor) -> Tensor:
+        c = z - z.max(dim=1, keepdim=True).values
+        spread = -c.min(dim=1).values
+        x = c / torch.where(spread > 0, spread, torch.ones_like(spread)).unsqueeze(1)
+        gap = torch.clamp(self.log_k - self.target, min=0.0)
+        lo = torch.clamp(0.5 * torch.log(8.0 * torch.clamp(gap, min=1e-300)),
+                         self.t_min, self.t_max)
+        lo = lo.expand(x.shape[0])
+        var0 = x.var(dim=1, unbiased=False)
+        ratio = 2.0 * gap / torch.where(var0 > 0, var0, torch.full_like(var0, math.inf))
+        t = torch.minimum(torch.maximum(0.5 * torch.log(torch.clamp(ratio, min=1e-300)), lo),
+                          torch.full_like(lo, self.t_max))
+        hi = torch.full_like(t, self.t_max)
+        n_lo = torch.full_like(t, math.nan)
+        n_hi = torch.full_like(t, math.nan)
+        for _ in range(self.steps):
+            beta = torch.exp(t)
+            e = torch.exp(x * beta.unsqueeze(1))
+            s = e.sum(dim=1)
+            mean = (e * x).sum(dim=1) / s
+            d = x - mean.unsqueeze(1)
+            var = (e * d * d).sum(dim=1) / s
+            f = torch.log(s) - beta * mean - self.target
+            newton = t - f / (-(beta * beta) * var)
+            above = f > 0
+            lo = torch.where(above, t, lo)
+            n_lo = torch.where(above, newton, n_lo)
+            hi = torch.where(above, hi, t)
+            n_hi = torch.where(above, n_hi, newton)
+            other = torch.where(above, n_hi, n_lo)
+            fallback = torch.minimum(0.5 * (lo + hi), lo + self.jump)
+            t = torch.where((other > lo) & (other < hi), other, fallback)
+            t = torch.where((newton >= lo) & (newton <= hi), newton, t)
+        return x * torch.exp(t).unsqueeze(1)
+
+
 #: The torch map of each kind of calibrator (the most specific class first).
 MAPS: tuple[tuple[type[Calibrator], type[nn.Module]], ...] = (
     (LinearSoftmax, _Linear),
@@ -205,6 +255,7 @@ MAPS: tuple[tuple[type[Calibrator], type[nn.Module]], ...] = (
     (ParameterizedTemperatureScaler, _PerRowTemperature),
     (IntraOrderPreserving, _IntraOrder),
     (PriorShift, _PriorShift),
+    (RowEntropyTemperature, _RowEntropy),
 )
 
 

@@ -3,6 +3,8 @@ with ties and extreme values, random fitted params, any JSON value."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -71,7 +73,8 @@ def tied_extreme_logits(draw):
 def calibrator_params(draw, cls, *, min_classes=3, max_classes=8):
     """``to_params()``-shaped params of calibrator class ``cls`` with random fitted arrays.
 
-    Arrays follow ``cls.fitted_arrays``: a float (shape ``()``) in [0.05, 20], other
+    Arrays follow ``cls.fitted_arrays``: a float (shape ``()``) in [0.05, 20] (a
+    ``target`` entropy in [0.05, log K)), other
     shapes with entries in [-3, 3], absent ones None. Default options. A class with a
     ``base`` option (a wrapper) gets a fitted base method's ``to_params()`` under
     ``base``.
@@ -82,6 +85,8 @@ def calibrator_params(draw, cls, *, min_classes=3, max_classes=8):
     for name, shape in cls.fitted_arrays.items():
         if shape is None:
             params[name] = None
+        elif shape == () and name == "target":  # an entropy (row-entropy): below log K
+            params[name] = draw(st.floats(0.05, math.log(k), exclude_max=True))
         elif shape == ():
             params[name] = draw(st.floats(0.05, 20.0))
         else:

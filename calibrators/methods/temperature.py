@@ -175,7 +175,8 @@ def _chunk_sums(x: np.ndarray, y: np.ndarray, kind: str, beta: float, rows: slic
     # seen by _fit, which starts again in float64 or on the scale of every row.
     with np.errstate(over="ignore", invalid="ignore"), \
             scratch.pair(rows.stop - rows.start) as (c, e):
-        return _moments(c, e, scratch.ones, x[rows], y[rows], kind, beta, exponent)
+        labels = None if y is None else y[rows]
+        return _moments(c, e, scratch.ones, x[rows], labels, kind, beta, exponent)
 
 
 def _moments(c: np.ndarray, e: np.ndarray, ones: np.ndarray, block: np.ndarray,
@@ -187,6 +188,8 @@ def _moments(c: np.ndarray, e: np.ndarray, ones: np.ndarray, block: np.ndarray,
     multiplied: ``beta * 2**exponent`` multiplies the logits as they are, and the
     per-row sums ``sum(e * c**j)`` are multiplied by ``2**(j * exponent)``, the
     same numbers (powers of two are exact) for one op per row instead of per entry.
+    Without labels (None: an entropy target) the NLL and its gradient are those of a
+    label with logit 0 (the row's maximum), figures no caller reads.
     """
     scaled = abs(exponent) > WELL_SCALED
     _shifted_into(c, block, kind, exponent if scaled else 0)  # now max c = 0 per row
@@ -205,7 +208,8 @@ def _moments(c: np.ndarray, e: np.ndarray, ones: np.ndarray, block: np.ndarray,
     m2 = np.ldexp(e.sum(axis=1).astype(np.float64), 2 * shift)
     e *= c
     m3 = np.ldexp(e.sum(axis=1).astype(np.float64), 3 * shift)
-    zy = np.ldexp(c[np.arange(c.shape[0]), labels].astype(np.float64), shift)
+    zy = 0.0 if labels is None else np.ldexp(
+        c[np.arange(c.shape[0]), labels].astype(np.float64), shift)
     total = math.ldexp(float(np.sum(c.sum(axis=1), dtype=np.float64)), shift)
     inv = 1.0 / s
     ez, ez2, ez3 = m1 * inv, m2 * inv, m3 * inv
@@ -338,7 +342,8 @@ class TemperatureScaler(LinearSoftmax):
     ----------
     target_entropy : float, optional
         Instead of minimising the mean NLL, choose the ``beta`` whose mean
-        predictive entropy (nats) equals this value, in ``(0, log K)``.
+        predictive entropy (nats) equals this value, in ``(0, log K)``. Such a fit
+        needs no labels (``fit(scores)``).
     tol : float, default=1e-10
         Stop when ``|dNLL/dbeta| < tol * scale`` (or ``|H - target| < tol``),
         where ``scale`` is the mean spread ``max z - mean z`` of the logits.
@@ -422,6 +427,11 @@ class TemperatureScaler(LinearSoftmax):
             flops=float(SWEEP_FLOPS) * k * (passes * n + 8 * rows_s),
         )
 
+    @classmethod
+    def needs_labels(cls, options) -> bool:
+        """Only the NLL needs labels: a target entropy is a property of the scores."""
+        return options["target_entropy"] is None
+
     @property
     def beta_(self) -> float:
         self._check_fitted()
@@ -444,7 +454,7 @@ class TemperatureScaler(LinearSoftmax):
             # Every step-th row, a view: the start costs no copy of the scores
             # (a copy of 8,192 rows is 8 GiB at K = 262,144).
             step = n // SUBSAMPLE_ROWS
-            zs, ys = z[::step], y[::step]
+            zs, ys = z[::step], None if y is None else y[::step]
         else:
             zs, ys = z, y
         # The scale of the subsample's rows; every row (for the scale and the start)
@@ -473,7 +483,7 @@ class TemperatureScaler(LinearSoftmax):
             )
         self.weight_ = float(weight)
         progress(1.0)
-        info = self._info(r, beta, exponent, passes, reason, target)
+        info = self._info(r, beta, exponent, passes, reason, target, labelled=y is not None)
         info.update(start)
         return info
 
@@ -569,11 +579,12 @@ class TemperatureScaler(LinearSoftmax):
         }
 
     @staticmethod
-    def _info(r: _Pass, beta, exponent, passes, reason, target) -> dict:
+    def _info(r: _Pass, beta, exponent, passes, reason, target, *, labelled: bool) -> dict:
         """fit_info_ from the last pass ``r`` at ``beta``, both for the logits times
-        ``2**exponent``: the gradient and scale are given back in the logits' units."""
+        ``2**exponent``: the gradient and scale are given back in the logits' units.
+        Without labels the NLL and its gradient are None (there is no NLL)."""
         scale = math.ldexp(r.spread, -exponent)
-        return {
+        info = {
             "objective": "nll" if target is None else "target_entropy",
             "passes": passes,
             "reason": "converged" if reason == "extrapolated" else reason,
@@ -586,3 +597,6 @@ class TemperatureScaler(LinearSoftmax):
             "temperature": 1.0 / math.ldexp(beta, exponent),
             "rescale_exponent": exponent,
         }
+        if not labelled:
+            info.update(gradient=None, relative_gradient=None, nll=None)
+        return info

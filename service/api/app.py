@@ -16,6 +16,7 @@ from service.api.deps import AppState
 from service.api.routers import (
     aliases,
     calibrators,
+    compare,
     datasets,
     health,
     keys,
@@ -151,7 +152,8 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
     # Outermost: 413s and 401s are counted and logged too.
     app.add_middleware(MetricsMiddleware, metrics=metrics, access=access)
     for module in (
-        models, datasets, calibrators, aliases, keys, monitoring, label_shift, loop, health
+        models, datasets, compare, calibrators, aliases, keys, monitoring, label_shift, loop,
+        health,
     ):
         app.include_router(module.router)
     budget.attach(app.routes, settings)

@@ -174,12 +174,19 @@ class DatasetOut(BaseModel):
         description="Distinct sequence ids (texts) when the rows carry them: every hold-out "
         "split is then by sequence. Null: the rows are independent.",
     )
+    labelled: bool = Field(
+        True,
+        description="Whether the rows carry labels. A dataset without labels serves "
+        "label-free fits only (an entropy target: temperature with target_entropy, "
+        "row-entropy).",
+    )
     created_at: Timestamp
     metrics: dict[str, Any] | None = Field(
         None,
         description="calibrators.evaluation.metrics.report of the raw scores (with "
-        "sequence ids, plus 'sequences': the NLL per token and per sequence). Null in "
-        "lists, and while the metrics of a dataset of over 4,194,304 scores are being "
+        "sequence ids, plus 'sequences': the NLL per token and per sequence); without "
+        "labels, calibrators.evaluation.entropy.entropy_report (the rows' entropies). Null "
+        "in lists, and while the metrics of a dataset of over 4,194,304 scores are being "
         "computed after its upload's answer.",
     )
 
@@ -232,6 +239,47 @@ class ParamsImport(BaseModel):
         DEFAULT_HOLDOUT, gt=0, lt=1, description="Share of the dataset's rows held out."
     )
     seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed of the holdout permutation.")
+
+
+class CompareRequest(BaseModel):
+    """Two datasets of the model: the scores of two models on the same positions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    a: int = Field(ge=1, le=MAX_ID, description="Dataset of model A (the one tempered).")
+    b: int = Field(ge=1, le=MAX_ID, description="Dataset of model B, on A's positions.")
+    top_k: int = Field(10, ge=2, description="B's top classes the rank agreement looks at "
+                       "(at most K).")
+
+
+class Spread(BaseModel):
+    mean: float
+    median: float
+    p95: float
+
+
+class CompareOut(BaseModel):
+    """calibrators.evaluation.pair.temperature_explains of A's and B's scores."""
+
+    model: str
+    a: int
+    b: int
+    n: int
+    beta: float | None = Field(
+        description="The inverse temperature that brings A closest to B in KL "
+        "(null: infinite, B is A's argmax one-hot)."
+    )
+    kl_before: Spread = Field(description="Per-row KL(B || A), nats.")
+    kl_after: Spread | None = Field(description="Per-row KL(B || A tempered by beta).")
+    explained: float | None = Field(description="1 - KL after / KL before (means).")
+    explained_beyond_flat: float | None = Field(
+        description="1 - KL after / KL(B || uniform): the gain over flattening A alone."
+    )
+    top1_agreement: float
+    top_k: int
+    discordance: Spread = Field(
+        description="Per row, the share of B's top-k class pairs that A orders the other way."
+    )
 
 
 class FitAccepted(BaseModel):

@@ -133,7 +133,8 @@ def run_claimed(
     try:
         store = ArrayStore(Path(config.data_dir), config.array_store, config.array_cache_bytes)
         try:
-            scores, labels = store.load(task.scores_sha256), store.load(task.labels_sha256)
+            scores = store.load(task.scores_sha256)
+            labels = None if task.labels_sha256 is None else store.load(task.labels_sha256)
             sequences = (
                 None if task.sequences_sha256 is None else store.load(task.sequences_sha256)
             )

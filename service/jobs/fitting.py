@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 
 import calibrators
-from calibrators.evaluation import checks, metrics
+from calibrators.evaluation import checks, entropy, metrics
 from calibrators.evaluation.holdout import split_indices, split_sizes
 from service.errors import FitTooLarge
 from service.jobs import evaluation
-from service.vocabulary import AUTO
+from service.vocabulary import ARGMAX_CHANGED, AUTO
 
 log = logging.getLogger("welltempered.fits")
 
@@ -44,6 +44,26 @@ def check_fit_request(method: str, options: dict[str, Any]) -> None:
             _create(m, options.get(m) or {})
     else:
         _create(method, options)
+
+
+def check_labels(method: str, options: dict[str, Any], labelled: bool) -> None:
+    """422 now for a fit that needs labels on a dataset without them: ``auto`` (it chooses
+    by held-out NLL) and every method whose options need labels (``needs_labels``)."""
+    if labelled:
+        return
+    if method == AUTO:
+        raise calibrators.CalibrationInputError(
+            "an 'auto' fit chooses by held-out NLL, which needs labels, and this dataset has "
+            "none: choose a label-free fit (temperature with target_entropy, or "
+            "row-entropy), or upload the scores with labels. Got method 'auto'."
+        )
+    cls = calibrators.CALIBRATORS[method]
+    if cls.needs_labels(_create(method, options).checked_options()):
+        raise calibrators.CalibrationInputError(
+            f"{method} calibration with these options learns from labels, and this dataset "
+            "has none: choose a label-free fit (temperature with target_entropy, or "
+            "row-entropy), or upload the scores with labels. Got a dataset without labels."
+        )
 
 
 def _create(method: str, options: Any):
@@ -201,7 +221,7 @@ def import_affordable(
 
 def fit_job(
     scores: np.ndarray,
-    labels: np.ndarray,
+    labels: np.ndarray | None,
     *,
     kind: str,
     method: str,
@@ -229,10 +249,19 @@ def fit_job(
     ``require`` every candidate keeps the argmax by construction, so the refit cannot
     break the policy the choice was made under.
 
+    Without ``labels`` (scores alone: a label-free method, :func:`check_labels`), see
+    :func:`label_free_job`.
+
     Returns the columns of the finished version: status (succeeded | rejected),
     chosen_method, params, metrics_before/after, argmax, candidates (auto only),
     warning, rejection and rejected_for (why, when rejected) and fit_seconds.
     """
+    if labels is None:
+        return label_free_job(
+            scores, kind=kind, method=method, holdout=holdout, seed=seed, options=options,
+            argmax_policy=argmax_policy, progress=progress, memory_budget=memory_budget,
+            refit=refit, sequences=sequences,
+        )
     fit_idx, hold_idx = split_indices(labels.shape[0], holdout, seed, groups=sequences)
     x_fit, y_fit = np.asarray(scores[fit_idx]), labels[fit_idx]
     x_hold, y_hold = np.asarray(scores[hold_idx]), labels[hold_idx]
@@ -314,6 +343,72 @@ def fit_job(
         "warning": warning,
         **evaluation.rejection(results, argmax_policy),
         "fit_seconds": total,
+    }
+
+
+def label_free_job(
+    scores: np.ndarray,
+    *,
+    kind: str,
+    method: str,
+    holdout: float,
+    seed: int,
+    options: dict[str, Any],
+    argmax_policy: str,
+    progress: Callable[[float], None] | None = None,
+    memory_budget: int | None = None,
+    refit: bool = False,
+    sequences: np.ndarray | None = None,
+) -> dict[str, Any]:
+    """:func:`fit_job` for scores without labels: a method that needs none, fitted on the
+    first part of the split (every row with ``refit``), reported without labels.
+
+    There is no NLL or ECE to report or police. ``metrics_before`` is the held-out rows'
+    :func:`calibrators.evaluation.entropy.entropy_report`; ``metrics_after`` is their
+    :func:`~calibrators.evaluation.entropy.tempering_report` (entropies after, and
+    ``KL(q || p)``), with ``label_free`` True, the ``target_entropy``, and ``fit``: the
+    same report on the rows the served calibrator was fitted on, where the target is
+    met (``entropy_reached``: their mean entropy after; for ``row-entropy`` every row's).
+    The held-out figures say how the target carries to rows it was not fitted on. The
+    argmax policy applies as to any fit (both label-free methods keep every argmax).
+    """
+    n, k = scores.shape
+    fit_idx, hold_idx = split_indices(n, holdout, seed, groups=sequences)
+    affordable(method, options, argmax_policy=argmax_policy, n_rows=n, k=int(k),
+               itemsize=scores.dtype.itemsize, holdout=holdout, budget=memory_budget,
+               refit=refit)
+    x_fit = np.asarray(scores) if refit else np.asarray(scores[fit_idx])
+    x_hold = np.asarray(scores[hold_idx])
+    started = time.perf_counter()
+    cal = _create(method, options).fit(x_fit, None, kind=kind, progress=progress)
+    probs = cal.predict_proba(x_hold, kind=kind)
+    argmax = checks.argmax_report(x_hold, probs, kind=kind)
+    fitted = entropy.tempering_report(x_fit, lambda b: cal.predict_proba(b, kind=kind), kind)
+    target = getattr(cal, "target_", None) or cal.checked_options()["target_entropy"]
+    changed = argmax_policy == "require" and argmax["changed"]
+    rejected = {"rejection": None, "rejected_for": None}
+    if changed:
+        rejected = evaluation.rejection(
+            {method: {"allowed": False, "argmax": argmax, "rejected_for": [ARGMAX_CHANGED]}},
+            argmax_policy,
+        )
+    return {
+        "status": "rejected" if changed else "succeeded",
+        "chosen_method": method,
+        "params": cal.to_params(),
+        "metrics_before": {"label_free": True, **entropy.entropy_report(x_hold, kind)},
+        "metrics_after": {
+            "label_free": True,
+            "target_entropy": target,
+            "entropy_reached": fitted["entropy_after"]["mean"],
+            **entropy.tempering_report(x_hold, probs, kind),
+            "fit": fitted,
+        },
+        "argmax": argmax,
+        "candidates": None,
+        "warning": evaluation.warning(method, argmax, argmax_policy),
+        **rejected,
+        "fit_seconds": time.perf_counter() - started,
     }
 
 

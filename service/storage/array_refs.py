@@ -150,7 +150,7 @@ def referenced_hashes(session: Session) -> set[str]:
     """Every file hash some dataset names."""
     query = union(
         select(Dataset.scores_sha256),
-        select(Dataset.labels_sha256),
+        select(Dataset.labels_sha256).where(Dataset.labels_sha256.is_not(None)),
         select(Dataset.sequences_sha256).where(Dataset.sequences_sha256.is_not(None)),
     )
     return set(session.scalars(query))

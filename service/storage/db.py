@@ -127,7 +127,7 @@ class Model(Base):
 
 
 class Dataset(Base):
-    """Labelled scores of one model; the arrays live in ``data_dir`` by sha256."""
+    """Scores of one model, labelled or not; the arrays live in ``data_dir`` by sha256."""
 
     __tablename__ = "datasets"
     __table_args__ = (
@@ -137,8 +137,8 @@ class Dataset(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     model_id: Mapped[int] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
-    #: Content hash of the dataset: sha256 over kind, scores .npy and labels .npy (and
-    #: the sequence ids' .npy when it has them).
+    #: Content hash of the dataset: sha256 over kind, scores .npy and labels .npy (or
+    #: "unlabelled") and the sequence ids' .npy when it has them.
     sha256: Mapped[str] = mapped_column(String(64))
     kind: Mapped[str] = mapped_column(String(16))
     n_rows: Mapped[int]
@@ -146,7 +146,8 @@ class Dataset(Base):
     dtype: Mapped[str] = mapped_column(String(16))
     #: Array files by content hash; indexed: "does any dataset still refer to this file".
     scores_sha256: Mapped[str] = mapped_column(String(64), index=True)
-    labels_sha256: Mapped[str] = mapped_column(String(64), index=True)
+    #: None: scores without labels, for label-free fits only (an entropy target).
+    labels_sha256: Mapped[str | None] = mapped_column(String(64), index=True)
     #: The sequence (text) of each row, when rows are tokens: every hold-out split of the
     #: dataset is then by sequence. None: rows are independent.
     sequences_sha256: Mapped[str | None] = mapped_column(String(64), index=True)

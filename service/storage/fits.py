@@ -31,13 +31,13 @@ class FitTask:
     """What an attempt needs of the version it claimed: the keyword arguments of
     :func:`service.jobs.fitting.fit_job` (of :func:`~service.jobs.fitting.import_job`
     for a version from posted parameters), the hashes of the dataset's arrays (the
-    sequence ids' None when it has none), the attempt's number, the posted
-    parameters (None for a fit), and what a recalibration loop's candidate compares
-    itself with (None for any other version)."""
+    labels' None for scores without labels, the sequence ids' None when it has none),
+    the attempt's number, the posted parameters (None for a fit), and what a
+    recalibration loop's candidate compares itself with (None for any other version)."""
 
     spec: dict[str, Any]
     scores_sha256: str
-    labels_sha256: str
+    labels_sha256: str | None
     attempt: int
     params: dict[str, Any] | None = None
     sequences_sha256: str | None = None

@@ -36,7 +36,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, undefer
 
-from calibrators.evaluation import metrics
+from calibrators.evaluation import entropy, metrics
 from service.errors import ArgmaxChanged, Conflict, InUse, InvalidInput, NotFound, NotReady
 from service.storage import array_refs, usage
 from service.storage.arrays import ArrayStore
@@ -151,11 +151,12 @@ def find_model(session: Session, name: str, namespace: str) -> Model:
 
 
 def dataset_sha256(
-    kind: str, scores_sha: str, labels_sha: str, sequences_sha: str | None = None
+    kind: str, scores_sha: str, labels_sha: str | None, sequences_sha: str | None = None
 ) -> str:
-    """The content hash of a dataset: the same scores with other sequence ids (or none)
-    are another dataset; one without them keeps the hash it always had."""
-    text = f"{kind}\n{scores_sha}\n{labels_sha}"
+    """The content hash of a dataset: the same scores with other sequence ids (or none),
+    or without labels, are another dataset; one with labels and without sequence ids
+    keeps the hash it always had."""
+    text = f"{kind}\n{scores_sha}\n{labels_sha or 'unlabelled'}"
     if sequences_sha is not None:
         text += f"\n{sequences_sha}"
     return hashlib.sha256(text.encode()).hexdigest()
@@ -174,7 +175,7 @@ def add_dataset(
     model: Model,
     arrays: ArrayStore,
     scores: np.ndarray,
-    labels: np.ndarray,
+    labels: np.ndarray | None,
     kind: str,
     quotas: Quotas | None = None,
     before_commit: Callable[[Session, Dataset], None] | None = None,
@@ -191,17 +192,24 @@ def add_dataset(
     ``before_commit(session, dataset)`` runs after a new row is flushed, in its
     transaction (an idempotency key's answer commits with it). ``sequences``: the
     sequence id of each row (validated), a third file; the metrics then add the NLL per
-    sequence. Over :data:`INLINE_METRICS_SCORES` scores the row is stored without its
-    metrics (NULL), and ``metrics_later(dataset_id)`` is called once it is committed (to
-    hand it to :func:`fill_metrics`).
+    sequence. ``labels`` None: scores alone, for label-free fits; the metrics are then
+    the entropies of the rows (:func:`calibrators.evaluation.entropy.entropy_report`).
+    Over :data:`INLINE_METRICS_SCORES` scores the row is stored without its metrics
+    (NULL), and ``metrics_later(dataset_id)`` is called once it is committed (to hand it
+    to :func:`fill_metrics`).
     """
+
     # Written first, hashed and sized while written: one pass over each array. Content
     # uploaded before is then found by its hash; its files were rewritten with the same
     # bytes (the price of a repeated upload, against a hashing pass for every new one).
-    present = [a for a in (scores, labels, sequences) if a is not None]
-    files = [array_refs.Held(*arrays.write(a), a) for a in present]
+    def written(array: np.ndarray | None) -> array_refs.Held | None:
+        return None if array is None else array_refs.Held(*arrays.write(array), array)
+
+    named = [written(scores), written(labels), written(sequences)]
+    files = [f for f in named if f is not None]
     shas = [f.sha256 for f in files]
-    sha = dataset_sha256(kind, *shas)
+    score_sha, label_sha, sequence_sha = (None if f is None else f.sha256 for f in named)
+    sha = dataset_sha256(kind, score_sha, label_sha, sequence_sha)
     existing = _dataset_by_sha(session, model, sha)
     if existing is not None:
         return existing, False
@@ -213,16 +221,16 @@ def add_dataset(
         n_rows=rows,
         n_classes=int(scores.shape[1]),
         dtype=str(scores.dtype),
-        scores_sha256=shas[0],
-        labels_sha256=shas[1],
-        sequences_sha256=shas[2] if sequences is not None else None,
+        scores_sha256=score_sha,
+        labels_sha256=label_sha,
+        sequences_sha256=sequence_sha,
         n_sequences=None if sequences is None else int(np.unique(sequences).size),
         n_bytes=n_bytes,
     )
     later = scores.size > INLINE_METRICS_SCORES
     try:
         if not later:
-            dataset.metrics = metrics.scores_report(scores, labels, kind, sequences=sequences)
+            dataset.metrics = dataset_report(scores, labels, kind, sequences)
         if quotas is not None:
             usage.lock(session, model.namespace)
             usage.check_dataset(session, model.namespace, rows, n_bytes, quotas)
@@ -250,6 +258,17 @@ def add_dataset(
     return dataset, True
 
 
+def dataset_report(
+    scores: np.ndarray, labels: np.ndarray | None, kind: str, sequences: np.ndarray | None
+) -> dict[str, Any]:
+    """A dataset's metrics: :func:`calibrators.evaluation.metrics.scores_report` of
+    labelled scores; without labels, the entropies of the rows
+    (:func:`calibrators.evaluation.entropy.entropy_report`)."""
+    if labels is None:
+        return entropy.entropy_report(scores, kind)
+    return metrics.scores_report(scores, labels, kind, sequences=sequences)
+
+
 def fill_metrics(sessions: Callable[[], Session], arrays: ArrayStore, dataset_id: int) -> bool:
     """Compute the metrics of a dataset stored without them, from its stored arrays
     (memory-mapped), and store them: True when this call wrote them. False when the
@@ -265,9 +284,8 @@ def fill_metrics(sessions: Callable[[], Session], arrays: ArrayStore, dataset_id
             return False
         kind, scores_sha, labels_sha = dataset.kind, dataset.scores_sha256, dataset.labels_sha256
         sequences = dataset_sequences(arrays, dataset)
-    report = metrics.scores_report(
-        arrays.load(scores_sha), arrays.load(labels_sha), kind, sequences=sequences
-    )
+    labels = None if labels_sha is None else arrays.load(labels_sha)
+    report = dataset_report(arrays.load(scores_sha), labels, kind, sequences)
     with sessions() as session:
         written = session.execute(
             update(Dataset)

@@ -42,6 +42,7 @@ FIT_OPTIONS: dict[str, dict] = {
     "iop": {"n_top": 3, "reg_lambda": 1.0, "grid": [10.0, 1.0, 10.0], "seed": 1, "max_iter": 200,
             "tol": 1e-9},
     "prior-shift": {"base": "vector"},
+    "row-entropy": {"target_entropy": 0.5},
 }
 
 

@@ -121,6 +121,8 @@ MEASURED = [
     pytest.param("matrix", {"reg_lambda": 1.0, "reg_mu": 1.0}, (300, 300), (300, 400),
                  marks=pytest.mark.slow),  # rank-1 whitening, K > MAX_BLOCK_CLASSES
     ("dirichlet", {"grid": [10.0, 1.0]}, (1_000, 20), (1_000, 40)),
+    ("row-entropy", {"target_entropy": 0.5}, (4, 2**18), (4, 2**19)),
+    ("row-entropy", {"target_entropy": 0.5}, (20_000, 20), (80_000, 20)),
 ]
 
 

@@ -423,6 +423,8 @@ ROUTES: dict[str, Route] = {
     f"POST {V1}/datasets": Route(_dataset_json, victim=True, shapes=_upload_shapes),
     f"GET {V1}/datasets/{{dataset_id}}": Route(),
     f"DELETE {V1}/datasets/{{dataset_id}}": Route(victim=True),
+    f"POST {V1}/compare": Route(
+        lambda ids: _json({"a": ids.dataset_id, "b": ids.dataset_id, "top_k": 3})),
     f"GET {V1}/calibrators": Route(),
     f"POST {V1}/calibrators": Route(
         lambda ids: _json({"dataset_id": ids.dataset_id, "method": "temperature"}),

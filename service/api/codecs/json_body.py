@@ -386,17 +386,20 @@ def labelled_from_json(
 ) -> tuple[Labelled, dict[str, Any]]:
     """``{"logits" | "probabilities": [[...]], "labels": [...], <extra_keys>?}`` (and,
     where ``bounds.sequences``, optionally ``"sequence_ids": [...]``): the validated rows,
-    and the values of ``extra_keys`` the body holds."""
+    and the values of ``extra_keys`` the body holds. Where ``bounds.unlabelled`` the
+    labels may be left out (their ``labels`` is then None)."""
     sequence_key = (SEQUENCE_KEY,) if bounds.sequences else ()
     obj = json_object(body, {*JSON_SCORE_KEYS, "labels", *sequence_key, *extra_keys}, bounds)
-    if "labels" not in obj:
+    if "labels" not in obj and not bounds.unlabelled:
         score_key(obj, JSON_SCORE_KEYS)
         raise InvalidInput("The body must hold 'labels', one class index per row.")
     scores, kind, explicit = _json_scores(obj, bounds, kind)
-    labels = as_labels(obj["labels"], scores.shape[0], scores.shape[1])
+    labels = (
+        as_labels(obj["labels"], scores.shape[0], scores.shape[1]) if "labels" in obj else None
+    )
     check_not_probabilities(scores, kind, explicit, _JSON_FIX)
     sequences = (
-        validated_sequences(obj[SEQUENCE_KEY], len(labels), bounds.max_bytes)
+        validated_sequences(obj[SEQUENCE_KEY], scores.shape[0], bounds.max_bytes)
         if SEQUENCE_KEY in obj
         else None
     )

@@ -168,9 +168,10 @@ def _read_member_data(fp, header: NpyHeader, read: bytes, what: str) -> np.ndarr
 
 def labelled_from_npz(path: Path, bounds: Bounds, kind: str | None = None) -> Labelled:
     """A ``.npz`` holding ``logits`` | ``probabilities`` | ``predictions`` and ``labels`` |
-    ``ground_truth`` (and, where ``bounds.sequences``, optionally ``sequence_ids``). Every
-    header is checked against ``bounds`` before a byte of data is inflated; ``kind``
-    (``?kind=``) must agree with the member's name."""
+    ``ground_truth`` (and, where ``bounds.sequences``, optionally ``sequence_ids``; where
+    ``bounds.unlabelled``, the labels may be left out). Every header is checked against
+    ``bounds`` before a byte of data is inflated; ``kind`` (``?kind=``) must agree with
+    the member's name."""
     what = "The .npz body"
     zf = _open_npz(path, what)
     with zf:
@@ -182,35 +183,30 @@ def labelled_from_npz(path: Path, bounds: Bounds, kind: str | None = None) -> La
             members[name] = info
         score_names = [k for k in SCORE_KEYS if k in members]
         label_names = [k for k in LABEL_KEYS if k in members]
-        if len(score_names) != 1 or len(label_names) != 1:
+        label_counts = (0, 1) if bounds.unlabelled else (1,)
+        if len(score_names) != 1 or len(label_names) not in label_counts:
+            labels_rule = "at most one" if bounds.unlabelled else "one"
             raise InvalidInput(
                 "The .npz must hold exactly one score array (logits, probabilities or "
-                "predictions) and one label array (labels or ground_truth). "
+                f"predictions) and {labels_rule} label array (labels or ground_truth). "
                 f"Got {shorten(sorted(members))}."
             )
-        score_name, label_name = score_names[0], label_names[0]
+        score_name = score_names[0]
         kind, explicit = resolve_kind(kind, SCORE_KEYS[score_name], f"array {score_name!r}")
         try:
-            with (
-                _member(zf, members[score_name], f"array {score_name!r}") as fs,
-                _member(zf, members[label_name], f"array {label_name!r}") as fl,
-            ):
-                s_what, l_what = f"array {score_name!r} of the .npz", f"array {label_name!r}"
+            with _member(zf, members[score_name], f"array {score_name!r}") as fs:
+                s_what = f"array {score_name!r} of the .npz"
                 s_head, s_read = _read_member_header(fs, s_what, bounds.dtype)
-                l_head, l_read = _read_member_header(fl, l_what)
                 check_scores_header(s_head, bounds, s_what)
-                if l_head.shape != s_head.shape[:1]:
-                    raise InvalidInput(
-                        f"labels must be a 1-D array with one entry per row of the scores "
-                        f"({s_head.shape[0]}). Got shape {l_head.shape}."
-                    )
-                total = s_head.memory + l_head.memory
+                total = s_head.memory
                 if total > bounds.max_bytes:
                     raise too_many_bytes(what, total, bounds.max_bytes)
                 _check_member_size(members[score_name], s_head, s_what)
-                _check_member_size(members[label_name], l_head, l_what)
+                labels = None
+                if label_names:
+                    labels, total = _read_labels(zf, members[label_names[0]], label_names[0],
+                                                 s_head.shape[0], total, bounds.max_bytes)
                 scores = _read_member_data(fs, s_head, s_read, s_what)
-                labels = _read_member_data(fl, l_head, l_read, l_what)
             sequences = None
             if bounds.sequences and SEQUENCE_KEY in members:
                 sequences = _read_sequences(
@@ -225,6 +221,26 @@ def labelled_from_npz(path: Path, bounds: Bounds, kind: str | None = None) -> La
     if sequences is None:
         return data
     return Labelled(data.scores, data.labels, data.kind, sequences)
+
+
+def _read_labels(
+    zf: zipfile.ZipFile, info: zipfile.ZipInfo, name: str, n: int, used: int, max_bytes: int
+) -> tuple[np.ndarray, int]:
+    """The label member ``name``, one per row of ``n``: with the ``used`` bytes of the
+    scores, within ``max_bytes``, checked from its header first; and the bytes used."""
+    what = f"array {name!r}"
+    with _member(zf, info, what) as fl:
+        head, read = _read_member_header(fl, what)
+        if head.shape != (n,):
+            raise InvalidInput(
+                f"labels must be a 1-D array with one entry per row of the scores "
+                f"({n}). Got shape {head.shape}."
+            )
+        total = used + head.memory
+        if total > max_bytes:
+            raise too_many_bytes("The .npz body", total, max_bytes)
+        _check_member_size(info, head, what)
+        return _read_member_data(fl, head, read, what), total
 
 
 def _read_sequences(

@@ -64,6 +64,8 @@ class Bounds:
     dtype: str | None = None
     #: Whether the body may give each row's sequence (:data:`SEQUENCE_KEY`): datasets.
     sequences: bool = False
+    #: Whether the body may leave out the labels (scores for label-free fits): datasets.
+    unlabelled: bool = False
 
     def check_rows(self, rows: int) -> None:
         limits.check_rows(rows, self.max_rows, self.what)
@@ -84,14 +86,15 @@ def bounds(
     for a model of ``num_classes`` classes; ``dtype`` is the request's ``?dtype=``."""
     rows = getattr(settings, _ROW_SETTINGS[what])
     return Bounds(
-        num_classes, model, rows, settings.max_body_bytes, what, dtype, what == "dataset"
+        num_classes, model, rows, settings.max_body_bytes, what, dtype, what == "dataset",
+        what == "dataset",
     )
 
 
 @dataclass(frozen=True)
 class Labelled:
     scores: np.ndarray  # (N, K) float32 or float64, validated
-    labels: np.ndarray  # (N,) int64 in [0, K)
+    labels: np.ndarray | None  # (N,) int64 in [0, K); None: scores alone (a dataset's)
     kind: str
     sequences: np.ndarray | None = None  # (N,) int64 or <U, :func:`validated_sequences`
 
@@ -111,7 +114,10 @@ def validated_scores(scores: Any, kind: str, num_classes: int, model: str) -> np
 
 
 def validated(scores: Any, labels: Any, kind: str, num_classes: int, model: str) -> Labelled:
+    """The rows checked; ``labels`` None stays None (scores alone)."""
     arr = validated_scores(scores, kind, num_classes, model)
+    if labels is None:
+        return Labelled(arr, None, kind)
     return Labelled(arr, as_labels(labels, arr.shape[0], arr.shape[1]), kind)
 
 

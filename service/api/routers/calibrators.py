@@ -27,9 +27,9 @@ from service.api.schemas import (
     VersionSummary,
 )
 from service.api.uploads import media_type, read_body, require_json
-from service.errors import Conflict, NotReady, UnsupportedMediaType
+from service.errors import Conflict, InvalidInput, NotReady, UnsupportedMediaType
 from service.jobs import evaluation
-from service.jobs.fitting import affordable, check_fit_request, import_affordable
+from service.jobs.fitting import affordable, check_fit_request, check_labels, import_affordable
 from service.security import limits
 from service.server import budget
 from service.server.budget import declare
@@ -102,6 +102,7 @@ def start_fit(
     dataset = registry.find_dataset(session, model, body.dataset_id)
     check_split(dataset, body.holdout, body.seed, state)
     check_fit_request(body.method, body.options)  # 422 now for unknown options
+    check_labels(body.method, body.options, dataset.labels_sha256 is not None)
     affordable(  # 422 now for a fit no worker can hold (auto: if no candidate fits)
         body.method,
         body.options,
@@ -202,6 +203,12 @@ def enqueue_import(
     """A queued version made from ``params``, evaluated and policed on the hold-out of
     ``dataset`` (``holdout``, ``seed``): posted params, and label shift's proposed
     correction. 422 now for params, a split or an evaluation that cannot be."""
+    if dataset.labels_sha256 is None:
+        raise InvalidInput(
+            "posted parameters are evaluated by their held-out NLL and ECE, which need "
+            f"labels, and dataset {dataset.id} has none: import them with a labelled "
+            "dataset. Got a dataset without labels."
+        )
     check_split(dataset, holdout, seed, state)
     # 422 now; params that do not say what kind they were fitted on: the dataset's
     cal = evaluation.from_posted_params(params, model.num_classes, dataset.kind)

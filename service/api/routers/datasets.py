@@ -1,5 +1,5 @@
-"""/v1/models/{model}/datasets: upload labelled scores (JSON, .npz, multipart), read them,
-delete them."""
+"""/v1/models/{model}/datasets: upload scores, labelled or not (JSON, .npz, multipart),
+read them, delete them."""
 
 from __future__ import annotations
 
@@ -63,13 +63,14 @@ _UPLOAD_DOC = {
                         "labels": LABELS,
                         "sequence_ids": SEQUENCE_IDS,
                     },
-                    "required": ["labels"],
+                    "description": "Without labels: scores for label-free fits only.",
                 }
             },
             "application/octet-stream": {
                 "schema": {"type": "string", "format": "binary"},
                 "description": ".npz: logits | probabilities | predictions, labels | "
-                "ground_truth, optionally sequence_ids (integers or str)",
+                "ground_truth (optional: without them, for label-free fits only), "
+                "optionally sequence_ids (integers or str)",
             },
             "multipart/form-data": {
                 "schema": {
@@ -93,6 +94,7 @@ def dataset_out(dataset: Dataset, model: Model, *, with_metrics: bool = True) ->
         dtype=dataset.dtype,
         sha256=dataset.sha256,
         n_sequences=dataset.n_sequences,
+        labelled=dataset.labels_sha256 is not None,
         created_at=dataset.created_at,
         metrics=dataset.metrics if with_metrics else None,
     )
@@ -122,8 +124,9 @@ def upload_dataset(
     kind: KindQuery = None,
     dtype: DtypeQuery = None,
 ) -> DatasetOut:
-    """Store labelled scores (optionally with the sequence id of each row): 201 with the
-    new dataset, or 200 with the dataset that has the same content. With an
+    """Store scores, labelled or not (optionally with the sequence id of each row): 201
+    with the new dataset, or 200 with the dataset that has the same content. Scores
+    without labels serve label-free fits only. With an
     ``Idempotency-Key``, a retry gets the first answer."""
     if claim.replay is not None:
         return claim.replay

@@ -38,7 +38,7 @@ from service.server import budget
 from service.server.budget import declare
 from service.serving import inference
 from service.storage import loops, registry
-from service.storage.db import CalibratorVersion
+from service.storage.db import CalibratorVersion, Model
 from service.storage.retry import retry_read
 from service.storage.usage import Quotas
 from service.vocabulary import DEFAULT_ALIAS, MAX_ID
@@ -342,13 +342,25 @@ def _live(session, state: StateDep, row: CalibratorVersion, seconds: int) -> tup
     return window, stats
 
 
+def check_labelled(row: CalibratorVersion, model: Model) -> None:
+    """422 for a version fitted without labels (an entropy target): it has no hold-out
+    calibration (bins, ECE, NLL) to compare live feedback with."""
+    if (row.metrics_after or {}).get("label_free"):
+        raise InvalidInput(
+            f"Version {row.version} of {model.name!r} was fitted without labels (an entropy "
+            "target): it has no hold-out calibration figures (reliability bins, ECE, NLL) "
+            "to monitor against. Monitor a version fitted on labelled scores."
+        )
+
+
 def get_monitored(
     session: SessionDep, model: ModelDep, version: VersionQuery = None
 ) -> CalibratorVersion:
     """The version a monitoring route reads: ``?version=`` or the default alias's; 404 if
-    missing, 409 unless fitted."""
+    missing, 409 unless fitted, 422 if fitted without labels."""
     row = monitoring.monitored_version(session, model, version)
     monitoring.check_fitted(row, model)
+    check_labelled(row, model)
     return row
 
 
@@ -414,6 +426,7 @@ def live_reliability_svg(
 def holdout_reliability_svg(model: ModelDep, version: VersionDep, request: Request) -> Response:
     """Reliability diagram of the hold-out rows, before vs after calibration."""
     monitoring.check_fitted(version, model)
+    check_labelled(version, model)
     before, after = version.metrics_before, version.metrics_after
     method = version.chosen_method or version.method
     svg = reliability_svg(

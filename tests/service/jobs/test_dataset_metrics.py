@@ -92,3 +92,17 @@ def test_the_documented_bound_is_the_code_s():
     bound = f"{registry.INLINE_METRICS_SCORES:,}"
     assert bound in (Path(__file__).parents[3] / "docs" / "api.md").read_text()
     assert bound in DatasetOut.model_fields["metrics"].description
+
+
+def test_a_big_upload_without_labels_gets_its_entropies_after_the_answer(client, monkeypatch):
+    logits, _ = logits_data(n=300, k=4, seed=3)
+    body = {"logits": logits.tolist()}
+    create_model(client, "inline")
+    inline = client.post("/v1/models/inline/datasets", json=body)
+    assert inline.status_code == 201 and inline.json()["metrics"] is not None, inline.text
+
+    monkeypatch.setattr(registry, "INLINE_METRICS_SCORES", logits.size - 1)
+    create_model(client, "big")
+    big = client.post("/v1/models/big/datasets", json=body).json()
+    assert big["metrics"] is None
+    assert metrics_of(client, "big", big["id"]) == inline.json()["metrics"]
