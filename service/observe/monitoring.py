@@ -48,7 +48,7 @@ from service.storage import counts, fits, loops, quality, registry
 from service.storage.array_cache import CacheStats
 from service.storage.db import CalibratorVersion, FeedbackNllBin, Model, as_utc, utcnow
 from service.storage.quality import SUMS
-from service.vocabulary import FITTED, STATUSES, format_duration, parse_duration
+from service.vocabulary import FITTED, LOOP_STATES, STATUSES, format_duration, parse_duration
 
 log = logging.getLogger("welltempered.monitoring")
 
@@ -420,8 +420,13 @@ def snapshot(
         for s in STATUSES
     ]
     _queue_gauges(snap, queue, now)
+    # Every state of a model with runs, at 0 where it has none: the series of a first
+    # failure exists before it, so an alert sees it rise (WelltemperedLoopRunFailed).
+    counted = {(ns, name, state): n for ns, name, state, n in runs}
     snap["loop_runs"] = [
-        ({"namespace": ns, "model": name, "status": state}, n) for ns, name, state, n in runs
+        ({"namespace": ns, "model": name, "status": state}, counted.get((ns, name, state), 0))
+        for ns, name in sorted({(ns, name) for ns, name, _, _ in runs})
+        for state in LOOP_STATES
     ]
     if alive is not None:
         snap["fit_workers_alive"] = [({}, alive)]

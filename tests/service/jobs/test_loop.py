@@ -15,7 +15,7 @@ import calibrators
 from service.jobs import loop
 from service.storage import loops, usage
 from service.storage.db import CalibratorVersion, FeedbackBatch, LoopEvent, LoopRun, utcnow
-from service.vocabulary import DEFAULT_ALIAS, LOOP_DEFAULTS
+from service.vocabulary import DEFAULT_ALIAS, LOOP_DEFAULTS, LOOP_STATES
 from tests.oracles import softmax
 from tests.service.helpers import (
     assert_problem,
@@ -95,7 +95,11 @@ def test_drifted_feedback_is_refitted_compared_and_promoted(client):
     assert version["status"] == "succeeded" and version["method"] == "temperature"
     assert client.get(f"/v1/models/m/datasets/{version['dataset_id']}").json()["n"] == 1200
     runs = families(client.get("/metrics").text)["welltempered_loop_runs"]
-    assert runs == {(("model", "m"), ("namespace", "default"), ("status", "promoted")): 1}
+    # Every state of the model, 0 where it has no run (an alert sees a first failure rise).
+    assert runs == {
+        (("model", "m"), ("namespace", "default"), ("status", state)): int(state == "promoted")
+        for state in LOOP_STATES
+    }
     # The runs and their events go with the model.
     assert client.delete(f"/v1/models/m/aliases/{DEFAULT_ALIAS}").status_code == 200
     r = client.delete("/v1/models/m")
