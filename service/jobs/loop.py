@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -79,9 +80,11 @@ def start(
     settings: Settings,
     arrays: ArrayStore,
     queue,
+    before_commit: Callable[[Session, LoopRun], None] | None = None,
 ) -> LoopRun:
     """Start a run of ``model``'s loop: its candidate's version queued, its ``started``
-    event written; returns the run.
+    event written; returns the run. ``before_commit(session, run)`` runs in the
+    transaction that writes the run (an idempotency key's answer commits with it).
 
     409 when the model keeps no feedback, has a run still fitting, has too few kept
     rows, or its default alias's version is not servable; 404 without a default alias;
@@ -129,6 +132,8 @@ def start(
         _one_at_a_time(s, model)
         queue.enqueue(s, candidate, model.namespace)
         runs.append(loops.add_run(s, model, loop, trigger, production, candidate, details))
+        if before_commit is not None:
+            before_commit(s, runs[-1])
 
     candidate = registry.create_version(
         session,

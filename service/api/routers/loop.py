@@ -11,6 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Request, Response
 
 from service.api.deps import ModelDep, SessionDep, StateDep
+from service.api.idempotent import IdempotentJson
 from service.api.pagination import Page, pages
 from service.api.schemas import (
     LoopEventList,
@@ -103,25 +104,39 @@ def put_loop(
 @declare(budget.Budget("write"))  # no body
 @router.post("/runs", status_code=202, response_model=LoopStarted)
 def start_run(
-    model: ModelDep, session: SessionDep, state: StateDep, response: Response
+    model: ModelDep,
+    session: SessionDep,
+    state: StateDep,
+    response: Response,
+    claim: IdempotentJson,
 ) -> LoopStarted:
     """Start a run: refit production's method on the kept rows (an ordinary fit job,
     its version listed with the others), compare it with production on the held-back
     rows, promote it when better by the margin (automatically only with
     ``auto_promote``). 409 when the model keeps no feedback, has a run still fitting
-    or too few kept rows."""
+    or too few kept rows. With an ``Idempotency-Key``, a retry gets the first answer."""
+    if claim.replay is not None:
+        return claim.replay
+    base = f"/v1/models/{model.name}"
+
+    def answer_of(run: LoopRun) -> LoopStarted:
+        return LoopStarted(
+            model=model.name,
+            run=run.id,
+            candidate_version=run.candidate_version,
+            status_url=f"{base}/calibrators/{run.candidate_version}",
+            events_url=f"{base}/loop/events?run={run.id}",
+        )
+
+    def store(s, run: LoopRun) -> None:
+        answer = answer_of(run)
+        claim.store(s, answer, status_code=202, headers={"Location": answer.events_url})
+
     run = loop.start(
         session, model, "request", settings=state.settings, arrays=state.arrays,
-        queue=state.fits.queue,
+        queue=state.fits.queue, before_commit=store,
     )
-    base = f"/v1/models/{model.name}"
-    answer = LoopStarted(
-        model=model.name,
-        run=run.id,
-        candidate_version=run.candidate_version,
-        status_url=f"{base}/calibrators/{run.candidate_version}",
-        events_url=f"{base}/loop/events?run={run.id}",
-    )
+    answer = answer_of(run)
     response.headers["Location"] = answer.events_url
     return answer
 

@@ -331,3 +331,18 @@ def test_a_run_started_meanwhile_is_seen_under_the_models_lock(client, monkeypat
     assert len(calls) == 2
     assert len(client.get("/v1/models/m/calibrators").json()["calibrators"]) == versions
     assert len(client.get("/v1/models/m/loop/runs").json()["runs"]) == 1
+
+
+def test_a_start_retried_with_its_idempotency_key_gets_the_first_answer(client):
+    production(client)
+    feed(client, "m", temperature=3.0)
+    key = {"Idempotency-Key": "run-1"}
+    first = client.post("/v1/models/m/loop/runs", headers=key)
+    assert first.status_code == 202, first.text
+    again = client.post("/v1/models/m/loop/runs", headers=key)
+    assert again.status_code == 202 and again.headers["idempotent-replayed"] == "true"
+    assert again.json() == first.json()
+    assert again.headers["location"] == first.headers["location"]
+    finished_run(client, "m", first.json()["run"])
+    runs = client.get("/v1/models/m/loop/runs").json()["runs"]
+    assert [r["run"] for r in runs] == [first.json()["run"]]  # one run, not two
