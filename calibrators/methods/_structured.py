@@ -801,21 +801,21 @@ class StructuredScaler(Calibrator):
         started = time.perf_counter()
         n, k = x.shape
         smoothing = 1.0 / (n * k)
+        # Temperature scaling of the scores as given: probabilities are fitted as they
+        # are, from beta = 1 (their own calibration), a few passes from the root; the
+        # float64 log of probabilities handed over as logits would be rescaled by a
+        # power of two and started far from it (8 passes instead of 5 on the CIFAR-100
+        # fit half, the same beta to the last bit).
+        beta = float(TemperatureScaler().fit(x, y, kind=kind).weight_)
         if self.structure == "full" or n * k <= HELD_ELEMENTS:
-            # The float64 logits once (the memory the features take anyway): temperature
-            # scaling's passes then skip the log of probabilities (the same numbers as
-            # its own chunks'), and the features are computed in their place.
             feats = np.empty((n, k))
 
-            def logits(rows):
+            def features(rows):
                 feats[rows] = logits64(x[rows], kind)
+                structured_features(feats[rows], beta, smoothing, overwrite=True)
 
-            map_chunks(logits, n, k)
-            beta = float(TemperatureScaler().fit(feats, y).weight_)
-            map_chunks(lambda rows: structured_features(feats[rows], beta, smoothing,
-                                                        overwrite=True), n, k)
+            map_chunks(features, n, k)
         else:
-            beta = float(TemperatureScaler().fit(x, y, kind=kind).weight_)
             feats = FeatureRows(x, kind, beta, smoothing)
         fixed = self._multipliers(opts)
         searched = [part for part, m in fixed.items() if m is None]
