@@ -111,6 +111,12 @@ FINAL_BLOCK_ROWS = 2048
 #: SMS's final fit first solves the float32 problem to this tolerance, then the
 #: float64 one from there (None: float64 only; ``bench/README.md`` has the figures).
 PRESOLVE_TOL = 1e-6
+#: Tolerance of the preprocessing's temperature scaling (its relative gradient): the
+#: float64 pass that meets it is followed by a Halley step without another pass
+#: (cubic convergence: its error is about the cube of the gradient's), so beta is
+#: temperature scaling's answer at its default tolerance, 1e-10, to the last bit or
+#: one ulp on the 10 shared splits, for one float64 pass over the scores fewer.
+TEMPERATURE_TOL = 1e-6
 #: Seed of the fold permutation.
 FOLD_SEED = 0
 #: Whitening of :meth:`calibrators.solvers.penalised.PenalisedSoftmax.solve`: diagonal + rank-1
@@ -806,7 +812,7 @@ class StructuredScaler(Calibrator):
         # float64 log of probabilities handed over as logits would be rescaled by a
         # power of two and started far from it (8 passes instead of 5 on the CIFAR-100
         # fit half, the same beta to the last bit).
-        beta = float(TemperatureScaler().fit(x, y, kind=kind).weight_)
+        beta = float(TemperatureScaler(tol=TEMPERATURE_TOL).fit(x, y, kind=kind).weight_)
         if self.structure == "full" or n * k <= HELD_ELEMENTS:
             feats = np.empty((n, k))
 
