@@ -89,7 +89,8 @@ from calibrators.validation import MAX_FOLDS, MAX_ITERATIONS, CalibrationInputEr
 if TYPE_CHECKING:  # ONNX is imported by to_onnx only, not with the package
     from calibrators.onnx_export import GraphBuilder
 
-#: Default multipliers of the paper's penalty rule tried by the search, strongest first.
+#: Default multipliers of the paper's penalty rule tried by the search, strongest first
+#: (sms's; svs declares its own, :data:`calibrators.methods.svs.SVS_GRID`).
 DEFAULT_GRID = (4.0, 1.0, 0.25, 1 / 16, 1 / 64, 1 / 256)
 #: L-BFGS tolerance inside the search (only the ranking of candidates matters; the
 #: search runs in float32, its whitening on at most CV_BLOCK_ROWS rows).
