@@ -812,7 +812,7 @@ class StructuredScaler(Calibrator):
         # are, from beta = 1 (their own calibration), a few passes from the root; the
         # float64 log of probabilities handed over as logits would be rescaled by a
         # power of two and started far from it (8 passes instead of 5 on the CIFAR-100
-        # fit half, the same beta to the last bit).
+        # fit half, the same beta to the last bit; 4 with TEMPERATURE_TOL).
         beta = float(TemperatureScaler(tol=TEMPERATURE_TOL).fit(x, y, kind=kind).weight_)
         if self.structure == "full" or n * k <= HELD_ELEMENTS:
             feats = np.empty((n, k))
