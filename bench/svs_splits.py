@@ -2,8 +2,8 @@
 
 The protocol of :mod:`bench.search_splits` (fit on the first half of
 ``default_rng(seed).permutation(N)``, seeds 0 to 4, score the second), on both shared
-files, for ``svs`` (``--method sms``: sms): a change that speeds up its fit must leave each file's mean
-held-out NLL within 1e-4 (``search_splits.py`` prints four digits). Per seed: the
+files, for ``svs`` (``--method sms``: sms): a change that speeds up its fit must leave
+each file's mean held-out NLL within 1e-4 (``search_splits.py`` prints four digits). Per seed: the
 held-out NLL, the multipliers chosen and the fit's loss evaluations.
 
 Usage (run it in two checkouts and compare; options as ``name=value``)::
