@@ -258,7 +258,13 @@ def query(c: httpx.Client, base: str, expr: str) -> dict:
 #: Dashboard metrics this server cannot produce: it runs with auth off, so no request
 #: is ever rate limited (tests/service/security/test_auth.py checks that counter on a server
 #: with keys and a limit; tests/test_deploy.py that the dashboard names it right).
-NOT_FROM_THIS_SERVER = ("welltempered_rate_limited_requests_total",)
+NOT_FROM_THIS_SERVER = (
+    "welltempered_rate_limited_requests_total",
+    # no model here keeps feedback for a recalibration loop: tests/service/jobs/test_loop.py
+    # checks the runs' series (every state of a model with runs), test_loop_server.py runs
+    # the loop against real processes, and promtool the alert on it
+    "welltempered_loop_runs",
+)
 #: ... and on SQLite, where the serve process runs fits without a job engine, no
 #: heartbeats: the workers gauge is absent by design (its alert must never fire there).
 NOT_FROM_SQLITE = ("welltempered_fit_workers_alive",)

@@ -4,6 +4,7 @@ object store: replicas and workers share nothing else)."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import numpy as np
@@ -142,7 +143,16 @@ def test_fits_read_through_the_bounded_cache_and_metrics_count_it(tmp_path, exec
         # copy (the first scores), its labels fit beside
         cache = ArrayStore(settings.data_dir, url).read_cache
         assert cache.usage() == 4128 + 16128 + 4128 <= 30_000
-        got = families(c.get("/metrics").text)
+        # A fit process's figures reach these counters when the worker reads its pipe,
+        # after the process ended, so after the version's outcome is written: wait for
+        # the third fit's (in a thread they are counted before the outcome).
+        deadline = time.monotonic() + 30
+        while True:
+            got = families(c.get("/metrics").text)
+            counted = got.get("welltempered_array_cache_misses_total", {}).get((), 0)
+            if counted >= 4 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         assert got["welltempered_array_cache_hits_total"][()] == 2
         assert got["welltempered_array_cache_misses_total"][()] == 4
         assert got["welltempered_array_cache_evictions_total"][()] == 1
