@@ -112,8 +112,8 @@ def upload_floor(path: Path, folder: Path) -> float:
 
 def upload_breakdown(path: Path, folder: Path) -> dict[str, float]:
     """Seconds of the steps of the service's upload, called in this process on the file
-    (the spooled body): read and validate the .npz, hash the arrays, the dataset's
-    metrics, write the files (``service/api/routers/datasets.py``)."""
+    (the spooled body): read and validate the .npz, the dataset's metrics, write the
+    files, hashed as they are written (``service/api/routers/datasets.py``)."""
     from service.api.codecs import npz, rules
     from service.settings import Settings
     from service.storage.arrays import ArrayStore
@@ -126,15 +126,12 @@ def upload_breakdown(path: Path, folder: Path) -> dict[str, float]:
     out["read and validate"] = time.perf_counter() - t0
     store = ArrayStore(folder)
     t0 = time.perf_counter()
-    hashes = [store.digest(a)[0] for a in (data.scores, data.labels)]
-    out["hash"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
     metrics.scores_report(data.scores, data.labels, data.kind)
     out["metrics (scores_report)"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for a, sha in zip((data.scores, data.labels), hashes, strict=True):
-        store.put(a, sha256=sha)
-    out["write (put, fsync)"] = time.perf_counter() - t0
+    for a in (data.scores, data.labels):
+        store.write(a)
+    out["write (hashed as written, fsync)"] = time.perf_counter() - t0
     return out
 
 

@@ -70,18 +70,13 @@ class _HashingWriter:
 
 
 class _Counter:
-    """A sink that counts the bytes written to it (:meth:`ArrayStore.digest`), or fed
-    to it as a hasher is (:meth:`ArrayStore.write`)."""
+    """Counts the bytes fed to it as a hasher is (:meth:`ArrayStore.write`)."""
 
     def __init__(self):
         self.size = 0
 
-    def write(self, data) -> int:
-        n = memoryview(data).nbytes
-        self.size += n
-        return n
-
-    update = write
+    def update(self, data) -> None:
+        self.size += memoryview(data).nbytes
 
     def flush(self) -> None:
         pass
@@ -227,21 +222,14 @@ class ArrayStore:
         os.close(fd)
         return Path(name)
 
-    @staticmethod
-    def digest(array: np.ndarray) -> tuple[str, int]:
-        """The sha256 and size in bytes of ``array``'s .npy file, without writing it:
-        the name and size :meth:`put` would give it (one pass, bounded memory)."""
-        own, counter = hashlib.sha256(), _Counter()
-        np.save(_HashingWriter(counter, [own]), array, allow_pickle=False)
-        return own.hexdigest(), counter.size
-
     def put(self, array: np.ndarray, also=(), sha256: str | None = None) -> str:
         """Store ``array`` as .npy under its sha256 (also fed to ``also``); return the hash.
 
-        ``sha256``, when the caller has it from :meth:`digest`, names the file without
-        hashing the bytes a second time. The file is written (a fresh inode, a fresh
-        modification time) even when the name exists: a caller about to commit a row
-        that names it must not depend on a file a concurrent release may be removing.
+        ``sha256``, when the caller has it (a file written again under its known name),
+        names the file without hashing the bytes a second time. The file is written (a
+        fresh inode, a fresh modification time) even when the name exists: a caller about
+        to commit a row that names it must not depend on a file a concurrent release may
+        be removing.
         """
         return self.write(array, also, sha256)[0]
 
@@ -249,8 +237,7 @@ class ArrayStore:
         self, array: np.ndarray, also=(), sha256: str | None = None
     ) -> tuple[str, int]:
         """:meth:`put`, returning the file's sha256 and size in bytes: with no
-        ``sha256``, both come from the one pass that writes it (an upload's, instead of
-        a :meth:`digest` then a :meth:`put`)."""
+        ``sha256``, both come from the one pass that writes it (an upload's)."""
         own, counter = hashlib.sha256(), _Counter()
         tmp = self.temp_path(".npy")
         try:
