@@ -457,6 +457,25 @@ class DriftVerdict(BaseModel):
     n_holdout: int
 
 
+class LiveNllQuantiles(BaseModel):
+    """The median and p95 of the window's per-row NLL (per token, for a language model),
+    read from the fixed histogram each feedback post adds to (``live`` keeps its exact
+    ``nll_median`` and ``nll_p95`` null: the rows are not kept)."""
+
+    n: int = Field(description="Rows in the histogram.")
+    complete: bool = Field(
+        description="Whether every row of the live report is in it (feedback posted before "
+        "the histogram was kept is not)."
+    )
+    median: float | None = _OPTIONAL_FIGURE(description="Nats.")
+    p95: float | None = _OPTIONAL_FIGURE(description="Nats.")
+    relative_error: float = Field(
+        description="Each figure is within this factor of the exact one (above "
+        "absolute_error_below nats; below it, within that many nats)."
+    )
+    absolute_error_below: float
+
+
 class MonitoringOut(BaseModel):
     """Live calibration of a version over a window, its hold-out figures, and drift."""
 
@@ -467,6 +486,7 @@ class MonitoringOut(BaseModel):
     since: int = Field(description="Unix time of the window's first bucket.")
     bucket_seconds: int
     live: LiveReport
+    live_nll: LiveNllQuantiles
     holdout: HoldoutReport
     drift: DriftVerdict
 

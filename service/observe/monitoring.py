@@ -80,6 +80,9 @@ HOLDOUT_INTERVALS = (
     "smooth_ece_upper",
 )
 MAX_WINDOW_SECONDS = 366 * 86_400
+#: How far a histogram quantile may be from the exact one, relatively, above
+#: ``token_nll.SMALLEST`` nats (below it: that many nats).
+RELATIVE_ERROR = float(10.0 ** (1.0 / token_nll.BINS_PER_DECADE) - 1.0)
 #: The key of the per-row NLL histogram in the statistics of a feedback post
 #: (:mod:`service.observe.token_nll`).
 NLL_HISTOGRAM = "nll_histogram"
@@ -233,19 +236,48 @@ def record_nll_histogram(
     counts.add_counts(session, FeedbackNllBin, rows, commit=False)
 
 
-def window_token_nll(
+def window_nll_histograms(
     session: Session, since: int, version_ids: Iterable[int] | None = None
-) -> dict[int, list[float | None]]:
-    """The :data:`service.observe.token_nll.QUANTILES` of the per-row NLL of the feedback
-    in the buckets starting at or after ``since``, per version id (versions with rows)."""
+) -> dict[int, np.ndarray]:
+    """The per-row NLL histogram (:mod:`service.observe.token_nll`) of the feedback in the
+    buckets starting at or after ``since``, per version id (versions with rows)."""
     out = {}
     for version_id, found in counts.window_counts(
         session, FeedbackNllBin, since, version_ids
     ).items():
         histogram = np.zeros(token_nll.N_BINS, dtype=np.int64)
         histogram[list(found)] = list(found.values())
-        out[version_id] = token_nll.quantiles(histogram)
+        out[version_id] = histogram
     return out
+
+
+def window_token_nll(
+    session: Session, since: int, version_ids: Iterable[int] | None = None
+) -> dict[int, list[float | None]]:
+    """The :data:`service.observe.token_nll.QUANTILES` of the per-row NLL of the feedback
+    in the buckets starting at or after ``since``, per version id (versions with rows)."""
+    return {
+        version_id: token_nll.quantiles(histogram)
+        for version_id, histogram in window_nll_histograms(session, since, version_ids).items()
+    }
+
+
+def live_nll_quantiles(histogram: np.ndarray | None, n: int) -> dict[str, Any]:
+    """The median and p95 of the window's per-row NLL from its histogram, with what they
+    are good to: ``n`` the rows they describe, None figures without rows.
+
+    Feedback posted before the histogram was kept (migration 0016) is in the window's
+    sums but not in its histogram: then ``n`` is below the live report's, and says so."""
+    counted = 0 if histogram is None else int(histogram.sum())
+    median, p95 = token_nll.quantiles(histogram) if counted else (None, None)
+    return {
+        "n": counted,
+        "complete": counted == n,
+        "median": median,
+        "p95": p95,
+        "relative_error": RELATIVE_ERROR,
+        "absolute_error_below": token_nll.SMALLEST,
+    }
 
 
 def window_statistics(

@@ -380,11 +380,14 @@ def get_monitoring(
     verdict (``calibrators.evaluation.drift.detect_drift``: method, bound, p-value)."""
     info, stats = _live(session, state, row, seconds)
     holdout = monitoring.holdout_report(row)
+    live = monitoring.live_report(stats, model.num_classes)
+    histogram = monitoring.window_nll_histograms(session, info["since"], [row.id]).get(row.id)
     return {
         "model": model.name,
         "version": row.version,
         **info,
-        "live": monitoring.live_report(stats, model.num_classes),
+        "live": live,
+        "live_nll": monitoring.live_nll_quantiles(histogram, live["n"]),
         "holdout": holdout,
         "drift": monitoring.drift_verdict(holdout["bins"], stats),
     }

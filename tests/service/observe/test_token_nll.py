@@ -66,3 +66,19 @@ def test_feedback_exports_the_token_nll_quantiles(client):
         assert within_a_bin(got[q], x), (q, got[q], x)
     # Not just the mean: the median is below it, the p95 above.
     assert got["0.5"] < nll.mean() < got["0.95"]
+    # The same figures in GET monitoring's live_nll, beside its exact mean.
+    body = client.get("/v1/models/lm/monitoring", params={"window": "1h"}).json()
+    live_nll = body["live_nll"]
+    assert live_nll["n"] == body["live"]["n"] == 600 and live_nll["complete"]
+    assert (live_nll["median"], live_nll["p95"]) == (got["0.5"], got["0.95"])
+    assert live_nll["relative_error"] == RATIO - 1
+    assert abs(body["live"]["nll"] - nll.mean()) < 1e-9
+
+
+def test_monitoring_without_feedback_has_no_nll_quantiles(client):
+    logits, labels = logits_data(n=200, k=4, seed=6)
+    create_model(client, "quiet", k=4)
+    promote(client, "quiet", upload(client, "quiet", logits, labels)["id"])
+    live_nll = client.get("/v1/models/quiet/monitoring").json()["live_nll"]
+    assert live_nll["n"] == 0 and live_nll["median"] is None and live_nll["p95"] is None
+    assert live_nll["complete"]
