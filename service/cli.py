@@ -139,7 +139,7 @@ def serve(args: argparse.Namespace) -> int:
     from service.observe import metrics
     from service.server import exporter, timeouts
     from service.settings import Settings
-    from service.storage import array_refs, fits, migrate
+    from service.storage import array_refs, fits, migrate, retry
     from service.storage.arrays import ArrayStore
     from service.storage.db import make_engine
 
@@ -169,7 +169,10 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     engine = make_engine(settings.database_url)
     try:
-        migrate.ensure_schema(engine, settings.database_url)
+        retry.until_reachable(
+            migrate.ensure_schema, engine, settings.database_url,
+            wait_seconds=settings.startup_database_wait_seconds, what="the schema check",
+        )
         if settings.is_sqlite:
             # The only process of this database file. Once, before any uvicorn worker
             # exists (several must not each do it): fits left running by a stopped
@@ -272,7 +275,7 @@ def worker(args: argparse.Namespace) -> int:
     from service.observe import metrics, monitoring
     from service.server import exporter
     from service.settings import Settings
-    from service.storage import migrate
+    from service.storage import migrate, retry
     from service.storage.db import make_engine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
@@ -297,7 +300,10 @@ def worker(args: argparse.Namespace) -> int:
     engine = make_engine(settings.database_url, application_name="welltempered-worker")
     listener = process_metrics = None
     try:
-        migrate.ensure_schema(engine, settings.database_url)
+        retry.until_reachable(
+            migrate.ensure_schema, engine, settings.database_url,
+            wait_seconds=settings.startup_database_wait_seconds, what="the schema check",
+        )
         # This process's metrics, as a one-worker serve has them (PROMETHEUS_MULTIPROC_DIR
         # set, as in the image: its files, service/observe/metrics.py): the fits this
         # worker ran, observed here when each ends, and what their reads did in the

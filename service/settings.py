@@ -226,6 +226,13 @@ class Settings(BaseSettings):
         description="Fits queued or running in all namespaces beyond which a new one is "
         "refused with 429 and Retry-After (the per-namespace limit comes first).",
     )
+    startup_database_wait_seconds: float = Field(
+        30.0,
+        ge=0,
+        description="How long a starting process keeps trying the database after a "
+        "transient failure (a refused or cut connection) before it gives up; under "
+        "several workers, one whose start fails stops the whole server.",
+    )
     shutdown_grace_seconds: float = Field(
         30.0,
         ge=0,

@@ -26,6 +26,7 @@ from service.jobs.engine import JobEngine
 from service.jobs.fitting import memory_budget
 from service.jobs.local import LocalQueue
 from service.settings import Settings
+from service.storage import retry
 
 log = logging.getLogger("welltempered.fits")
 
@@ -98,7 +99,12 @@ class Fits:
             log.info("this process runs no fits (WELLTEMPERED_RUN_FITS=false)")
             return
         if isinstance(self.queue, LocalQueue):
-            self.queue.start(recover=self.settings.recover_jobs)
+            # Its reads come before its threads start: a failed start can be run again.
+            retry.until_reachable(
+                self.queue.start, self.settings.recover_jobs,
+                wait_seconds=self.settings.startup_database_wait_seconds,
+                what="queueing the waiting fits",
+            )
             return
         # Opened here, in the lifespan's start-up: a pool cancelled while it connects
         # would leave its own tasks behind.

@@ -15,6 +15,10 @@ it. What then:
 - :func:`retry_read` runs a read that opens its own session again, once, on a fresh
   connection. The API replays a whole ``GET`` the same way
   (:mod:`service.server.faults`).
+- :func:`until_reachable` runs a process's start-up steps again after a transient
+  failure, for a bounded time: under uvicorn's supervisor a worker whose start-up
+  fails stops the whole server (its other workers too), so a connection cut while a
+  worker starts must not end it.
 - A write cannot simply be repeated: if the connection died during ``COMMIT``
   without an answer, the change may or may not be in the database (an error the
   server sends in reply to ``COMMIT`` means it did not commit). :func:`recording` and the listeners
@@ -31,6 +35,7 @@ transparently: only the caller knows the unit of work to repeat.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -98,6 +103,51 @@ def retry_read(fn: Callable[..., T], *args, attempts: int = 2, **kwargs) -> T:
                 raise
             log.info("a read lost its database connection (%s): retrying", type(exc).__name__)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def until_reachable(
+    fn: Callable[..., T],
+    *args,
+    wait_seconds: float,
+    what: str,
+    sleep: Callable[[float], object] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> T:
+    """``fn(*args)``, called again after each transient failure (:func:`is_transient`)
+    until ``wait_seconds`` have passed since the first call; then the failure is raised.
+    The waits between calls grow from 0.1 s to 2 s. Other errors are raised at once.
+
+    For steps that can be repeated: reads, and writes in a transaction of their own
+    (a failed one is rolled back). ``what`` names the step in the log.
+
+    >>> calls = []
+    >>> def flaky():
+    ...     calls.append(1)
+    ...     if len(calls) < 3:
+    ...         raise OperationalError("SELECT 1", {}, Exception("connection cut"))
+    ...     return "up"
+    >>> until_reachable(flaky, wait_seconds=10, what="a check", sleep=lambda s: None)
+    'up'
+    >>> len(calls)
+    3
+    """
+    deadline = clock() + wait_seconds
+    pause = 0.1
+    attempt = 1
+    while True:
+        try:
+            return fn(*args)
+        except Exception as exc:
+            if not is_transient(exc) or clock() + pause > deadline:
+                raise
+            log.warning(
+                "%s failed (%s, attempt %d): the database is unreachable; trying again in "
+                "%.1f s (for up to %g s in all)", what, type(exc).__name__, attempt, pause,
+                wait_seconds,
+            )
+        sleep(pause)
+        pause = min(2.0, pause * 2)
+        attempt += 1
 
 
 @dataclass

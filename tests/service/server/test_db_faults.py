@@ -383,3 +383,65 @@ def test_a_read_whose_session_cannot_roll_back_still_answers(client, served, cap
     assert [x.getMessage() for x in caplog.records if x.levelname == "ERROR"] == []
     assert "rollback at its end failed" in caplog.text
     assert r.json()["calibrators"][0]["version"] == 1
+
+
+# ---------------------------------------------------------------------------
+# start-up: a worker that loses its connection while it starts keeps starting
+
+
+def test_start_up_steps_are_tried_again_while_the_database_is_unreachable():
+    """until_reachable repeats a transient failure, with growing waits, until its time is
+    up, then raises it; any other error at once."""
+    now, waits = [0.0], []
+
+    def sleep(seconds):
+        waits.append(seconds)
+        now[0] += seconds
+
+    def down():
+        raise dropped()
+
+    with pytest.raises(OperationalError):
+        retry.until_reachable(down, wait_seconds=10, what="a check", sleep=sleep,
+                              clock=lambda: now[0])
+    assert waits == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0, 2.0])
+    assert sum(waits) + 2.0 > 10  # gave up when the next wait would pass the deadline
+
+    def bug():
+        raise ValueError("not the database's fault")
+
+    with pytest.raises(ValueError):
+        retry.until_reachable(bug, wait_seconds=5, what="a check", sleep=sleep)
+
+
+def test_a_start_up_that_loses_its_connection_still_starts(database_url, tmp_path, monkeypatch):
+    """The lifespan's schema check and (SQLite) the local queue's reads fail once each, as
+    when connections are cut while a worker starts (uvicorn then stopped the whole
+    server, every worker with it: the every-50ms test's 'connection reset' on
+    PostgreSQL): the app starts and serves. (On PostgreSQL the job engine's pool
+    reconnects by itself.)"""
+    from service.api import app as app_module
+    from service.jobs import local
+
+    failed = collections.Counter()
+
+    def once(name, real):
+        def flaky(*args, **kwargs):
+            if not failed[name]:
+                failed[name] += 1
+                raise dropped()
+            return real(*args, **kwargs)
+
+        return flaky
+
+    monkeypatch.setattr(app_module, "ensure_schema", once("schema", app_module.ensure_schema))
+    monkeypatch.setattr(
+        local.LocalQueue, "start", once("queue", local.LocalQueue.start)
+    )
+    app = create_app(make_settings(database_url, tmp_path))
+    with TestClient(app, raise_server_exceptions=False) as c:
+        assert c.get("/healthz").status_code == 200
+        create_model(c, "m", k=3)
+        assert c.get("/v1/models/m").status_code == 200
+    sqlite = database_url.startswith("sqlite")
+    assert failed == ({"schema": 1, "queue": 1} if sqlite else {"schema": 1})
