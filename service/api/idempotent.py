@@ -41,6 +41,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from sqlalchemy.orm import Session
 
+from service.api.codecs.npz import NpzBody
 from service.api.deps import AppState, ModelDep, SessionDep, StateDep
 from service.api.uploads import Upload
 from service.storage import idempotency, retry
@@ -74,12 +75,14 @@ _CHUNK = 1 << 20
 
 def body_sha256(body: bytes | bytearray | memoryview | Upload) -> str:
     """The sha256 of a body as read: the buffer of a JSON body, or the file an upload
-    was spooled to, read a chunk at a time (a multipart upload: its ``file`` field)."""
+    was spooled to, read a chunk at a time (a multipart upload: its ``file`` field; a body
+    spooled split, its two files spliced)."""
     if isinstance(body, Upload):
         if body.npz is None:
             body = body.json
         else:
-            with open(body.npz, "rb") as f:
+            spooled = body.npz
+            with spooled.open() if isinstance(spooled, NpzBody) else open(spooled, "rb") as f:
                 return hashlib.file_digest(f, "sha256").hexdigest()
     return hashlib.sha256(body).hexdigest()
 

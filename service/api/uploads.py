@@ -11,9 +11,15 @@ fly with python-multipart and only the ``file`` field's bytes reach the disk.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import mmap
+import os
 import re
+import zlib
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +30,8 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
 
-from service.api.codecs import npy
+from service.api.codecs import npy, npz
+from service.api.codecs.rules import SCORE_KEYS
 from service.errors import ContentTooLarge, InvalidInput, MalformedBody, UnsupportedMediaType
 
 _FLUSH_BYTES = 1 << 20
@@ -35,10 +42,11 @@ NPZ_TYPES = ("application/octet-stream", "application/x-npz", "application/zip")
 
 @dataclass
 class Upload:
-    """A labelled-scores body: JSON read into memory, or a .npz spooled to a file."""
+    """A labelled-scores body: JSON read into memory, or a .npz spooled to a file (or split,
+    its score member apart: :func:`spool_npz`)."""
 
     json: bytes | None = None
-    npz: Path | None = None
+    npz: Path | npz.NpzBody | None = None
 
 
 def media_type(request: Request) -> str:
@@ -73,10 +81,13 @@ async def labelled_body(
     temp_path: Callable[[str], Path],
     multipart: bool,
     expected: str,
+    split_scores: bool = False,
 ) -> AsyncIterator[Upload]:
     """A labelled-scores body by its media type: JSON read into memory (up to
     ``json_limit``), a .npz body (or, with ``multipart``, the multipart field ``file``)
-    spooled to a temp file that is removed on exit; 415 naming ``expected`` otherwise."""
+    spooled to a temp file that is removed on exit; 415 naming ``expected`` otherwise.
+    With ``split_scores``, a .npz body's score member is spooled to a file of its own
+    (:func:`spool_npz`; removed on exit too unless it was stored)."""
     kind = media_type(request)
     if kind == "application/json" or kind.endswith("+json"):
         yield Upload(json=await read_body(request, json_limit))
@@ -85,14 +96,20 @@ async def labelled_body(
     if kind not in NPZ_TYPES and not from_form:
         raise UnsupportedMediaType(f"{expected} Got {kind or 'no Content-Type'!r}.")
     path = temp_path(".npz")
+    member = temp_path(".npy") if split_scores and not from_form else None
     try:
         if from_form:
             await spool_multipart_file(request, path)
+            yield Upload(npz=path)
+        elif member is not None:
+            yield Upload(npz=await spool_npz(request, path, member))
         else:
             await spool_body(request, path)
-        yield Upload(npz=path)
+            yield Upload(npz=path)
     finally:
         path.unlink(missing_ok=True)
+        if member is not None:
+            member.unlink(missing_ok=True)
 
 
 async def read_body(request: Request, limit: int) -> bytearray | mmap.mmap:
@@ -174,6 +191,114 @@ async def spool_body(request: Request, path: Path) -> int:
         if pending:
             await anyio.to_thread.run_sync(f.write, bytes(pending))
     return total
+
+
+#: Bytes of a split body's member written between two background flushes (fdatasync in
+#: a thread of its own while the body still arrives: the store's fsync then has only the
+#: last of them to wait for).
+_SYNC_BYTES = 64 << 20
+
+
+class _SplitWriter:
+    """The files of :func:`spool_npz`. Each 1 MiB piece of the body is routed in the event
+    loop (:class:`~service.api.codecs.npz.MemberRouter`: a few slices); then one thread
+    hashes the member's bytes (sha256) while another CRC-sums them and writes every slice
+    where it goes (hashlib, zlib and os.pwrite release the GIL), and a third starts the
+    member's write-back every :data:`_SYNC_BYTES`."""
+
+    def __init__(self, path: Path, member: Path, pool: ThreadPoolExecutor):
+        self.router = npz.MemberRouter(SCORE_KEYS)
+        self.pool = pool
+        self.sha256 = hashlib.sha256()
+        self.crc32 = 0
+        self.written = 0
+        self.at = 0
+        self.synced = 0
+        self.jobs: list[Future] = []
+        self.sync: Future | None = None
+        self.body = os.open(path, os.O_WRONLY)
+        try:
+            self.member = os.open(member, os.O_WRONLY)
+        except BaseException:
+            os.close(self.body)
+            raise
+
+    def submit(self, piece: bytearray) -> None:
+        """Start the work of ``piece``, after that of the piece before (:meth:`wait`)."""
+        runs = self.router.feed(piece)
+        views = [view for to_member, view in runs if to_member]
+        self.jobs = [self.pool.submit(self._write, runs)]
+        if views:
+            self.jobs.append(self.pool.submit(self._hash, views))
+        if self.written - self.synced >= _SYNC_BYTES and (self.sync is None or self.sync.done()):
+            self.synced = self.written
+            self.sync = self.pool.submit(os.fdatasync, self.member)
+
+    async def wait(self) -> None:
+        for job in self.jobs:
+            await asyncio.wrap_future(job)
+        self.jobs = []
+
+    def settle(self) -> None:
+        """Block until no thread uses the files (a failed body's last piece)."""
+        wait_futures([*self.jobs, *([self.sync] if self.sync else [])])
+
+    def _hash(self, views: list[memoryview]) -> None:
+        for view in views:
+            self.sha256.update(view)
+
+    def _write(self, runs: list[tuple[bool, memoryview]]) -> None:
+        for to_member, view in runs:
+            if to_member:
+                self.crc32 = zlib.crc32(view, self.crc32)
+                _pwrite(self.member, view, self.written)
+                self.written += len(view)
+            else:
+                _pwrite(self.body, view, self.at)
+            self.at += len(view)
+
+    def close(self) -> None:
+        os.ftruncate(self.body, self.at)  # the body may end in the member's hole
+        os.close(self.body)
+        os.close(self.member)
+
+
+def _pwrite(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+async def spool_npz(request: Request, path: Path, member: Path) -> npz.NpzBody:
+    """Stream a .npz body to ``path``, its first stored score member's data to ``member``
+    (:class:`~service.api.codecs.npz.MemberRouter`), hashed (sha256) and CRC-summed as they
+    arrive: the reader checks them against the zip's directory and the store keeps the
+    member file as it is (:func:`~service.api.codecs.npz.labelled_from_npz`).
+
+    The body is handed to worker threads 1 MiB at a time while the next MiB arrives
+    (:class:`_SplitWriter`): at most two pieces are held. Limits: :mod:`service.server.budget`.
+    """
+    with ThreadPoolExecutor(3, thread_name_prefix="spool") as pool:
+        writer = _SplitWriter(path, member, pool)
+        try:
+            piece = bytearray()
+            async for chunk in request.stream():
+                piece += chunk
+                if len(piece) >= _FLUSH_BYTES:
+                    await writer.wait()
+                    writer.submit(piece)
+                    piece = bytearray()
+            await writer.wait()
+            if piece:
+                writer.submit(piece)
+                await writer.wait()
+        finally:
+            writer.settle()
+            writer.close()
+    return npz.NpzBody(
+        path, writer.at, writer.router.routed, member if writer.router.routed else None,
+        writer.written, writer.crc32, writer.sha256.hexdigest(),
+    )
 
 
 _BOUNDARY = re.compile(rb"^[ -~]{1,200}$")

@@ -83,6 +83,17 @@ class _Counter:
 
 
 @dataclass(frozen=True)
+class Staged:
+    """A ``.npy`` file already written in the store's temp folder (:meth:`ArrayStore.temp_path`),
+    with the sha256 and size of its bytes: an upload's member, hashed as it arrived.
+    :meth:`ArrayStore.adopt` stores it as it is, without writing the array again."""
+
+    path: Path
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
 class StoredFile:
     """An array file found on disk: its hash, path, size and last modification (Unix s)."""
 
@@ -247,17 +258,34 @@ class ArrayStore:
                 raw.flush()
                 os.fsync(raw.fileno())
             sha = sha256 if sha256 is not None else own.hexdigest()
-            final = self.path(sha)
-            if self._fs is not None:  # an object appears whole once its upload ends
-                self._fs.makedirs(str(final.parent), exist_ok=True)
-                self._fs.put_file(str(tmp), str(final))
-                return sha, counter.size
-            final.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(tmp, final)  # atomic; identical content may simply overwrite
-            _fsync_dir(final.parent)
+            self._place(tmp, sha)
             return sha, counter.size
         finally:
             tmp.unlink(missing_ok=True)
+
+    def adopt(self, staged: Staged) -> tuple[str, int]:
+        """Store a file written and hashed beforehand (:class:`Staged`): fsynced, then put
+        under its hash as :meth:`write` puts the file it writes; returns its sha256 and
+        size. The caller removes ``staged.path`` if it is still there (object stores copy
+        it)."""
+        fd = os.open(staged.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._place(staged.path, staged.sha256)
+        return staged.sha256, staged.size
+
+    def _place(self, tmp: Path, sha: str) -> None:
+        """Move (or, to an object store, copy) the fsynced temp file ``tmp`` to its name."""
+        final = self.path(sha)
+        if self._fs is not None:  # an object appears whole once its upload ends
+            self._fs.makedirs(str(final.parent), exist_ok=True)
+            self._fs.put_file(str(tmp), str(final))
+            return
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, final)  # atomic; identical content may simply overwrite
+        _fsync_dir(final.parent)
 
     def load(self, sha256: str, *, mmap: bool = True) -> np.ndarray:
         """The array of ``sha256``, memory-mapped read-only unless ``mmap`` is False.

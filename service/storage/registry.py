@@ -39,7 +39,7 @@ from sqlalchemy.orm import Session, undefer
 from calibrators.evaluation import entropy, metrics
 from service.errors import ArgmaxChanged, Conflict, InUse, InvalidInput, NotFound, NotReady
 from service.storage import array_refs, usage
-from service.storage.arrays import ArrayStore
+from service.storage.arrays import ArrayStore, Staged
 from service.storage.db import (
     Alias,
     CalibratorVersion,
@@ -181,6 +181,7 @@ def add_dataset(
     before_commit: Callable[[Session, Dataset], None] | None = None,
     sequences: np.ndarray | None = None,
     metrics_later: Callable[[int], None] | None = None,
+    scores_file: Staged | None = None,
 ) -> tuple[Dataset, bool]:
     """Store validated arrays (files first, fsynced), then commit the row; dedupe by content.
 
@@ -196,16 +197,21 @@ def add_dataset(
     the entropies of the rows (:func:`calibrators.evaluation.entropy.entropy_report`).
     Over :data:`INLINE_METRICS_SCORES` scores the row is stored without its metrics
     (NULL), and ``metrics_later(dataset_id)`` is called once it is committed (to hand it
-    to :func:`fill_metrics`).
+    to :func:`fill_metrics`). ``scores_file``: the scores' ``.npy`` bytes already written
+    and hashed (an upload's member, :class:`~service.storage.arrays.Staged`), stored as
+    they are instead of writing ``scores`` again.
     """
 
     # Written first, hashed and sized while written: one pass over each array. Content
     # uploaded before is then found by its hash; its files were rewritten with the same
     # bytes (the price of a repeated upload, against a hashing pass for every new one).
-    def written(array: np.ndarray | None) -> array_refs.Held | None:
-        return None if array is None else array_refs.Held(*arrays.write(array), array)
+    def written(array: np.ndarray | None, staged: Staged | None = None) -> array_refs.Held | None:
+        if array is None:
+            return None
+        return array_refs.Held(*(arrays.write(array) if staged is None else arrays.adopt(staged)),
+                               array)
 
-    named = [written(scores), written(labels), written(sequences)]
+    named = [written(scores, scores_file), written(labels), written(sequences)]
     files = [f for f in named if f is not None]
     shas = [f.sha256 for f in files]
     score_sha, label_sha, sequence_sha = (None if f is None else f.sha256 for f in named)

@@ -361,7 +361,17 @@ def npy_bytes(arr: np.ndarray) -> bytes:
 def npy_header(arr: np.ndarray) -> bytes:
     """The .npy header of a C-contiguous ``arr`` (format 1.0, or 2.0 as np.save picks for
     huge shapes)."""
-    fields = np.lib.format.header_data_from_array_1_0(arr)
+    return _header_bytes(np.lib.format.header_data_from_array_1_0(arr))
+
+
+def npy_header_for(shape: tuple[int, ...], dtype: np.dtype) -> bytes:
+    """The .npy header ``np.save`` writes for a C-ordered array of ``shape`` and ``dtype``
+    (without one)."""
+    return _header_bytes({"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                          "fortran_order": False, "shape": tuple(shape)})
+
+
+def _header_bytes(fields: dict) -> bytes:
     head = io.BytesIO()
     try:
         np.lib.format.write_array_header_1_0(head, fields)

@@ -5,15 +5,31 @@ entries) before :mod:`zipfile` reads it; only stored and deflated, unencrypted
 members are read, each through :class:`~service.api.codecs.npy.NpyStream`, so a
 member inflates to at most its declared size, checked while inflating. Pure: no
 web framework.
+
+A dataset's score member may arrive split off (:class:`MemberRouter`, :class:`NpzBody`):
+an uncompressed zip member *is* a ``.npy`` file, so while the body streams in, the bytes
+of the first stored score member go to a file of their own, hashed and CRC-summed as
+they arrive, and the rest of the body to the spool file (a hole where the member was).
+:func:`labelled_from_npz` reads such a body through a view that puts the two back
+together (every check and every error as for one file), and when the member's CRC,
+place and size agree with the central directory and its ``.npy`` header is the one
+``np.save`` writes for the validated array, the scores are that file, memory-mapped,
+and the store adopts it (:class:`~service.storage.arrays.Staged`) instead of copying
+the array into memory and writing it out again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import struct
 import zipfile
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -22,6 +38,7 @@ from service.api.codecs.npy import (
     NpyHeader,
     NpyStream,
     check_scores_header,
+    npy_header_for,
     parse_npy_header,
 )
 from service.api.codecs.rules import (
@@ -39,6 +56,7 @@ from service.api.codecs.rules import (
     validated_sequences,
 )
 from service.errors import InvalidInput, MalformedBody
+from service.storage.arrays import Staged
 
 #: Zip entries a .npz may list, and bytes its central directory may take; checked from
 #: its end record, before zipfile reads them (zipfile reads the whole directory into
@@ -86,6 +104,238 @@ def _zip_directory(f, what: str) -> tuple[int, int]:
     return entries, size
 
 
+#: A zip local file header: signature, version, flags, method, time, date, CRC-32,
+#: compressed and uncompressed sizes, name and extra lengths (then the name and extra).
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+_LOCAL_SIGNATURE = 0x04034B50
+#: Flag bits of a member the router leaves in the body: encrypted (0, 6), sizes in a data
+#: descriptor after the data (3: the member's end is unknown while it streams).
+_UNROUTED_FLAGS = 0x49
+_ZIP64_EXTRA = 0x0001
+
+
+@dataclass(frozen=True)
+class Routed:
+    """Where the router sent a member: its data's offset in the body and size (the local
+    header's), and its name in the zip."""
+
+    start: int
+    size: int
+    name: str
+
+
+class MemberRouter:
+    """Splits a ``.npz`` body as it streams: :meth:`feed` cuts each piece of the body into
+    ``(to_member, bytes)`` runs, in order, where ``to_member`` marks the data of the first
+    stored, unencrypted member named one of ``names`` (``logits`` or ``logits.npy``...)
+    whose local header gives its size. Everything else (headers, other members, the
+    central directory; the whole body once a member's size is unknown or the bytes are
+    not a zip) is body. Pure: it only reads local headers, and decides nothing about the
+    body's validity (the reader checks the member against the central directory)."""
+
+    def __init__(self, names):
+        self.names = {f"{n}{ext}".encode() for n in names for ext in ("", ".npy")}
+        self.routed: Routed | None = None
+        self._head = bytearray()  # a local header being read
+        self._at = 0  # body bytes fed so far
+        self._skip = 0  # data bytes of a passed member still to come
+        self._member = 0  # data bytes of the routed member still to come
+        self._done = False  # no local header is read any more
+
+    def feed(self, data) -> list[tuple[bool, memoryview]]:
+        view = memoryview(data).cast("B")
+        out: list[tuple[bool, memoryview]] = []
+        while view:
+            if self._done:
+                out.append((False, view))
+                self._at += len(view)
+                break
+            if self._member or self._skip:
+                n = min(self._member or self._skip, len(view))
+                out.append((bool(self._member), view[:n]))
+                if self._member:
+                    self._member -= n
+                    self._done = not self._member  # one member is routed, at most
+                else:
+                    self._skip -= n
+                view, self._at = view[n:], self._at + n
+                continue
+            n = min(self._header_size() - len(self._head), len(view))
+            self._head += view[:n]
+            out.append((False, view[:n]))
+            view, self._at = view[n:], self._at + n
+            if len(self._head) < _LOCAL_HEADER.size:
+                continue
+            if _LOCAL_HEADER.unpack_from(self._head)[0] != _LOCAL_SIGNATURE:
+                self._done = True  # the central directory, or not a zip: the rest is body
+            elif len(self._head) == self._header_size():
+                self._read_header()
+        return out
+
+    def _header_size(self) -> int:
+        if len(self._head) < _LOCAL_HEADER.size:
+            return _LOCAL_HEADER.size
+        *_, name_length, extra_length = _LOCAL_HEADER.unpack_from(self._head)
+        return _LOCAL_HEADER.size + name_length + extra_length
+
+    def _read_header(self) -> None:
+        head = self._head
+        fields = _LOCAL_HEADER.unpack_from(head)
+        _, _, flags, method, _, _, _, compressed, size, name_length, _ = fields
+        name = bytes(head[_LOCAL_HEADER.size : _LOCAL_HEADER.size + name_length])
+        compressed, size = _zip64_sizes(head[_LOCAL_HEADER.size + name_length :], compressed, size)
+        self._head = bytearray()
+        if flags & _UNROUTED_FLAGS or compressed is None:
+            self._done = True
+        elif (
+            self.routed is None and method == zipfile.ZIP_STORED and compressed == size
+            and size > 0 and name in self.names
+        ):  # fmt: skip
+            self.routed = Routed(self._at, size, name.decode("ascii"))
+            self._member = size
+        else:
+            self._skip = compressed
+
+
+def _zip64_sizes(extra, compressed: int, size: int) -> tuple[int | None, int]:
+    """The sizes of a local header, from its zip64 extra field where they are 0xFFFFFFFF
+    (None: the field is missing)."""
+    if 0xFFFFFFFF not in (compressed, size):
+        return compressed, size
+    at = 0
+    while at + 4 <= len(extra):
+        kind, length = struct.unpack_from("<HH", extra, at)
+        body = extra[at + 4 : at + 4 + length]
+        if kind == _ZIP64_EXTRA:
+            values = [int.from_bytes(body[i : i + 8], "little") for i in range(0, len(body) - 7, 8)]
+            if size == 0xFFFFFFFF:
+                if not values:
+                    return None, size
+                size = values.pop(0)
+            if compressed == 0xFFFFFFFF:
+                if not values:
+                    return None, size
+                compressed = values.pop(0)
+            return compressed, size
+        at += 4 + length
+    return None, size
+
+
+@dataclass(frozen=True)
+class NpzBody:
+    """A ``.npz`` body spooled split (:class:`MemberRouter`): ``path`` holds the body with a
+    hole where the routed member's data were, ``member`` those data (``written`` bytes of
+    the ``routed.size`` declared, their CRC-32 and sha256), ``size`` the body's bytes."""
+
+    path: Path
+    size: int
+    routed: Routed | None = None
+    member: Path | None = None
+    written: int = 0
+    crc32: int = 0
+    sha256: str = ""
+
+    def open(self) -> BinaryIO:
+        """The body as one read-only, seekable file (the two parts spliced)."""
+        if self.routed is None:
+            return open(self.path, "rb")
+        return io.BufferedReader(_Spliced(self), buffer_size=CHUNK_BYTES)
+
+
+class _Spliced(io.RawIOBase):
+    """The bytes of an :class:`NpzBody`: ``[start, start + written)`` from its member
+    file, the rest from its spool file."""
+
+    def __init__(self, body: NpzBody):
+        self._size = body.size
+        self._start = body.routed.start
+        self._end = body.routed.start + body.written
+        self._body = open(body.path, "rb", buffering=0)
+        try:
+            self._member = open(body.member, "rb", buffering=0)
+        except BaseException:
+            self._body.close()
+            raise
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        n = min(len(view), self._size - self._pos)
+        if n <= 0:
+            return 0
+        if self._start <= self._pos < self._end:
+            f, at, n = self._member, self._pos - self._start, min(n, self._end - self._pos)
+        else:
+            f, at = self._body, self._pos
+            if self._pos < self._start:
+                n = min(n, self._start - self._pos)
+        f.seek(at)
+        got = f.readinto(view[:n]) or 0
+        self._pos += got
+        return got
+
+    def close(self) -> None:
+        if not self.closed:
+            self._body.close()
+            self._member.close()
+        super().close()
+
+
+@contextmanager
+def _body_file(body: Path | NpzBody) -> Iterator[BinaryIO]:
+    with body.open() if isinstance(body, NpzBody) else open(body, "rb") as f:
+        yield f
+
+
+def _routed_scores(
+    body: Path | NpzBody, f: BinaryIO, info: zipfile.ZipInfo, header: NpyHeader
+) -> Staged | None:
+    """The routed score member as a file to store, when it is exactly what storing the
+    validated array would write: all its bytes arrived, the central directory gives it
+    the same place, size and CRC-32, stored and unencrypted, and its ``.npy`` header is
+    the one ``np.save`` writes for a C-ordered little-endian float32 or float64 array of
+    its shape (what validation keeps as it is). None: read it as any member."""
+    if not isinstance(body, NpzBody) or body.routed is None:
+        return None
+    routed = body.routed
+    if (
+        body.written != routed.size or info.filename != routed.name
+        or info.compress_type != zipfile.ZIP_STORED or info.flag_bits & _UNROUTED_FLAGS
+        or not info.compress_size == info.file_size == routed.size or info.CRC != body.crc32
+        or header.bfloat16 or header.fortran
+        or header.dtype not in (np.dtype("<f4"), np.dtype("<f8"))
+    ):  # fmt: skip
+        return None
+    f.seek(info.header_offset)
+    local = f.read(_LOCAL_HEADER.size)
+    if len(local) != _LOCAL_HEADER.size:
+        return None
+    *_, name_length, extra_length = _LOCAL_HEADER.unpack(local)
+    if info.header_offset + _LOCAL_HEADER.size + name_length + extra_length != routed.start:
+        return None
+    expected = npy_header_for(header.shape, header.dtype)
+    with open(body.member, "rb") as m:
+        if m.read(len(expected)) != expected or len(expected) != header.offset:
+            return None
+    return Staged(body.member, body.sha256, body.written)
+
+
 _ZIP_ERRORS = (
     ValueError,
     OSError,
@@ -100,9 +350,8 @@ _ZIP_ERRORS = (
 )
 
 
-def _open_npz(path: Path, what: str) -> zipfile.ZipFile:
-    with open(path, "rb") as f:
-        entries, size = _zip_directory(f, what)
+def _open_npz(f: BinaryIO, what: str) -> zipfile.ZipFile:
+    entries, size = _zip_directory(f, what)
     if entries > MAX_NPZ_MEMBERS:
         raise InvalidInput(f"{what} lists {entries} entries; at most {MAX_NPZ_MEMBERS}.")
     if size > MAX_CENTRAL_DIRECTORY:
@@ -110,7 +359,7 @@ def _open_npz(path: Path, what: str) -> zipfile.ZipFile:
             f"{what} has a zip central directory of {size} bytes; at most {MAX_CENTRAL_DIRECTORY}."
         )
     try:
-        zf = zipfile.ZipFile(path)
+        zf = zipfile.ZipFile(f)
     except _ZIP_ERRORS as exc:
         raise MalformedBody(f"{what} is not a .npz (zip) archive: {shorten(exc)}.") from None
     if len(zf.infolist()) > MAX_NPZ_MEMBERS:
@@ -166,61 +415,77 @@ def _read_member_data(fp, header: NpyHeader, read: bytes, what: str) -> np.ndarr
     return stream.finish()
 
 
-def labelled_from_npz(path: Path, bounds: Bounds, kind: str | None = None) -> Labelled:
+def labelled_from_npz(
+    body: Path | NpzBody, bounds: Bounds, kind: str | None = None
+) -> Labelled:
     """A ``.npz`` holding ``logits`` | ``probabilities`` | ``predictions`` and ``labels`` |
     ``ground_truth`` (and, where ``bounds.sequences``, optionally ``sequence_ids``; where
     ``bounds.unlabelled``, the labels may be left out). Every header is checked against
     ``bounds`` before a byte of data is inflated; ``kind`` (``?kind=``) must agree with
-    the member's name."""
+    the member's name. ``body``: the spooled file, or a body spooled split
+    (:class:`NpzBody`), whose routed score member, when it is what would be stored,
+    becomes the scores memory-mapped and :attr:`Labelled.scores_file`."""
     what = "The .npz body"
-    zf = _open_npz(path, what)
-    with zf:
-        members: dict[str, zipfile.ZipInfo] = {}
-        for info in zf.infolist():
-            name = info.filename.removesuffix(".npy")
-            if name in members:
-                raise MalformedBody(f"{what} holds the array {name!r} twice.")
-            members[name] = info
-        score_names = [k for k in SCORE_KEYS if k in members]
-        label_names = [k for k in LABEL_KEYS if k in members]
-        label_counts = (0, 1) if bounds.unlabelled else (1,)
-        if len(score_names) != 1 or len(label_names) not in label_counts:
-            labels_rule = "at most one" if bounds.unlabelled else "one"
-            raise InvalidInput(
-                "The .npz must hold exactly one score array (logits, probabilities or "
-                f"predictions) and {labels_rule} label array (labels or ground_truth). "
-                f"Got {shorten(sorted(members))}."
+    with _body_file(body) as f:
+        zf = _open_npz(f, what)
+        with zf:
+            scores, labels, sequences, kind, explicit, staged = _read_npz(
+                zf, f, body, bounds, kind, what
             )
-        score_name = score_names[0]
-        kind, explicit = resolve_kind(kind, SCORE_KEYS[score_name], f"array {score_name!r}")
-        try:
-            with _member(zf, members[score_name], f"array {score_name!r}") as fs:
-                s_what = f"array {score_name!r} of the .npz"
-                s_head, s_read = _read_member_header(fs, s_what, bounds.dtype)
-                check_scores_header(s_head, bounds, s_what)
-                total = s_head.memory
-                if total > bounds.max_bytes:
-                    raise too_many_bytes(what, total, bounds.max_bytes)
-                _check_member_size(members[score_name], s_head, s_what)
-                labels = None
-                if label_names:
-                    labels, total = _read_labels(zf, members[label_names[0]], label_names[0],
-                                                 s_head.shape[0], total, bounds.max_bytes)
-                scores = _read_member_data(fs, s_head, s_read, s_what)
-            sequences = None
-            if bounds.sequences and SEQUENCE_KEY in members:
-                sequences = _read_sequences(
-                    zf, members[SEQUENCE_KEY], s_head.shape[0], total, bounds.max_bytes
-                )
-        except _ZIP_ERRORS as exc:  # CRC errors, bad compressed data...
-            raise MalformedBody(f"{what} is corrupt: {shorten(exc)}.") from None
     data = validated(scores, labels, kind, bounds.num_classes, bounds.model)
     check_not_probabilities(
         data.scores, kind, explicit, "Name the array 'probabilities' in the .npz."
     )
-    if sequences is None:
-        return data
-    return Labelled(data.scores, data.labels, data.kind, sequences)
+    return dataclasses.replace(data, sequences=sequences, scores_file=staged)
+
+
+def _read_npz(zf: zipfile.ZipFile, f: BinaryIO, body: Path | NpzBody, bounds: Bounds,
+              kind: str | None, what: str):  # fmt: skip
+    members: dict[str, zipfile.ZipInfo] = {}
+    for info in zf.infolist():
+        name = info.filename.removesuffix(".npy")
+        if name in members:
+            raise MalformedBody(f"{what} holds the array {name!r} twice.")
+        members[name] = info
+    score_names = [k for k in SCORE_KEYS if k in members]
+    label_names = [k for k in LABEL_KEYS if k in members]
+    label_counts = (0, 1) if bounds.unlabelled else (1,)
+    if len(score_names) != 1 or len(label_names) not in label_counts:
+        labels_rule = "at most one" if bounds.unlabelled else "one"
+        raise InvalidInput(
+            "The .npz must hold exactly one score array (logits, probabilities or "
+            f"predictions) and {labels_rule} label array (labels or ground_truth). "
+            f"Got {shorten(sorted(members))}."
+        )
+    score_name = score_names[0]
+    kind, explicit = resolve_kind(kind, SCORE_KEYS[score_name], f"array {score_name!r}")
+    staged = None
+    try:
+        with _member(zf, members[score_name], f"array {score_name!r}") as fs:
+            s_what = f"array {score_name!r} of the .npz"
+            s_head, s_read = _read_member_header(fs, s_what, bounds.dtype)
+            check_scores_header(s_head, bounds, s_what)
+            total = s_head.memory
+            if total > bounds.max_bytes:
+                raise too_many_bytes(what, total, bounds.max_bytes)
+            _check_member_size(members[score_name], s_head, s_what)
+            labels = None
+            if label_names:
+                labels, total = _read_labels(zf, members[label_names[0]], label_names[0],
+                                             s_head.shape[0], total, bounds.max_bytes)
+            staged = _routed_scores(body, f, members[score_name], s_head)
+            if staged is not None:
+                scores = np.load(staged.path, mmap_mode="r", allow_pickle=False)
+            else:
+                scores = _read_member_data(fs, s_head, s_read, s_what)
+        sequences = None
+        if bounds.sequences and SEQUENCE_KEY in members:
+            sequences = _read_sequences(
+                zf, members[SEQUENCE_KEY], s_head.shape[0], total, bounds.max_bytes
+            )
+    except _ZIP_ERRORS as exc:  # CRC errors, bad compressed data...
+        raise MalformedBody(f"{what} is corrupt: {shorten(exc)}.") from None
+    return scores, labels, sequences, kind, explicit, staged
 
 
 def _read_labels(

@@ -21,6 +21,7 @@ from calibrators.validation import as_labels, as_scores
 from service.errors import ContentTooLarge, InvalidInput
 from service.security import limits
 from service.settings import Settings
+from service.storage.arrays import Staged
 from service.vocabulary import KINDS
 
 #: Accepted names of the score array, and the kind each one means. ``predictions``
@@ -97,6 +98,9 @@ class Labelled:
     labels: np.ndarray | None  # (N,) int64 in [0, K); None: scores alone (a dataset's)
     kind: str
     sequences: np.ndarray | None = None  # (N,) int64 or <U, :func:`validated_sequences`
+    #: The scores' .npy bytes, already written and hashed (an upload's routed member,
+    #: :mod:`service.api.codecs.npz`): stored as they are.
+    scores_file: Staged | None = None
 
 
 def _check_classes(arr: np.ndarray, kind: str, num_classes: int, model: str) -> None:

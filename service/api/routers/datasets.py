@@ -42,6 +42,7 @@ async def receive_upload(
         json_limit=json_body.json_body_limit(bounds, state.settings.max_json_bytes),
         temp_path=state.arrays.temp_path,
         multipart=True,
+        split_scores=True,
         expected=f"Upload a dataset as application/json, a .npz body ({', '.join(NPZ_TYPES)}) "
         "or multipart/form-data with a file field 'file'.",
     ) as upload:
@@ -148,6 +149,7 @@ def upload_dataset(
         session, model, state.arrays, data.scores, data.labels, data.kind, quotas,
         before_commit=lambda s, d: answer(s, d, 201), sequences=data.sequences,
         metrics_later=state.dataset_metrics.submit if state.dataset_metrics else None,
+        scores_file=data.scores_file,
     )
     if created:
         return dataset_out(dataset, model)
