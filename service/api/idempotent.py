@@ -149,35 +149,39 @@ def replayed(row: IdempotencyKey) -> JSONResponse:
     )
 
 
-#: Tries to free a key whose request failed, on a fresh connection each.
-RELEASE_ATTEMPTS = 3
+#: Seconds a failed request keeps trying to free its key (each try on a fresh
+#: connection, waits growing from 0.1 s: :func:`service.storage.retry.until_reachable`).
+RELEASE_SECONDS = 5.0
+
+
+def _release_once(state: AppState, attempt: idempotency.Attempt) -> None:
+    with state.sessions() as session:
+        idempotency.release(session, attempt)
 
 
 def _release(state: AppState, request_session: Session, attempt: idempotency.Attempt) -> None:
     # The request's transaction first: it may hold the key's row (an answer stored before
     # a failed commit), which the release would wait for. Then a session of its own: the
     # request's may be broken by the failure being handled.
-    # A few tries: when connections are being cut, the one the release gets may be
-    # cut too, and a key left in flight answers the client's retries 409 until its
+    # Tries spread over a few seconds: when connections are being cut, the one the
+    # release gets may be cut too (three tries in a row all were, under a cut every
+    # 50 ms), and a key left in flight answers the client's retries 409 until its
     # lease passes.
     try:
         request_session.rollback()
     except Exception as exc:
         if not retry.is_transient(exc):
             raise
-    for attempt_no in range(1, RELEASE_ATTEMPTS + 1):
-        try:
-            with state.sessions() as session:
-                idempotency.release(session, attempt)
-            return
-        except Exception as exc:
-            if not retry.is_transient(exc):
-                raise
-            if attempt_no == RELEASE_ATTEMPTS:
-                # The database is gone: the key stays in flight until its lease passes.
-                log.warning(
-                    "could not release Idempotency-Key %r (%s)", attempt.key, type(exc).__name__
-                )
+    try:
+        retry.until_reachable(
+            _release_once, state, attempt, wait_seconds=RELEASE_SECONDS,
+            what=f"freeing Idempotency-Key {attempt.key!r}",
+        )
+    except Exception as exc:
+        if not retry.is_transient(exc):
+            raise
+        # The database is gone: the key stays in flight until its lease passes.
+        log.warning("could not release Idempotency-Key %r (%s)", attempt.key, type(exc).__name__)
 
 
 def idempotent(body: Callable[..., Any]) -> Any:

@@ -135,6 +135,37 @@ def test_a_write_that_fails_before_its_commit_is_not_applied(client, served):
     assert monitoring["live"]["n"] == 0  # nothing was recorded
 
 
+def test_a_failed_post_frees_its_key_even_when_the_first_tries_are_cut(
+    client, served, monkeypatch
+):
+    """A feedback post under an Idempotency-Key fails before its commit (503, nothing
+    applied) and the first four tries to free its key lose their connections too (as
+    under a cut every 50 ms): later tries free it, so the client's retry with the same
+    key is counted now instead of answered 409 until the key's lease passes."""
+    from service.storage import idempotency
+
+    real, cut = idempotency.release, []
+
+    def flaky_release(session, attempt):
+        if len(cut) < 4:
+            cut.append(attempt.key)
+            raise dropped()
+        real(session, attempt)
+
+    monkeypatch.setattr(idempotency, "release", flaky_release)
+    key = {"Idempotency-Key": "cut-release"}
+    fault = FailNext(engine_of(client), "INSERT INTO feedback_bins")
+    try:
+        r = client.post(f"{MODEL}/feedback", json=served, headers=key)
+    finally:
+        fault.remove()
+    assert assert_problem(r, 503)["applied"] == "no"
+    assert cut == ["cut-release"] * 4
+    again = client.post(f"{MODEL}/feedback", json=served, headers=key)
+    assert again.status_code == 200, again.text
+    assert client.get(f"{MODEL}/monitoring").json()["live"]["n"] == 20
+
+
 def test_a_failed_commit_is_unknown_and_the_idempotency_key_makes_the_retry_safe(client, served):
     """The COMMIT itself fails after the server applied it: the caller is told
     'unknown'; its retry with the same key is answered from the stored answer and the
