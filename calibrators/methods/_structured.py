@@ -393,6 +393,8 @@ class _Problem(PenalisedSoftmax):
                 self.n, 1)
         # (theta, loss, gw, gb): the last data term, and one handed over by retarget
         self.last = self.handed = None
+        # (theta, the data part of diagonal_blocks there)
+        self.kept_blocks = None
 
     def retarget(self, keep_start: bool, **penalties) -> _Problem:
         """The same rows (no copy) with other penalty coefficients, for the next
@@ -519,21 +521,35 @@ class _Problem(PenalisedSoftmax):
         """:meth:`PenalisedSoftmax.diagonal_blocks`, the softmax by
         :meth:`diagonal_exp`, the unweighted moments from :attr:`moments`, the
         weighted ones summed in the features' dtype (a change of variables: its
-        rounding moves no optimum)."""
-        x, sxx, sx = self.moments
-        q, c, _ = self.diagonal_exp(theta, x, self.xmax)
-        total = q @ c
-        q *= c
-        q /= total[:, None]  # now p
-        q -= q * q  # p (1 - p)
-        mean = np.full(len(x), 1.0 / len(x), dtype=q.dtype)
-        q_mean = mean @ q
-        damping = DAMPING * float(q_mean.mean())
-        qx = q * x
-        blocks = np.empty((self.k, 2, 2))
-        blocks[:, 0, 0] = mean @ (qx * x) + 2.0 * self.c_diag + damping * sxx
-        blocks[:, 0, 1] = blocks[:, 1, 0] = mean @ qx + damping * sx
-        blocks[:, 1, 1] = q_mean + 2.0 * self.c_bias + damping
+        rounding moves no optimum).
+
+        The blocks' data part at the last ``theta`` is kept (and copied by
+        :meth:`retarget`): svs's search asks for it again at the start of the fold's
+        next candidate, where only the penalty is new
+        (:meth:`calibrators.solvers.penalised.PenalisedSoftmax._solve_block_newton`
+        computes the blocks where each step starts, and the next candidate starts
+        where the last step did)."""
+        kept = self.kept_blocks
+        if kept is not None and np.array_equal(kept[0], theta):
+            blocks = kept[1].copy()
+        else:
+            x, sxx, sx = self.moments
+            q, c, _ = self.diagonal_exp(theta, x, self.xmax)
+            total = q @ c
+            q *= c
+            q /= total[:, None]  # now p
+            q -= q * q  # p (1 - p)
+            mean = np.full(len(x), 1.0 / len(x), dtype=q.dtype)
+            q_mean = mean @ q
+            damping = DAMPING * float(q_mean.mean())
+            qx = q * x
+            blocks = np.empty((self.k, 2, 2))
+            blocks[:, 0, 0] = mean @ (qx * x) + damping * sxx
+            blocks[:, 0, 1] = blocks[:, 1, 0] = mean @ qx + damping * sx
+            blocks[:, 1, 1] = q_mean + damping
+            self.kept_blocks = (theta.copy(), blocks.copy())
+        blocks[:, 0, 0] += 2.0 * self.c_diag
+        blocks[:, 1, 1] += 2.0 * self.c_bias
         return blocks
 
     def curvature_rows(self) -> np.ndarray:

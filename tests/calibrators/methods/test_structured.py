@@ -501,6 +501,33 @@ def test_the_lean_held_out_nll_and_whitening_of_svs_equal_the_shared_ones(spread
                                    atol=rtol * np.abs(want_blocks).max())
 
 
+def test_svs_blocks_at_a_retargeted_start_are_kept_not_recomputed(monkeypatch):
+    """At the point where the last blocks were computed, a retargeted problem (the
+    next candidate of the search) adds its own penalty to the kept data part: the
+    blocks of a fresh problem with that penalty, without computing a softmax."""
+    z, y = confused_logits(401, 5, seed=12)
+    x = structured_features(z, 0.9, 1.0 / (401 * 5))
+    first = structured._Problem(x, y, "diagonal", diag=0.5, bias=0.25, block_rows=50)
+    theta = first.initial() + 0.3 * np.random.default_rng(2).normal(size=10)
+    first.diagonal_blocks(theta)
+    second = first.retarget(True, diag=0.02, bias=0.03)
+    fresh = structured._Problem(x, y, "diagonal", diag=0.02, bias=0.03, block_rows=50)
+    want = fresh.diagonal_blocks(theta)
+    computed = []
+    original = structured._Problem.diagonal_exp
+    monkeypatch.setattr(structured._Problem, "diagonal_exp",
+                        lambda self, *a: computed.append(1) or original(self, *a))
+    np.testing.assert_allclose(second.diagonal_blocks(theta.copy()), want, rtol=1e-15)
+    assert computed == []
+    np.testing.assert_allclose(first.diagonal_blocks(theta), want + np.array(
+        [[0.96, 0], [0, 0.44]]), rtol=1e-15)  # (2 x the penalties' difference)
+    assert computed == []
+    other = theta + 0.1
+    np.testing.assert_allclose(second.diagonal_blocks(other), fresh.diagonal_blocks(other),
+                               rtol=1e-15)
+    assert computed  # elsewhere the blocks are computed
+
+
 def test_sms_float32_first_stage_ends_at_the_float64_optimum(monkeypatch):
     cal, z, y = fitted("sms", n=300, k=4, seed=2, **FIXED, tol=1e-12)
     monkeypatch.setattr(structured, "PRESOLVE_TOL", None)
