@@ -528,7 +528,7 @@ class _Problem(PenalisedSoftmax):
         next candidate, where only the penalty is new
         (:meth:`calibrators.solvers.penalised.PenalisedSoftmax._solve_block_newton`
         computes the blocks where each step starts, and the next candidate starts
-        where the last step did)."""
+        where the last, unevaluated, step started)."""
         kept = self.kept_blocks
         if kept is not None and np.array_equal(kept[0], theta):
             blocks = kept[1].copy()

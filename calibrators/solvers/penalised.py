@@ -358,9 +358,9 @@ class PenalisedSoftmax:
         Returns an ``OptimizeResult`` whose ``x`` is the point after the last step
         and ``restart`` the last point evaluated (``fun`` and ``jac`` are its loss
         and gradient): a search along a penalty path starts the next candidate's
-        fit there, where the NLL and gradient are known (:class:`_Problem`'s
-        ``retarget`` hands them over), rather than at ``x``, which would cost an
-        evaluation.
+        fit there, where the NLL and gradient are known (the structured scalers'
+        ``_Problem.retarget`` hands them over), rather than at ``x``, which would cost
+        an evaluation.
         """
         k = self.k
         theta = self.canonical(theta0)  # (a diagonal W's is itself)
