@@ -32,12 +32,15 @@ decides which penalty wins, since weak penalties pay off only with enough rows;
 for SMS, whose evaluations cost ``O(N K**2)``, scoring two folds rather than all
 four halves the search's work and on the shared CIFAR outputs chooses the same
 penalties; SVS's search is cheap and its CV curve flatter (two folds mislead it
-on CIFAR-100), so it scores all (``bench/README.md`` has both). Every fit is solved to
-optimality by the solver of :class:`calibrators.solvers.penalised.PenalisedSoftmax` (L-BFGS-B
-in variables whitened by per-class curvature blocks: diagonal + rank-1 for a full
-``W``, exact 2 x 2 blocks of ``(w_i, b_i)`` for a diagonal one). Only the ranking
-of the candidates matters in the search, so its fits run on float32 copies of the
-features, to a looser tolerance (``CV_TOL``); the final fit is float64, to
+on CIFAR-100), so it scores all (``bench/README.md`` has both). The final fit, and
+SMS's fold fits, are solved to optimality by the solver of
+:class:`calibrators.solvers.penalised.PenalisedSoftmax` (L-BFGS-B in variables whitened
+by per-class curvature blocks: diagonal + rank-1 for a full ``W``, exact 2 x 2 blocks
+of ``(w_i, b_i)`` for a diagonal one). Only the ranking of the candidates matters in
+the search, so its fits run on float32 copies of the features, SMS's to a looser
+tolerance (``CV_TOL``), SVS's as two Newton steps in those 2 x 2 blocks from the
+fold's previous fit, the last one not evaluated (``SEARCH_STEPS``: one evaluation per
+fold and candidate); the final fit is float64, to
 ``tol``, its evaluations split over the threads by rows (:class:`_RowSplit`); for
 SMS it starts from the float32 problem's solution to ``PRESOLVE_TOL`` (most of the
 iterations at a third of the cost; the float64 stage then ends at the same optimum). The
@@ -124,6 +127,14 @@ FOLD_SEED = 0
 #: curvature blocks for a full W at any K (the penalty keeps them close to the
 #: exact blocks, for a fraction of their cost), 2 x 2 blocks for a diagonal W.
 SOLVER = {"block_classes": 0, "diagonal_blocks": True}
+#: Inside svs's search each fold's fit is this many Newton steps in the 2 x 2 blocks
+#: from where its previous candidate's last evaluation was, the last step not
+#: evaluated (:meth:`calibrators.solvers.penalised.PenalisedSoftmax._solve_block_newton`),
+#: not an L-BFGS solve to ``CV_TOL``: one evaluation per fold and candidate instead of
+#: two, the same choices on the 5-split protocol of both shared files
+#: (``bench/README.md``). One step is not enough: from the identity, lenet-5's first
+#: candidate is left far from its optimum and 4 of 5 splits choose a weaker penalty.
+SEARCH_STEPS = 2
 #: SVS holds its features (float64, N x K) up to this many entries (32 MiB); above it
 #: every pass recomputes them from the scores one row chunk at a time
 #: (:class:`FeatureRows`), so a fit at K = 262,144 needs memory for chunks and
@@ -382,6 +393,8 @@ class _Problem(PenalisedSoftmax):
                 self.n, 1)
         # (theta, loss, gw, gb): the last data term, and one handed over by retarget
         self.last = self.handed = None
+        # (theta, the data part of diagonal_blocks there)
+        self.kept_blocks = None
 
     def retarget(self, keep_start: bool, **penalties) -> _Problem:
         """The same rows (no copy) with other penalty coefficients, for the next
@@ -508,21 +521,35 @@ class _Problem(PenalisedSoftmax):
         """:meth:`PenalisedSoftmax.diagonal_blocks`, the softmax by
         :meth:`diagonal_exp`, the unweighted moments from :attr:`moments`, the
         weighted ones summed in the features' dtype (a change of variables: its
-        rounding moves no optimum)."""
-        x, sxx, sx = self.moments
-        q, c, _ = self.diagonal_exp(theta, x, self.xmax)
-        total = q @ c
-        q *= c
-        q /= total[:, None]  # now p
-        q -= q * q  # p (1 - p)
-        mean = np.full(len(x), 1.0 / len(x), dtype=q.dtype)
-        q_mean = mean @ q
-        damping = DAMPING * float(q_mean.mean())
-        qx = q * x
-        blocks = np.empty((self.k, 2, 2))
-        blocks[:, 0, 0] = mean @ (qx * x) + 2.0 * self.c_diag + damping * sxx
-        blocks[:, 0, 1] = blocks[:, 1, 0] = mean @ qx + damping * sx
-        blocks[:, 1, 1] = q_mean + 2.0 * self.c_bias + damping
+        rounding moves no optimum).
+
+        The blocks' data part at the last ``theta`` is kept (and copied by
+        :meth:`retarget`): svs's search asks for it again at the start of the fold's
+        next candidate, where only the penalty is new
+        (:meth:`calibrators.solvers.penalised.PenalisedSoftmax._solve_block_newton`
+        computes the blocks where each step starts, and the next candidate starts
+        where the last, unevaluated, step started)."""
+        kept = self.kept_blocks
+        if kept is not None and np.array_equal(kept[0], theta):
+            blocks = kept[1].copy()
+        else:
+            x, sxx, sx = self.moments
+            q, c, _ = self.diagonal_exp(theta, x, self.xmax)
+            total = q @ c
+            q *= c
+            q /= total[:, None]  # now p
+            q -= q * q  # p (1 - p)
+            mean = np.full(len(x), 1.0 / len(x), dtype=q.dtype)
+            q_mean = mean @ q
+            damping = DAMPING * float(q_mean.mean())
+            qx = q * x
+            blocks = np.empty((self.k, 2, 2))
+            blocks[:, 0, 0] = mean @ (qx * x) + damping * sxx
+            blocks[:, 0, 1] = blocks[:, 1, 0] = mean @ qx + damping * sx
+            blocks[:, 1, 1] = q_mean + damping
+            self.kept_blocks = (theta.copy(), blocks.copy())
+        blocks[:, 0, 0] += 2.0 * self.c_diag
+        blocks[:, 1, 1] += 2.0 * self.c_bias
         return blocks
 
     def curvature_rows(self) -> np.ndarray:
@@ -867,7 +894,8 @@ class StructuredScaler(Calibrator):
                                                 block_rows=CV_BLOCK_ROWS),
                 low, y, fold_assignment(n, n_folds, FOLD_SEED), path,
                 [None] * scored, tick, max_iter=opts["max_iter"], tol=max(opts["tol"], CV_TOL),
-                patience=PATIENCE, solve_options=SOLVER, noise=NOISE,
+                patience=PATIENCE, noise=NOISE, solve_options=SOLVER if self.structure == "full"
+                else {**SOLVER, "newton_steps": SEARCH_STEPS},
                 retarget=retarget if isinstance(low, np.ndarray) else None,
             )
             best = int(np.argmin(scores))

@@ -40,7 +40,9 @@ def cross_validate_path(make_problem, feats, y, fold_of, candidates, warm, progr
     """Mean held-out NLL of penalty candidates along a path, over the folds.
 
     The candidates are walked in order (strongest penalty first); each
-    fold's fit is warm-started from that fold's previous solution, and the
+    fold's fit is warm-started from that fold's previous solution (or, when the
+    solver's result has a ``restart``, from there: see
+    :meth:`calibrators.solvers.penalised.PenalisedSoftmax._solve_block_newton`), and the
     folds of one candidate run on parallel threads (numpy and scipy
     release the GIL in the products). The walk stops early once the CV
     NLL has risen ``patience`` times past the best candidate (a candidate
@@ -110,10 +112,11 @@ def cross_validate_path(make_problem, feats, y, fold_of, candidates, warm, progr
             problems[fold], held[fold] = prob, rows
         start = prob.initial() if thetas[fold] is None else thetas[fold]
         res = prob.solve(start, max_iter=max_iter, tol=tol, **(solve_options or {}))
+        restart = getattr(res, "restart", res.x)
         if noise is None:
-            return res.x, prob.nll(res.x, *rows), prob.evaluations, None
+            return res.x, prob.nll(res.x, *rows), prob.evaluations, None, restart
         per_row = prob.row_nll(res.x, *rows)
-        return res.x, float(np.mean(per_row)), prob.evaluations, per_row
+        return res.x, float(np.mean(per_row)), prob.evaluations, per_row, restart
 
     def rises(best: int) -> int:
         later = range(best + 1, len(scores))
@@ -127,10 +130,12 @@ def cross_validate_path(make_problem, feats, y, fold_of, candidates, warm, progr
     with ThreadPoolExecutor(max_workers=min(n_folds, n_threads())) as pool:
         for cand in candidates:
             results = list(pool.map(fit_fold, [(f, cand) for f in range(n_folds)]))
-            thetas = [r[0] for r in results]
+            # the next candidate starts where each fold's solver last evaluated (its
+            # solution, or for an approximate solver the point before its last step)
+            thetas = [r[4] for r in results]
             # the mean over the folds (of the folds' means), as without ``noise``
             scores.append(float(np.mean([r[1] for r in results])))
-            solutions.append(thetas)
+            solutions.append([r[0] for r in results])
             evaluations += sum(r[2] for r in results)
             if noise is not None:
                 losses.append([r[3] for r in results])

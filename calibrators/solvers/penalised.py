@@ -35,6 +35,11 @@ REFRESH_ITERATIONS = 10
 DAMPING = 1e-2
 #: The blocks are estimated on at most this many rows (evenly spaced).
 BLOCK_ROWS = 8192
+#: A step of :meth:`PenalisedSoftmax._solve_block_newton` is accepted when the loss
+#: falls by this fraction of the decrease its slope promises (Armijo's rule), else
+#: halved, at most HALVINGS times.
+ARMIJO = 1e-4
+HALVINGS = 30
 
 
 
@@ -59,6 +64,14 @@ class _Blocks:
 
     def inverse_transpose(self, g):  # A^-T g
         return np.einsum("iab,ib->ia", self.chol, g)
+
+
+def _solve_2x2(blocks: np.ndarray, gw: np.ndarray, gb: np.ndarray) -> np.ndarray:
+    """``blocks[i]^-1 (gw_i, gb_i)`` for symmetric positive definite 2 x 2 blocks,
+    as the parameter vector ``(w, b)`` (shape (2 K,))."""
+    a, c, d = blocks[:, 0, 0], blocks[:, 0, 1], blocks[:, 1, 1]
+    det = a * d - c * c
+    return np.concatenate([(d * gw - c * gb) / det, (a * gb - c * gw) / det])
 
 
 class _RankOne:
@@ -243,7 +256,8 @@ class PenalisedSoftmax:
         return np.concatenate([out.ravel(), gb - gb.mean()])
 
     def solve(self, theta0: np.ndarray, *, max_iter: int, tol: float,
-              block_classes: int | None = None, diagonal_blocks: bool = False):
+              block_classes: int | None = None, diagonal_blocks: bool = False,
+              newton_steps: int | None = None):
         """Minimise from ``theta0``: L-BFGS-B in preconditioned variables.
 
         Full W uses per-class curvature blocks (:meth:`_solve_blocks`) up to
@@ -253,7 +267,9 @@ class PenalisedSoftmax:
         ``diagonal_blocks`` the 2 x 2 curvature blocks of each class's
         ``(w_i, b_i)`` (:meth:`diagonal_blocks`). All are exact changes of
         variables: the optimum is the same, only the conditioning of the problem
-        L-BFGS sees changes.
+        L-BFGS sees changes. With ``newton_steps`` a diagonal W is not solved to
+        ``tol`` but moved that many damped steps of :meth:`_solve_block_newton`
+        (an approximate solution, for penalty searches that rank candidates).
 
         When every part of ``W`` and ``b`` is infinitely penalised (:meth:`at_centre`)
         the only feasible point is the centre, :meth:`initial`: it is returned
@@ -265,6 +281,8 @@ class PenalisedSoftmax:
                 x=theta, fun=self.centre_nll(theta), jac=np.zeros_like(theta), nit=0,
                 success=True, status=0, message="infinite penalties: the centre, not solved")
         if self.structure != "full":
+            if newton_steps:
+                return self._solve_block_newton(theta0, steps=min(newton_steps, max_iter))
             if diagonal_blocks:
                 return self._solve_whitened(
                     theta0, lambda t: _Blocks(self.diagonal_blocks(t)), max_iter=max_iter,
@@ -322,6 +340,53 @@ class PenalisedSoftmax:
         res = self._lbfgs(scaled, theta0 / d, max_iter, tol)
         res.x, res.jac = self.canonical(res.x * d), res.jac / d
         return res
+
+    def _solve_block_newton(self, theta0: np.ndarray, *, steps: int):
+        """``steps`` Newton steps of a diagonal W in its 2 x 2 curvature blocks, from
+        ``theta0``, the last one not evaluated: an approximate solution for a penalty
+        search, which needs the point's held-out NLL, not its loss.
+
+        Each step solves :meth:`diagonal_blocks` (each class's ``(w_i, b_i)``, the
+        other classes held fixed, damped) against the gradient: the first step L-BFGS
+        takes in the whitened variables of ``diagonal_blocks=True``, with fresh
+        blocks at every step instead of L-BFGS's curvature pairs, and without scipy's
+        set-up per solve. Every step but the last is evaluated and halved until the
+        loss falls by at least ``ARMIJO`` of the decrease its slope promises (at most
+        ``HALVINGS`` times; then the steps end where they are); the last one only
+        needs the gradient where it starts.
+
+        Returns an ``OptimizeResult`` whose ``x`` is the point after the last step
+        and ``restart`` the last point evaluated (``fun`` and ``jac`` are its loss
+        and gradient): a search along a penalty path starts the next candidate's
+        fit there, where the NLL and gradient are known (the structured scalers'
+        ``_Problem.retarget`` hands them over), rather than at ``x``, which would cost
+        an evaluation.
+        """
+        k = self.k
+        theta = self.canonical(theta0)  # (a diagonal W's is itself)
+        loss, grad = self(theta)
+        x, taken = theta, 0
+        for step_number in range(steps):
+            direction = -_solve_2x2(self.diagonal_blocks(theta), grad[:k], grad[k:])
+            slope = float(grad @ direction)
+            if not slope < 0.0:  # a zero gradient (or not finite): nowhere to go
+                break
+            if step_number == steps - 1:
+                x, taken = theta + direction, taken + 1
+                break
+            step = 1.0
+            for _ in range(HALVINGS):
+                trial = theta + step * direction
+                trial_loss, trial_grad = self(trial)
+                if trial_loss <= loss + ARMIJO * step * slope:
+                    theta, loss, grad = trial, trial_loss, trial_grad
+                    x, taken = theta, taken + 1
+                    break
+                step *= 0.5
+            else:
+                break
+        return OptimizeResult(x=x, restart=theta, fun=loss, jac=grad, nit=taken, success=True,
+                              status=0, message=f"{taken} of {steps} block Newton steps")
 
     def curvature_rows(self) -> np.ndarray:
         """The rows the whitening's curvature is estimated on: at most ``block_rows``,

@@ -21,7 +21,9 @@ from calibrators import (
     MatrixScaler,
     TemperatureScaler,
     VectorScaler,
+    numerics,
 )
+from calibrators.methods import temperature as temperature_module
 from calibrators.methods.temperature import _pass
 from calibrators.validation import PROBABILITY_FLOOR
 from tests.calibrators.helpers import (
@@ -180,6 +182,28 @@ def test_temperature_on_many_rows_is_the_float64_root_after_its_float32_start(dt
             break
         lo, hi = (mid, hi) if _gradient_and_nll(z64, y, mid)[0] < 0 else (lo, mid)
     assert cal.beta_ == pytest.approx(lo, rel=4e-15)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_small_temperature_passes_run_on_the_calling_thread_with_the_same_sums(
+        dtype, monkeypatch):
+    """Up to SERIAL_ELEMENTS entries a pass sweeps its chunks on the calling thread (no
+    pool: its many small calls hold the GIL); above, on the pool. The same chunks in
+    the same order: the same sums to the bit."""
+    rng = np.random.default_rng(8)
+    n, k = 3_000, 50  # 150,000 entries: 3 chunks of PASS_CHUNK_ELEMENTS
+    y = rng.integers(0, k, n)
+    z = (3.0 * rng.standard_normal((n, k))).astype(dtype)
+    monkeypatch.setattr(numerics, "n_threads", lambda: 2)
+    pooled = []
+    original = temperature_module.map_chunks
+    monkeypatch.setattr(temperature_module, "map_chunks",
+                        lambda *a, **kw: pooled.append(1) or original(*a, **kw))
+    serial = _pass(z, y, "logits", 0.7, dtype)
+    assert pooled == []
+    monkeypatch.setattr(temperature_module, "SERIAL_ELEMENTS", n * k - 1)
+    assert _pass(z, y, "logits", 0.7, dtype) == serial
+    assert pooled == [1]
 
 
 def test_temperature_on_logits_beyond_float32_is_fitted_rescaled():

@@ -426,6 +426,37 @@ def test_the_search_hands_each_fold_its_last_evaluation(method, monkeypatch):
     assert saved == (tried - 1) * cv[0]["scored_folds"]
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_svs_search_by_block_newton_steps_ranks_like_lbfgs(seed, monkeypatch):
+    """svs's search fits each fold by two block Newton steps (``SEARCH_STEPS``), the
+    last not evaluated, from where the fold's previous fit last evaluated: the CV NLL
+    of every candidate within 2e-3 of an L-BFGS search's (to ``CV_TOL``), the same
+    choice, and one evaluation per fold and candidate, where L-BFGS takes up to two."""
+    grid = [4.0, 1.0, 0.25, 1 / 16, 1 / 64]
+    searched = []
+    walk = structured.cross_validate_path
+
+    def walk_spy(*args, **kwargs):
+        scores, solutions, evaluations = walk(*args, **kwargs)
+        searched.append(evaluations)
+        return scores, solutions, evaluations
+
+    monkeypatch.setattr(structured, "cross_validate_path", walk_spy)
+    newton, _, _ = fitted("svs", n=600, k=6, seed=seed, grid=grid)
+    monkeypatch.setattr(structured, "SEARCH_STEPS", None)
+    lbfgs, _, _ = fitted("svs", n=600, k=6, seed=seed, grid=grid)
+    cv = [c.fit_info_["cross_validation"]["candidates"] for c in (newton, lbfgs)]
+    tried = min(len(cv[0]), len(cv[1]))
+    assert tried >= 3
+    np.testing.assert_allclose([c["cv_nll"] for c in cv[0][:tried]],
+                               [c["cv_nll"] for c in cv[1][:tried]], rtol=2e-3)
+    assert newton.fit_info_["multipliers"] == lbfgs.fit_info_["multipliers"]
+    # 4 folds, every finite candidate: one evaluation each (no step halved here);
+    # L-BFGS two for most (some converge after one at K = 6)
+    assert searched[0] == 4 * (len(cv[0]) - 1)
+    assert searched[1] >= 1.5 * 4 * (len(cv[1]) - 1)
+
+
 @pytest.mark.parametrize("structure", ["diagonal", "full"])
 @pytest.mark.parametrize("spread", [0.1, 30.0], ids=["bounded", "shifted"])
 def test_the_lean_loss_equals_the_shared_one(structure, spread):
@@ -468,6 +499,33 @@ def test_the_lean_held_out_nll_and_whitening_of_svs_equal_the_shared_ones(spread
                                    want_nll, rtol=rtol, atol=rtol * np.abs(want_nll).max())
         np.testing.assert_allclose(lean.diagonal_blocks(theta), want_blocks, rtol=rtol,
                                    atol=rtol * np.abs(want_blocks).max())
+
+
+def test_svs_blocks_at_a_retargeted_start_are_kept_not_recomputed(monkeypatch):
+    """At the point where the last blocks were computed, a retargeted problem (the
+    next candidate of the search) adds its own penalty to the kept data part: the
+    blocks of a fresh problem with that penalty, without computing a softmax."""
+    z, y = confused_logits(401, 5, seed=12)
+    x = structured_features(z, 0.9, 1.0 / (401 * 5))
+    first = structured._Problem(x, y, "diagonal", diag=0.5, bias=0.25, block_rows=50)
+    theta = first.initial() + 0.3 * np.random.default_rng(2).normal(size=10)
+    first.diagonal_blocks(theta)
+    second = first.retarget(True, diag=0.02, bias=0.03)
+    fresh = structured._Problem(x, y, "diagonal", diag=0.02, bias=0.03, block_rows=50)
+    want = fresh.diagonal_blocks(theta)
+    computed = []
+    original = structured._Problem.diagonal_exp
+    monkeypatch.setattr(structured._Problem, "diagonal_exp",
+                        lambda self, *a: computed.append(1) or original(self, *a))
+    np.testing.assert_allclose(second.diagonal_blocks(theta.copy()), want, rtol=1e-15)
+    assert computed == []
+    np.testing.assert_allclose(first.diagonal_blocks(theta), want + np.array(
+        [[0.96, 0], [0, 0.44]]), rtol=1e-15)  # (2 x the penalties' difference)
+    assert computed == []
+    other = theta + 0.1
+    np.testing.assert_allclose(second.diagonal_blocks(other), fresh.diagonal_blocks(other),
+                               rtol=1e-15)
+    assert computed  # elsewhere the blocks are computed
 
 
 def test_sms_float32_first_stage_ends_at_the_float64_optimum(monkeypatch):

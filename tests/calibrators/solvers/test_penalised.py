@@ -8,6 +8,8 @@ both solvers against a plain L-BFGS on the untransformed objective.
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 import pytest
 from scipy.optimize import minimize
@@ -122,6 +124,48 @@ def test_block_and_scaled_solvers_reach_the_plain_optimum(feature, lam, mu):
         np.testing.assert_allclose(res.x, theta_ref, atol=2e-4, err_msg=solve.__name__)
         # The reported gradient is the objective's, in the original parameters.
         assert np.max(np.abs(res.jac)) < 1e-4
+
+
+@pytest.mark.parametrize("feature", ["logits", "log_softmax"])
+@pytest.mark.parametrize(("lam", "mu"), [(30.0, 5.0), (0.05, 0.05)])
+def test_block_newton_steps_converge_to_the_plain_optimum(feature, lam, mu):
+    """Many steps of the search's approximate solver reach the optimum's loss and
+    predictions (so its steps descend the objective to its minimum), and every
+    evaluated step lowers the loss. (Along the one direction softmax cannot see, the
+    same shift of every bias, only the weak bias penalty pulls, and the blocks, each
+    class on its own, converge there slowly: the parameters at the weak penalty are
+    compared without that shift.)"""
+    prob = problem("diagonal", feature, lam, mu)
+    theta_ref, loss_ref = reference_minimum(prob)
+    res = prob.solve(prob.initial(), max_iter=1000, tol=1e-9, newton_steps=200)  # (until
+    # no step lowers the loss in float64)
+    assert prob(res.restart)[0] == pytest.approx(loss_ref, abs=1e-11)
+    k = prob.k
+    w, b = res.x[:k], res.x[k:]
+    np.testing.assert_allclose(w, theta_ref[:k], atol=1e-6)
+    np.testing.assert_allclose(b - b.mean(), theta_ref[k:] - theta_ref[k:].mean(), atol=1e-6)
+    losses = [prob(prob.initial())[0]] + [
+        prob.solve(prob.initial(), max_iter=1000, tol=1e-9, newton_steps=s).fun
+        for s in range(2, 6)]
+    assert all(b < a for a, b in pairwise(losses)), losses
+
+
+def test_block_newton_evaluates_all_but_its_last_step():
+    """``restart`` is the last point evaluated (``fun`` and ``jac`` are there), ``x`` one
+    more step from it: two steps cost the start's evaluation and one more."""
+    prob = problem("diagonal", "log_softmax", 3.0, 2.0)
+    start = random_theta(prob)
+    before = prob.evaluations
+    res = prob.solve(start, max_iter=1000, tol=1e-9, newton_steps=2)
+    assert prob.evaluations - before == 2
+    loss, grad = prob(res.restart)
+    assert (res.fun, res.jac.tolist()) == (loss, grad.tolist())
+    k = prob.k
+    blocks = prob.diagonal_blocks(res.restart)
+    step = np.linalg.solve(blocks, -np.stack([grad[:k], grad[k:]], axis=1)[..., None])[..., 0]
+    np.testing.assert_allclose(res.x - res.restart, np.concatenate([step[:, 0], step[:, 1]]),
+                               rtol=1e-10, atol=1e-14)
+    assert prob(res.x)[0] < loss  # the unevaluated last step goes down too
 
 
 def test_solve_uses_the_blocks_up_to_max_block_classes(monkeypatch):
