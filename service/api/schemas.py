@@ -309,6 +309,12 @@ class VersionOut(BaseModel):
         "format 2 gives one answer per distribution for both kinds; vector and matrix "
         "scaling of format 1 serve this kind only."
     )
+    format: Literal["scores", "topk"] | None = Field(
+        None,
+        description="What it serves once fitted: scores, full (N, K) scores; topk, top-k "
+        "rows (its params calibrators.topk.TopKTemperature's, format welltempered.topk/1). "
+        "Null until it has params.",
+    )
     chosen_method: str | None
     holdout: float
     seed: int

@@ -116,3 +116,84 @@ def test_v_must_be_the_models_k(client):
     _model(client, "small", k=1000)
     assert_problem(_upload(client, FIXTURE.read_bytes(), "small"), 422, "vocab_size", "1000")
     assert_problem(_upload(client, _chat(slice(0, 10)), "small"), 422, "vocab_size")
+
+
+def _fit(client, dataset: int, model: str = "lm", **body):
+    return client.post(f"/v1/models/{model}/calibrators",
+                       json={"dataset_id": dataset, "method": "temperature", **body})
+
+
+def _fitted(client, options: dict | None = None, **body) -> tuple[int, dict]:
+    """The fixture uploaded and fitted: its dataset id and the finished version."""
+    _model(client)
+    dataset = _upload(client, FIXTURE.read_bytes()).json()["id"]
+    r = _fit(client, dataset, options=options or {}, **body)
+    assert r.status_code == 202, r.text
+    return dataset, wait_for_version(client, "lm", r.json()["version"])
+
+
+@pytest.mark.parametrize("tail", topk.TAILS)
+def test_fit_matches_the_library_on_the_same_rows(client, tail):
+    _, v = _fitted(client, {"tail": tail}, holdout=0.25, seed=3)
+    assert v["status"] == "succeeded", v
+    assert v["format"] == "topk" and v["params"]["format"] == topk.PARAMS_FORMAT
+    fit_idx, hold_idx = split_indices(3000, 0.25, 3, groups=DATA["sequence_ids"])
+    part = lambda idx: topk.as_topk(DATA["topk_ids"][idx], DATA["topk_logprobs"][idx], V)  # noqa: E731
+    cal = topk.TopKTemperature(tail=tail).fit(part(fit_idx), DATA["labels"][fit_idx])
+    assert v["params"]["beta"] == cal.beta_  # exactly: the same rows, the same solver
+    assert v["params"]["tail"] == tail
+    held = part(hold_idx)
+    after = v["metrics"]["after"]
+    assert after["nll"] == pytest.approx(
+        topk.mean_nll(held, DATA["labels"][hold_idx], cal.beta_, tail), rel=1e-12)
+    assert v["metrics"]["before"]["nll"] == pytest.approx(
+        topk.mean_nll(held, DATA["labels"][hold_idx], 1.0, tail), rel=1e-12)
+    assert after["nll"] < v["metrics"]["before"]["nll"]
+    # by sequence: no text on both sides, and the report per sequence
+    assert after["sequences"]["sequences"]["count"] == len(np.unique(DATA["sequence_ids"][hold_idx]))
+    assert v["argmax"]["changed"] == 0
+
+
+def test_refit_serves_the_fit_on_every_row(client):
+    _, v = _fitted(client, refit=True)
+    assert v["status"] == "succeeded", v
+    assert v["params"]["beta"] == topk.TopKTemperature().fit(ROWS, DATA["labels"]).beta_
+
+
+@pytest.mark.parametrize("method, options, words", [
+    ("vector", {}, ("top-k", "temperature", "vector")),
+    ("auto", {}, ("top-k", "auto")),
+    ("temperature", {"target_entropy": 1.0}, ("target_entropy",)),
+    ("temperature", {"tail": "zipf"}, ("tail", "zipf")),
+    ("temperature", {"tol": -1}, ("tol",)),
+])
+def test_other_methods_and_options_are_422(client, method, options, words):
+    _model(client)
+    dataset = _upload(client, FIXTURE.read_bytes()).json()["id"]
+    assert_problem(_fit(client, dataset, method=method, options=options), 422, *words)
+    assert client.get("/v1/models/lm/calibrators").json()["calibrators"] == []
+
+
+def test_a_fit_worse_than_the_rows_as_given_is_rejected(client):
+    """Fit rows labelled by their top-1 token (beta grows: the model looks underconfident),
+    held-out rows by their least likely top-k token: the fitted temperature makes those
+    rows' NLL far worse than the rows as given, and the version is refused."""
+    _model(client)
+    rows = np.arange(3000)
+    best = DATA["topk_ids"][rows, DATA["topk_logprobs"].argmax(axis=1)]
+    worst = DATA["topk_ids"][rows, DATA["topk_logprobs"].argmin(axis=1)]
+    _, hold_idx = split_indices(3000, 0.5, 0, groups=DATA["sequence_ids"])
+    labels = best.astype(np.int64)
+    labels[hold_idx] = worst[hold_idx]
+    dataset = _upload(client, npz(**{**DATA, "labels": labels})).json()["id"]
+    r = _fit(client, dataset, holdout=0.5, seed=0)
+    v = wait_for_version(client, "lm", r.json()["version"])
+    assert v["status"] == "rejected", v
+    assert v["rejected_for"] == ["nll-worse-than-uncalibrated"]
+
+
+def test_posted_params_on_a_top_k_dataset_are_422(client):
+    dataset, v = _fitted(client)
+    r = client.post("/v1/models/lm/calibrators/import",
+                    json={"dataset_id": dataset, "params": v["params"]})
+    assert r.status_code == 422, r.text
