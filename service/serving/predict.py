@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from calibrators import topk
 from calibrators.numerics import row_chunks
+from calibrators.validation import CalibrationInputError
 from service.observe.metrics import ServiceMetrics
 from service.observe.served import ServedCounts
 from service.security import limits
@@ -61,3 +63,18 @@ def _flipped(scores: np.ndarray, labels: np.ndarray) -> int:
         int((scores[rows].argmax(axis=1) != labels[rows]).sum())
         for rows in row_chunks(n, k, inference.RUN_ELEMENTS)
     )
+
+
+def calibrate_topk(served: Served, rows: topk.TopK, max_rows: int) -> dict[str, np.ndarray]:
+    """The serving path of a top-k version (``served.topk_k`` set), shared by /v1 and
+    /v2: the row limit (413), the width of the rows its graph was built for (422), then
+    its ONNX session: ``probabilities`` (N, k), the calibrated top-k in the rows' order,
+    and ``tail`` (N,), the mass of the rest (:func:`service.serving.inference.run_topk`)."""
+    limits.check_rows(rows.logprobs.shape[0], max_rows, "predict")
+    if rows.k != served.topk_k:
+        raise CalibrationInputError(
+            f"Version {served.version} of {served.model!r} was fitted on top-{served.topk_k} "
+            f"rows; its tail model depends on k, so it serves rows of {served.topk_k} "
+            f"log-probabilities. Got rows of {rows.k}."
+        )
+    return inference.run_topk(served.session, rows.logprobs)

@@ -152,7 +152,7 @@ def topk_needed(served: str) -> InvalidInput:
     return InvalidInput(
         f"{served} serves top-k rows (calibrators.topk): send {topk.IDS} and "
         f"{topk.LOGPROBS} (JSON arrays or .npz members) or the chat-completions shape "
-        f"({' or '.join(CHAT_KEYS)}), not full (n, K) scores."
+        f"({' or '.join(CHAT_KEYS)}, top_logprobs at each position), not full (n, K) scores."
     )
 
 

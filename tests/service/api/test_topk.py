@@ -6,6 +6,7 @@ PostgreSQL."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -150,7 +151,8 @@ def test_fit_matches_the_library_on_the_same_rows(client, tail):
         topk.mean_nll(held, DATA["labels"][hold_idx], 1.0, tail), rel=1e-12)
     assert after["nll"] < v["metrics"]["before"]["nll"]
     # by sequence: no text on both sides, and the report per sequence
-    assert after["sequences"]["sequences"]["count"] == len(np.unique(DATA["sequence_ids"][hold_idx]))
+    held_texts = np.unique(DATA["sequence_ids"][hold_idx])
+    assert after["sequences"]["sequences"]["count"] == len(held_texts)
     assert v["argmax"]["changed"] == 0
 
 
@@ -197,3 +199,95 @@ def test_posted_params_on_a_top_k_dataset_are_422(client):
     r = client.post("/v1/models/lm/calibrators/import",
                     json={"dataset_id": dataset, "params": v["params"]})
     assert r.status_code == 422, r.text
+
+
+@pytest.fixture
+def served(client) -> topk.TopKTemperature:
+    """The fixture fitted, its version aliased production; the library's calibrator of
+    the version's params."""
+    _, v = _fitted(client)
+    assert v["status"] == "succeeded", v
+    r = client.put("/v1/models/lm/aliases/production", json={"version": v["version"]})
+    assert r.status_code == 200, r.text
+    return topk.TopKTemperature.from_params(v["params"])
+
+
+def _predict(client, body, *, accept: str | None = None, model: str = "lm", **params):
+    headers = {} if accept is None else {"accept": accept}
+    if isinstance(body, dict):
+        return client.post(f"/v1/models/{model}/predict", json=body, params=params,
+                           headers=headers)
+    return client.post(f"/v1/models/{model}/predict", content=body, params=params,
+                       headers={"content-type": "application/octet-stream", **headers})
+
+
+def test_v1_serves_the_calibrated_top_k_and_tail(client, served):
+    probs, tail = served.predict(ROWS)
+    arrays = {"topk_ids": DATA["topk_ids"], "topk_logprobs": DATA["topk_logprobs"]}
+    r = _predict(client, npz(**arrays))
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["topk_ids"] == DATA["topk_ids"].tolist()
+    np.testing.assert_allclose(out["probabilities"], probs, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(out["tail"], tail, rtol=0, atol=1e-6)
+    # JSON arrays, and the .npy answer: (n, k + 1), the tail last
+    rows = slice(0, 300)
+    r = _predict(client, {k: v[rows].tolist() for k, v in arrays.items()},
+                 accept="application/x-npy")
+    assert r.status_code == 200, r.text
+    got = np.load(io.BytesIO(r.content))
+    np.testing.assert_allclose(got[:, :20], probs[rows], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got[:, 20], tail[rows], rtol=0, atol=1e-6)
+
+
+def test_v1_serves_the_chat_completions_shape(client, served):
+    rows = slice(100, 160)
+    r = _predict(client, _chat(rows))
+    assert r.status_code == 200, r.text
+    out = r.json()
+    probs, tail = served.predict(topk.as_topk(DATA["topk_ids"][rows],
+                                              DATA["topk_logprobs"][rows], V))
+    np.testing.assert_allclose(out["probabilities"], probs, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(out["tail"], tail, rtol=0, atol=1e-6)
+    assert out["tokens"] == DATA["topk_ids"][rows].astype(str).tolist()
+
+
+def test_the_served_graph_matches_numpy_on_the_fixture(client, served):
+    """ONNX parity at the service's session: the graph built from the stored params."""
+    import onnxruntime as ort
+
+    from service.serving.inference import onnx_bytes, run_topk
+
+    session = ort.InferenceSession(onnx_bytes(served.to_params()),
+                                   providers=["CPUExecutionProvider"])
+    out = run_topk(session, ROWS.logprobs)
+    probs, tail = served.predict(ROWS)
+    np.testing.assert_allclose(out["probabilities"], probs, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(out["tail"], tail, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"logits": [[0.0] * 4]}, ("top-k", "topk_ids")),
+    (npy(np.zeros((2, 20), np.float32)), ("top-k", "topk_ids")),
+    ({"topk_ids": [[1, 2]], "topk_logprobs": [[-1.0, -2.0]]}, ("top-20", "2")),
+    ({"topk_ids": [list(range(20))], "topk_logprobs": [[0.5] * 20]}, ("<= 0",)),
+    ({"topk_ids": [list(range(20))], "topk_logprobs": [[-0.01] * 20]}, ("sum to at most 1",)),
+    ({"topk_ids": [[1] * 20], "topk_logprobs": [[-5.0] * 20]}, ("distinct",)),
+    ({"topk_ids": [[1.5] * 20], "topk_logprobs": [[-5.0] * 20]}, ("integers",)),
+    ({"topk_ids": [list(range(20))], "topk_logprobs": [[-5.0] * 20], "vocab_size": 7},
+     ("vocab_size",)),
+    ({"logprobs": {"content": [{"token": "a"}]}}, ("top_logprobs",)),
+])
+def test_a_top_k_version_refuses_what_is_not_its_rows(client, served, body, words):
+    assert_problem(_predict(client, body), 422, *words)
+
+
+def test_a_full_version_refuses_top_k_rows(client):
+    r = client.post("/v1/models", json={"name": "full", "num_classes": 4})
+    rng = np.random.default_rng(0)
+    z, y = rng.normal(size=(200, 4)), rng.integers(0, 4, 200)
+    r = client.post("/v1/models/full/datasets", json={"logits": z.tolist(), "labels": y.tolist()})
+    v = wait_for_version(client, "full", _fit(client, r.json()["id"], "full").json()["version"])
+    client.put("/v1/models/full/aliases/production", json={"version": v["version"]})
+    body = {"topk_ids": [[0, 1]], "topk_logprobs": [[-1.0, -2.0]], "vocab_size": 4}
+    assert_problem(_predict(client, body, model="full"), 422, "full (n, K) scores", "top-k")
