@@ -10,10 +10,12 @@ import io
 from pathlib import Path
 
 import numpy as np
+import orjson
 import pytest
 
 from calibrators import topk
 from calibrators.evaluation.holdout import split_indices
+from service.api.codecs import json_body
 from tests.oracles import wait_for_version
 from tests.service.helpers import assert_problem, npy, npz
 
@@ -291,3 +293,14 @@ def test_a_full_version_refuses_top_k_rows(client):
     client.put("/v1/models/full/aliases/production", json={"version": v["version"]})
     body = {"topk_ids": [[0, 1]], "topk_logprobs": [[-1.0, -2.0]], "vocab_size": 4}
     assert_problem(_predict(client, body, model="full"), 422, "full (n, K) scores", "top-k")
+
+
+def test_a_chat_body_past_its_limit_is_413_before_it_is_parsed(client, monkeypatch):
+    """The chat shape is read as Python objects: its bytes are bounded first."""
+    _model(client)
+    body = _chat(slice(0, 50))
+    size = len(orjson.dumps(body))
+    monkeypatch.setattr(json_body, "MAX_CHAT_JSON_BYTES", size - 1)
+    assert_problem(_upload(client, body), 413, "chat-completions", "topk_ids")
+    monkeypatch.setattr(json_body, "MAX_CHAT_JSON_BYTES", size + 1)
+    assert _upload(client, body).status_code == 201
