@@ -580,6 +580,13 @@ def resolve_served(
     return model, row
 
 
+def version_top_k(session: Session, row: CalibratorVersion) -> int | None:
+    """The width k of the top-k rows ``row`` serves (its dataset's ``top_k``), or None
+    when it serves full scores. A version is top-k exactly when its dataset is: a fit on
+    a top-k dataset is a top-k temperature, and posted params are refused there."""
+    return session.scalar(select(Dataset.top_k).where(Dataset.id == row.dataset_id))
+
+
 # ---------------------------------------------------------------------------
 # deletes
 

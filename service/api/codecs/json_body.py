@@ -61,6 +61,13 @@ def json_body_limit(bounds: Bounds, max_json_bytes: int) -> int:
     return min(max_json_bytes, JSON_BYTES_CONSTANT + bounds.max_rows * per_row)
 
 
+def topk_json_limit(bounds: Bounds, k: int, max_json_bytes: int) -> int:
+    """Largest JSON body the rows of ``bounds`` can need as top-k rows of width ``k``
+    (``k`` ids and ``k`` log-probabilities a row), and the JSON limit."""
+    per_row = 2 * k * JSON_BYTES_PER_VALUE + JSON_BYTES_PER_ROW
+    return min(max_json_bytes, JSON_BYTES_CONSTANT + bounds.max_rows * per_row)
+
+
 def _count(body, byte: bytes, start: int = 0, end: int | None = None) -> int:
     """``body.count(byte, start, end)``, for a memory map too (which has no ``count``)."""
     end = len(body) if end is None else end

@@ -83,10 +83,8 @@ async def read_topk_body(
     kind = media_type(request)
     settings = state.settings
     if kind == "application/json" or kind.endswith("+json"):
-        per_row = 2 * k * json_body.JSON_BYTES_PER_VALUE + json_body.JSON_BYTES_PER_ROW
-        need = max(json_body.JSON_BYTES_CONSTANT + bounds.max_rows * per_row,
-                   json_body.MAX_CHAT_JSON_BYTES)
-        limit = min(settings.max_json_bytes, need)
+        limit = max(json_body.topk_json_limit(bounds, k, settings.max_json_bytes),
+                    min(settings.max_json_bytes, json_body.MAX_CHAT_JSON_BYTES))
         fmt = "json"
     elif kind in (NPY, *NPZ_TYPES):
         limit = min(settings.max_body_bytes, TOPK_NPZ_CONSTANT + bounds.max_rows * k * 16)
@@ -102,7 +100,7 @@ async def read_topk_body(
 
 def respond_topk(
     served: Served, fmt: str, raw: Any, want_npy: bool, bounds: rules.Bounds,
-    limits: answers.AnswerLimits,
+    limits: answers.AnswerLimits, metrics: ServiceMetrics,
 ) -> Response:
     """A top-k version's answer: per row the ids as sent, their calibrated probabilities
     and the tail's mass (JSON; with ``want_npy`` an (n, k + 1) float32 .npy, the tail
@@ -124,7 +122,7 @@ def respond_topk(
     else:
         size = as_json = n * (k * (int64 + fp32 + answers.json_string_bytes(names)) + fp32)
     limits.check(size + answers.CONSTANT_BYTES, as_json, "Send fewer rows, or ask for a .npy.")
-    out = calibrate_topk(served, data.rows, bounds.max_rows)
+    out = calibrate_topk(served, data.rows, bounds.max_rows, metrics)
     headers = {VERSION_HEADER: str(served.version)}
     if want_npy:
         body = np.concatenate([out["probabilities"], out["tail"][:, None]], axis=1)
@@ -324,7 +322,7 @@ async def _predict(request: Request, want_npy: bool) -> Response:
                                "answers the top-k rows it is sent.")
         fmt, raw = await read_topk_body(request, state, bounds, served.topk_k)
         limits = answers.AnswerLimits.of(declared, state.settings.max_json_bytes, len(raw))
-        args = (served, fmt, raw, want_npy, bounds, limits)
+        args = (served, fmt, raw, want_npy, bounds, limits, state.metrics)
         return await anyio.to_thread.run_sync(respond_topk, *args,
                                               limiter=state.predict_limiter)
     fmt, raw = await read_scores_body(request, state, bounds)

@@ -304,3 +304,207 @@ def test_a_chat_body_past_its_limit_is_413_before_it_is_parsed(client, monkeypat
     assert_problem(_upload(client, body), 413, "chat-completions", "topk_ids")
     monkeypatch.setattr(json_body, "MAX_CHAT_JSON_BYTES", size + 1)
     assert _upload(client, body).status_code == 201
+
+
+# -- /v2 (the Open Inference Protocol) ------------------------------------------------
+
+HEADER = "Inference-Header-Content-Length"
+
+
+def _v2_tensors(rows, lp_type: str = "FP64", binary: bool = False, reverse: bool = False):
+    """The fixture's ``rows`` as the two inputs of a top-k version (logprobs first with
+    ``reverse``): JSON data, or binary data in the inputs' order. Returns the inputs and
+    the binary bytes (b"" for JSON)."""
+    ids, lp = DATA["topk_ids"][rows], DATA["topk_logprobs"][rows]
+    arrays = [("topk_ids", "INT64", ids.astype("<i8")),
+              ("topk_logprobs", lp_type, lp.astype("<f4" if lp_type == "FP32" else "<f8"))]
+    if reverse:
+        arrays.reverse()
+    inputs, raw = [], b""
+    for name, datatype, arr in arrays:
+        t = {"name": name, "shape": list(arr.shape), "datatype": datatype}
+        if binary:
+            t["parameters"] = {"binary_data_size": arr.nbytes}
+            raw += arr.tobytes()
+        else:
+            t["data"] = arr.tolist()
+        inputs.append(t)
+    return inputs, raw
+
+
+def _infer(client, body: dict, raw: bytes = b"", model: str = "lm", path: str = ""):
+    url = f"/v2/models/{model}{path}/infer"
+    if not raw:
+        return client.post(url, json=body)
+    head = orjson.dumps(body)
+    return client.post(url, content=head + raw, headers={HEADER: str(len(head))})
+
+
+def _outputs(r) -> dict[str, np.ndarray]:
+    """An infer answer's outputs, JSON or binary, as arrays of their shapes."""
+    assert r.status_code == 200, r.text
+    head = int(r.headers.get(HEADER, len(r.content)))
+    offset, out = head, {}
+    for t in orjson.loads(r.content[:head])["outputs"]:
+        dtype = np.dtype("<i8" if t["datatype"] == "INT64" else "<f4")
+        if "data" in t:
+            arr = np.asarray(t["data"], dtype)
+        else:
+            size = t["parameters"]["binary_data_size"]
+            arr = np.frombuffer(r.content, dtype, size // dtype.itemsize, offset)
+            offset += size
+        out[t["name"]] = arr.reshape(t["shape"])
+    assert offset == len(r.content)
+    return out
+
+
+def _v2_error(r, status: int, *words: str) -> None:
+    """The protocol's error shape: {"error": message}, never a 500."""
+    assert r.status_code == status, r.text
+    assert list(r.json()) == ["error"], r.text
+    for word in words:
+        assert word.lower() in r.json()["error"].lower(), r.json()["error"]
+
+
+def test_v2_serves_the_calibrated_top_k_and_tail(client, served):
+    probs, tail = served.predict(ROWS)
+    inputs, _ = _v2_tensors(slice(None))
+    r = _infer(client, {"id": "t-1", "inputs": inputs})
+    head = r.json()
+    assert (head["model_name"], head["model_version"], head["id"]) == ("lm", "1", "t-1")
+    assert [t["name"] for t in head["outputs"]] == ["probabilities", "topk_ids", "tail"]
+    out = _outputs(r)
+    assert out["probabilities"].shape == (3000, 20) and out["tail"].shape == (3000,)
+    np.testing.assert_allclose(out["probabilities"], probs, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(out["tail"], tail, rtol=0, atol=1e-6)
+    assert (out["topk_ids"] == DATA["topk_ids"]).all()
+    # binary in (FP32 and FP64, either order of the inputs) and out, the versioned path
+    rows = slice(500, 1700)
+    want = served.predict(topk.as_topk(DATA["topk_ids"][rows], DATA["topk_logprobs"][rows], V))
+    for lp_type, reverse in (("FP32", False), ("FP64", True)):
+        inputs, raw = _v2_tensors(rows, lp_type, binary=True, reverse=reverse)
+        body = {"inputs": inputs, "parameters": {"binary_data_output": True},
+                "outputs": [{"name": "tail"}, {"name": "probabilities"}]}
+        r = _infer(client, body, raw, path="/versions/1")
+        assert r.headers["content-type"] == "application/octet-stream"
+        out = _outputs(r)
+        assert list(out) == ["tail", "probabilities"]
+        np.testing.assert_allclose(out["probabilities"], want[0], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(out["tail"], want[1], rtol=0, atol=1e-6)
+    # /v1 and /v2 agree to the bit: one graph, one session
+    v1 = _predict(client, {k: DATA[k][rows].tolist() for k in ("topk_ids", "topk_logprobs")})
+    assert (np.asarray(v1.json()["probabilities"], np.float32) == out["probabilities"]).all()
+
+
+def test_v2_metadata_and_config_describe_the_top_k_tensors(client, served):
+    meta = client.get("/v2/models/lm").json()
+    assert meta["inputs"] == [
+        {"name": "topk_ids", "datatype": "INT64", "shape": [-1, 20]},
+        {"name": "topk_logprobs", "datatype": "FP32", "shape": [-1, 20]},
+    ]
+    assert meta["outputs"] == [
+        {"name": "probabilities", "datatype": "FP32", "shape": [-1, 20]},
+        {"name": "topk_ids", "datatype": "INT64", "shape": [-1, 20]},
+        {"name": "tail", "datatype": "FP32", "shape": [-1]},
+    ]
+    assert client.get("/v2/models/lm/versions/1").json() == meta
+    assert client.get("/v2/models/lm/ready").json() == {"name": "lm", "ready": True}
+    _v2_error(client.get("/v2/models/lm?top_k=3"), 422, "top_k", "top-k rows")
+    config = client.get("/v2/models/lm/config").json()
+    assert [(t["name"], t["data_type"], t["dims"]) for t in config["input"]] == [
+        (t["name"], f"TYPE_{t['datatype']}", t["shape"]) for t in meta["inputs"]]
+    assert [t["name"] for t in config["output"]] == [t["name"] for t in meta["outputs"]]
+    assert client.get("/v2/models/lm/versions/1/config").json() == config
+
+
+def _v2_body(**change) -> dict:
+    inputs, _ = _v2_tensors(slice(0, 3))
+    ids, lp = inputs
+    for key, value in change.items():
+        name, field = key.split("__")
+        (ids if name == "ids" else lp)[field] = value
+    return {"inputs": [ids, lp]}
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"inputs": [{"name": "logits", "shape": [1, V], "datatype": "FP32",
+                  "data": [0.0] * V}]}, ("top-k rows", "topk_ids", "logits")),
+    ({"inputs": _v2_body()["inputs"][:1]}, ("two inputs", "topk_logprobs")),
+    ({"inputs": [_v2_body()["inputs"][0]] * 2}, ("two inputs",)),
+    (_v2_body(ids__shape=[3, 10], lp__shape=[3, 10]), ("top-20", "[n, 20]")),
+    (_v2_body(ids__datatype="FP32"), ("datatype", "INT64")),
+    (_v2_body(lp__datatype="BF16"), ("datatype", "FP32")),
+    (_v2_body(ids__data=[[1] * 20] * 3), ("distinct",)),
+    (_v2_body(ids__data=[[V, *range(19)]] * 3), ("[0, 49152)",)),
+    (_v2_body(ids__data=[[0.5] * 20] * 3), ("integers",)),
+    (_v2_body(lp__data=[[0.5] * 20] * 3), ("<= 0",)),
+    (_v2_body(lp__data=[[-0.01] * 20] * 3), ("sum to at most 1",)),
+    (_v2_body(ids__shape=[2, 20], ids__data=[[0] * 20] * 2), ("one shape",)),
+    (_v2_body(lp__data=[[-1.0] * 20] * 2), ("60 numbers",)),
+    ({**_v2_body(), "parameters": {"top_k": 2}}, ("top_k", "top-k rows")),
+    ({**_v2_body(), "parameters": {"kind": "probabilities"}}, ("kind",)),
+    ({**_v2_body(), "outputs": [{"name": "label"}]}, ("unknown output", "tail")),
+])
+def test_v2_a_top_k_version_refuses_what_is_not_its_rows(client, served, body, words):
+    _v2_error(_infer(client, body), 422, *words)
+
+
+def test_v2_binary_data_of_two_inputs_is_checked_whole(client, served):
+    inputs, raw = _v2_tensors(slice(0, 4), "FP32", binary=True)
+    body = {"inputs": inputs}
+    assert _infer(client, body, raw).status_code == 200
+    _v2_error(_infer(client, body, raw + b"\0" * 8), 400, "body holds")
+    _v2_error(_infer(client, body, raw[:-8]), 400, "body holds", "topk_logprobs")
+    inputs[1]["parameters"]["binary_data_size"] -= 4
+    _v2_error(_infer(client, body, raw[:-4]), 422, "binary_data_size", "320")
+
+
+def test_v2_a_full_version_refuses_top_k_inputs(client):
+    r = client.post("/v1/models", json={"name": "full", "num_classes": 4})
+    rng = np.random.default_rng(0)
+    z, y = rng.normal(size=(200, 4)), rng.integers(0, 4, 200)
+    r = client.post("/v1/models/full/datasets", json={"logits": z.tolist(), "labels": y.tolist()})
+    v = wait_for_version(client, "full", _fit(client, r.json()["id"], "full").json()["version"])
+    client.put("/v1/models/full/aliases/production", json={"version": v["version"]})
+    body = {"inputs": [{"name": "topk_ids", "shape": [1, 2], "datatype": "INT64",
+                        "data": [0, 1]},
+                       {"name": "topk_logprobs", "shape": [1, 2], "datatype": "FP32",
+                        "data": [-1.0, -2.0]}]}
+    _v2_error(_infer(client, body, model="full"), 422, "full (n, K) scores", "top-k")
+    _v2_error(_infer(client, {"inputs": body["inputs"][1:]}, model="full"), 422, "top-k")
+    body = {"inputs": [{"name": "logits", "shape": [1, 4], "datatype": "FP32",
+                        "data": [0.0] * 4}], "outputs": [{"name": "tail"}]}
+    _v2_error(_infer(client, body, model="full"), 422, "unknown output")
+
+
+def test_top_k_predicts_count_rows_confidence_and_entropy(client, served):
+    """/v1 and /v2 add their rows to the prediction metrics: the top-1's calibrated
+    probability as the confidence, the entropy of the k tokens and the tail."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from service.serving.predict import topk_entropy
+
+    def samples() -> dict:
+        body, _ = client.app.state.welltempered.metrics.render()
+        return {(s.name, s.labels.get("le")): s.value
+                for fam in text_string_to_metric_families(body.decode()) for s in fam.samples
+                if s.labels.get("model") == "lm"}
+
+    rows = slice(0, 250)
+    assert _predict(client, {k: DATA[k][rows].tolist()
+                             for k in ("topk_ids", "topk_logprobs")}).status_code == 200
+    inputs, raw = _v2_tensors(slice(250, 400), binary=True)
+    assert _infer(client, {"inputs": inputs}, raw).status_code == 200
+    got = samples()
+    probs, tail = served.predict(topk.as_topk(DATA["topk_ids"][:400],
+                                              DATA["topk_logprobs"][:400], V))
+    entropy = topk_entropy(probs, tail)
+    assert got[("welltempered_predictions_total", None)] == 400
+    assert got[("welltempered_prediction_argmax_flips_total", None)] == 0
+    assert got[("welltempered_prediction_confidence_total", None)] == pytest.approx(
+        probs.max(axis=1).sum(), rel=1e-5)
+    assert got[("welltempered_prediction_entropy_nats_sum", None)] == pytest.approx(
+        entropy.sum(), rel=1e-5)
+    # the entropy over k + 1 outcomes: the tail as one bucket
+    assert entropy[0] == pytest.approx(
+        -(probs[0] * np.log(probs[0])).sum() - tail[0] * np.log(tail[0]), rel=1e-12)
