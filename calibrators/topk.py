@@ -415,7 +415,8 @@ def report(topk: TopK, labels, *, beta: float = 1.0, tail: str = "decay", sequen
     ``nll_p95`` (:func:`nll_rows`); ``accuracy`` (the top-1 token is the label);
     ``ece`` (top-label, equal-width bins, the top-1's calibrated probability as the
     confidence); ``label_in_top_k`` (the share of labels among the ids; the rest are in
-    the tail); ``tail_mass`` (the mean calibrated mass of the tail); and with
+    the tail); ``tail_mass`` (the mean calibrated mass of the tail); ``bins`` (the
+    reliability bins of that confidence, as ``metrics.report``'s); and with
     ``sequences``, ``sequences`` (:func:`calibrators.evaluation.metrics.nll_rows_summary`).
 
     >>> t = as_topk([[0, 1], [2, 0]], np.log([[0.7, 0.2], [0.6, 0.3]]), 5)
@@ -443,7 +444,7 @@ def report(topk: TopK, labels, *, beta: float = 1.0, tail: str = "decay", sequen
         "beta": float(beta), "nll": float(nll.mean()), "nll_median": float(median),
         "nll_p95": float(p95), "accuracy": float(correct.mean()), "ece": ece["ece"],
         "label_in_top_k": float((topk.label_in_top_k(y) >= 0).mean()),
-        "tail_mass": float(tail_mass.mean()),
+        "tail_mass": float(tail_mass.mean()), "bins": ece["bins"],
     }
     if sequences is not None:
         out["sequences"] = metrics.nll_rows_summary(nll, sequences)

@@ -229,8 +229,16 @@ def onnx_bytes(params: dict) -> bytes:
 
 def fused_onnx(model: bytes, params: dict, output: str | None, kind: str | None) -> bytes:
     """A classifier's ONNX then a version's calibrator, as one model
-    (:func:`calibrators.fuse.fuse`; FuseError, a 422, for a model it cannot take)."""
+    (:func:`calibrators.fuse.fuse`; FuseError, a 422, for a model it cannot take). A
+    top-k version's graph takes top-k log-probabilities, no classifier's scores: 422."""
     from calibrators.fuse import fuse
+
+    if params.get("format") == topk.PARAMS_FORMAT:
+        raise InvalidInput(
+            "A top-k version cannot be fused with a classifier: its graph takes the top-k "
+            f"log-probabilities a language model gives ({topk.INPUT_NAME}), not full scores. "
+            "Download its graph (GET .../onnx) and feed it those."
+        )
 
     return fuse(model, calibrators.from_params(params), output=output,
                 kind=kind).SerializeToString()

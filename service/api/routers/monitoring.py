@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Annotated, Any
 
 import numpy as np
@@ -188,13 +189,27 @@ def parse_feedback(
     return labelled, version
 
 
+def topk_feedback(served: str = "Top-k rows") -> InvalidInput:
+    """The 422 of feedback on top-k rows, or on a version that serves them."""
+    return InvalidInput(
+        f"{served}: feedback on top-k rows is not supported yet (the live statistics are "
+        "built from calibrated (n, K) rows). Measure a top-k version on a labelled top-k "
+        "dataset instead: upload it, and fit on it."
+    )
+
+
 def feedback_rows(
     body: Upload, bounds: rules.Bounds, version: int | None, kind: str | None = None
 ) -> tuple[rules.Labelled, int | None]:
     """The validated rows, and the version that served them: the query's ``version``, or a
-    JSON body's own (422 if the two disagree)."""
+    JSON body's own (422 if the two disagree). Top-k rows: 422 (:func:`topk_feedback`)."""
     if body.npz is not None:
-        return npz.labelled_from_npz(body.npz, bounds, kind), version
+        labelled = npz.labelled_from_npz(body.npz, replace(bounds, topk=True), kind)
+        if isinstance(labelled, rules.TopKRows):
+            raise topk_feedback()
+        return labelled, version
+    if json_body.is_topk(body.json):
+        raise topk_feedback()
     labelled, in_body = parse_feedback(body.json, bounds, kind)
     if in_body is not None and version is not None and in_body != version:
         raise InvalidInput(
@@ -268,6 +283,8 @@ def post_feedback(
     limits.check_rows(n, settings.max_feedback_rows, "feedback")
     row = monitoring.monitored_version(session, model, version)
     registry.check_servable(row, model)
+    if registry.version_top_k(session, row) is not None:
+        raise topk_feedback(f"Version {row.version} of {model.name!r} serves top-k rows")
     onnx = state.serving.onnx.get(inference.version_key(row), lambda: inference.version_params(row))
     inference.check_input_kind(
         inference.input_kinds(onnx), labelled.kind, f"Version {row.version} of {model.name!r}"

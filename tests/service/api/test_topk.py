@@ -508,3 +508,43 @@ def test_top_k_predicts_count_rows_confidence_and_entropy(client, served):
     # the entropy over k + 1 outcomes: the tail as one bucket
     assert entropy[0] == pytest.approx(
         -(probs[0] * np.log(probs[0])).sum() - tail[0] * np.log(tail[0]), rel=1e-12)
+
+
+def test_the_routes_of_full_scores_answer_a_top_k_version_clearly(client, served):
+    """Monitoring and the reliability diagrams work from the top-k hold-out report; label
+    shift, feedback and fusing with a classifier are clear 422s (not supported for top-k
+    versions: docs/api.md); the loop has no feedback to run on (409). Never a 500."""
+    from tests.security.budget_cases import _classifier_onnx
+
+    live = client.get("/v1/models/lm/monitoring")
+    assert live.status_code == 200, live.text
+    assert live.json()["live"]["n"] == 0 and live.json()["holdout"]["bins"]["count"]
+    for path in ("/v1/models/lm/monitoring/reliability.svg",
+                 "/v1/models/lm/calibrators/1/reliability.svg"):
+        r = client.get(path)
+        assert r.status_code == 200 and r.text.startswith("<svg"), r.text
+    for method in ("get", "post"):
+        assert_problem(getattr(client, method)("/v1/models/lm/label-shift"), 422,
+                       "top-k", "label shift")
+    rows = slice(0, 50)
+    arrays = {k: DATA[k][rows] for k in ("topk_ids", "topk_logprobs", "labels")}
+    r = client.post("/v1/models/lm/feedback", json={k: v.tolist() for k, v in arrays.items()})
+    assert_problem(r, 422, "feedback on top-k rows is not supported")
+    r = client.post("/v1/models/lm/feedback", content=npz(vocab_size=V, **arrays),
+                    headers={"content-type": "application/octet-stream"})
+    assert_problem(r, 422, "feedback on top-k rows is not supported")
+    r = client.post("/v1/models/lm/calibrators/1/fuse", content=_classifier_onnx(),
+                    headers={"content-type": "application/octet-stream"})
+    assert_problem(r, 422, "top-k version cannot be fused")
+    r = client.put("/v1/models/lm/loop", json={"keep_feedback": True})
+    assert r.status_code == 200, r.text
+    assert_problem(client.post("/v1/models/lm/loop/runs"), 409, "0 feedback rows")
+
+
+def test_a_top_k_version_refuses_full_rows_of_feedback(client, served):
+    """Full rows of the model's K (V columns) sent as feedback on a top-k version: the
+    same 422, naming the version, before any calibration."""
+    z = np.zeros((2, V), np.float32)
+    r = client.post("/v1/models/lm/feedback", content=npz(logits=z, labels=np.zeros(2, int)),
+                    headers={"content-type": "application/octet-stream"})
+    assert_problem(r, 422, "Version 1 of 'lm' serves top-k rows", "not supported")
