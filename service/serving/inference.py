@@ -332,6 +332,16 @@ def run_topk(session: ort.InferenceSession, logprobs: np.ndarray) -> dict[str, n
     return out
 
 
+def check_topk_width(fitted: int, k: int, what: str) -> None:
+    """422 unless top-k rows of width ``k`` are what a version fitted on rows of width
+    ``fitted`` takes (``what`` names it): its tail model depends on k."""
+    if k != fitted:
+        raise CalibrationInputError(
+            f"{what} was fitted on top-{fitted} rows; its tail model depends on k, so it "
+            f"serves rows of {fitted} log-probabilities. Got rows of {k}."
+        )
+
+
 def check_top_k(k: int, num_classes: int) -> None:
     """422 unless ``1 <= k <= num_classes``."""
     if not 1 <= k <= num_classes:

@@ -9,7 +9,6 @@ from scipy.special import xlogy
 
 from calibrators import topk
 from calibrators.numerics import row_chunks
-from calibrators.validation import CalibrationInputError
 from service.observe.metrics import ServiceMetrics
 from service.observe.served import ServedCounts
 from service.security import limits
@@ -80,12 +79,9 @@ def calibrate_topk(
     hold-out confusion matrix over its vocabulary and no prior-shift correction
     (docs/api.md, "Top-k log-probabilities")."""
     limits.check_rows(rows.logprobs.shape[0], max_rows, "predict")
-    if rows.k != served.topk_k:
-        raise CalibrationInputError(
-            f"Version {served.version} of {served.model!r} was fitted on top-{served.topk_k} "
-            f"rows; its tail model depends on k, so it serves rows of {served.topk_k} "
-            f"log-probabilities. Got rows of {rows.k}."
-        )
+    inference.check_topk_width(
+        served.topk_k, rows.k, f"Version {served.version} of {served.model!r}"
+    )
     out = inference.run_topk(served.session, rows.logprobs)
     top = out["probabilities"].argmax(axis=1)
     confidence = np.take_along_axis(out["probabilities"], top[:, None], axis=1)[:, 0]

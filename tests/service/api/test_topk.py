@@ -512,8 +512,8 @@ def test_top_k_predicts_count_rows_confidence_and_entropy(client, served):
 
 def test_the_routes_of_full_scores_answer_a_top_k_version_clearly(client, served):
     """Monitoring and the reliability diagrams work from the top-k hold-out report; label
-    shift, feedback and fusing with a classifier are clear 422s (not supported for top-k
-    versions: docs/api.md); the loop has no feedback to run on (409). Never a 500."""
+    shift and fusing with a classifier are clear 422s (docs/api.md); the loop keeps no
+    top-k feedback, so it has nothing to run on (409). Never a 500."""
     from tests.security.budget_cases import _classifier_onnx
 
     live = client.get("/v1/models/lm/monitoring")
@@ -526,25 +526,73 @@ def test_the_routes_of_full_scores_answer_a_top_k_version_clearly(client, served
     for method in ("get", "post"):
         assert_problem(getattr(client, method)("/v1/models/lm/label-shift"), 422,
                        "top-k", "label shift")
-    rows = slice(0, 50)
-    arrays = {k: DATA[k][rows] for k in ("topk_ids", "topk_logprobs", "labels")}
-    r = client.post("/v1/models/lm/feedback", json={k: v.tolist() for k, v in arrays.items()})
-    assert_problem(r, 422, "feedback on top-k rows is not supported")
-    r = client.post("/v1/models/lm/feedback", content=npz(vocab_size=V, **arrays),
-                    headers={"content-type": "application/octet-stream"})
-    assert_problem(r, 422, "feedback on top-k rows is not supported")
     r = client.post("/v1/models/lm/calibrators/1/fuse", content=_classifier_onnx(),
                     headers={"content-type": "application/octet-stream"})
     assert_problem(r, 422, "top-k version cannot be fused")
     r = client.put("/v1/models/lm/loop", json={"keep_feedback": True})
     assert r.status_code == 200, r.text
+    arrays = {k: DATA[k][:200] for k in ("topk_ids", "topk_logprobs", "labels")}
+    r = client.post("/v1/models/lm/feedback", content=npz(vocab_size=V, **arrays),
+                    headers={"content-type": "application/octet-stream"})
+    assert r.status_code == 200 and r.json()["kept"] == 0, r.text
     assert_problem(client.post("/v1/models/lm/loop/runs"), 409, "0 feedback rows")
 
 
-def test_a_top_k_version_refuses_full_rows_of_feedback(client, served):
-    """Full rows of the model's K (V columns) sent as feedback on a top-k version: the
-    same 422, naming the version, before any calibration."""
-    z = np.zeros((2, V), np.float32)
-    r = client.post("/v1/models/lm/feedback", content=npz(logits=z, labels=np.zeros(2, int)),
+def test_feedback_on_a_top_k_version_is_its_live_calibration(client, served):
+    """Labelled top-k rows posted as feedback (.npz, JSON arrays, the chat shape): the
+    live figures of the window equal calibrators.topk.report of the same rows at the
+    version's beta under its tail (NLL, accuracy, ECE), the entropy that of the k tokens
+    and the tail."""
+    from service.serving.predict import topk_entropy
+
+    parts = [slice(0, 1000), slice(1000, 2000), slice(2000, 2400)]
+    keys = ("topk_ids", "topk_logprobs", "labels")
+    r = client.post("/v1/models/lm/feedback",
+                    content=npz(vocab_size=V, **{k: DATA[k][parts[0]] for k in keys}),
                     headers={"content-type": "application/octet-stream"})
-    assert_problem(r, 422, "Version 1 of 'lm' serves top-k rows", "not supported")
+    assert r.status_code == 200, r.text
+    top1 = DATA["topk_ids"][np.arange(3000), DATA["topk_logprobs"].argmax(axis=1)]
+    assert r.json()["rows"] == 1000
+    assert r.json()["correct"] == int((top1 == DATA["labels"])[parts[0]].sum())
+    body = {k: DATA[k][parts[1]].tolist() for k in keys} | {"vocab_size": V}
+    assert client.post("/v1/models/lm/feedback", json=body).status_code == 200
+    chat = _chat(parts[2])  # interned ids: the same rows under other names
+    r = client.post("/v1/models/lm/feedback?version=1", json=chat)
+    assert r.status_code == 200, r.text
+    live = client.get("/v1/models/lm/monitoring").json()["live"]
+    rows = slice(0, 2400)
+    t = topk.as_topk(DATA["topk_ids"][rows], DATA["topk_logprobs"][rows], V)
+    want = topk.report(t, DATA["labels"][rows], beta=served.beta_, tail=served.tail)
+    assert live["n"] == 2400
+    assert live["nll"] == pytest.approx(want["nll"], rel=1e-9)
+    assert live["accuracy"] == want["accuracy"]
+    assert live["ece"] == pytest.approx(want["ece"], abs=1e-5)
+    assert live["entropy"] == pytest.approx(topk_entropy(*served.predict(t)).mean(), rel=1e-5)
+
+
+@pytest.mark.parametrize("body, words", [
+    (npz(logits=np.zeros((2, V), np.float32), labels=np.zeros(2, int)),
+     ("Version 1 of 'lm' serves top-k rows", "topk_ids")),
+    (npz(topk_ids=DATA["topk_ids"][:5, :10], topk_logprobs=DATA["topk_logprobs"][:5, :10],
+         vocab_size=V, labels=DATA["labels"][:5]), ("top-20", "rows of 10")),
+    (npz(topk_ids=DATA["topk_ids"][:5], topk_logprobs=DATA["topk_logprobs"][:5],
+         vocab_size=V), ("labels",)),
+])
+def test_feedback_a_top_k_version_refuses(client, served, body, words):
+    r = client.post("/v1/models/lm/feedback", content=body,
+                    headers={"content-type": "application/octet-stream"})
+    assert_problem(r, 422, *words)
+    assert client.get("/v1/models/lm/monitoring").json()["live"]["n"] == 0
+
+
+def test_a_full_version_refuses_top_k_feedback(client):
+    client.post("/v1/models", json={"name": "full", "num_classes": 30})
+    rng = np.random.default_rng(0)
+    z, y = rng.normal(size=(200, 30)), rng.integers(0, 30, 200)
+    r = client.post("/v1/models/full/datasets", json={"logits": z.tolist(), "labels": y.tolist()})
+    v = wait_for_version(client, "full", _fit(client, r.json()["id"], "full").json()["version"])
+    client.put("/v1/models/full/aliases/production", json={"version": v["version"]})
+    body = {"topk_ids": [list(range(20))], "topk_logprobs": [[-5.0] * 20],
+            "vocab_size": 30, "labels": [3]}
+    assert_problem(client.post("/v1/models/full/feedback", json=body), 422,
+                   "full (n, K) scores", "top-k")
