@@ -528,6 +528,26 @@ def _topk_upload_shapes(ids: Ids, op: dict, settings: dict) -> list[Case]:
     return cases
 
 
+def _topk_feedback_shapes(ids: Ids, op: dict, settings: dict) -> list[Case]:
+    """Labelled top-k rows on the top-k version: at and over the row limit (.npz), JSON
+    arrays at it, a chat body filling the JSON limit (over it: 413 once read)."""
+    budget, path = op["x-budget"], _topk_path(op, ids)
+    rows = settings["max_feedback_rows"]
+    cases = []
+    for n, body in ((rows, _topk_npz(rows, True)), (rows + 1, _topk_npz(rows + 1, True)),
+                    (rows, _topk_json(rows, True)),
+                    (None, _topk_chat(None, settings["max_json_bytes"]))):
+        name = "chat JSON filling MAX_JSON_BYTES" if n is None else f"{n} labelled rows"
+        fmt = "" if n is None else (" .npz" if body[0] == OCTET else " JSON arrays")
+        cases.append(Case(op["op"], f"top-k: {name}{fmt}", _send(ids, "POST", path, budget, body),
+                          len(body[1]), frozenset({200} if n == rows else {413})))
+    return cases
+
+
+def _feedback_all_shapes(ids: Ids, op: dict, settings: dict) -> list[Case]:
+    return _feedback_shapes(ids, op, settings) + _topk_feedback_shapes(ids, op, settings)
+
+
 def _upload_all_shapes(ids: Ids, op: dict, settings: dict) -> list[Case]:
     return _upload_shapes(ids, op, settings) + _topk_upload_shapes(ids, op, settings)
 
@@ -578,7 +598,7 @@ ROUTES: dict[str, Route] = {
     f"POST {V1}/predict.npy": Route(lambda ids: _json({"logits": [[0.0] * K]}),
                                     shapes=_predict_all_shapes),
     f"POST {V1}/feedback": Route(
-        lambda ids: _json({"logits": [[0.0] * K], "labels": [0]}), shapes=_feedback_shapes),
+        lambda ids: _json({"logits": [[0.0] * K], "labels": [0]}), shapes=_feedback_all_shapes),
     f"GET {V1}/monitoring": Route(),
     f"GET {V1}/monitoring/reliability.svg": Route(),
     # label shift (service/api/routers/label_shift.py)

@@ -186,8 +186,8 @@ def _tensor(
                 f"The body holds {len(raw) - offset} bytes after its JSON header and the "
                 f"inputs before {where}; binary_data_size says {size}."
             )
-        return np.frombuffer(raw, dtype, rows * cols, offset).reshape(rows, cols), datatype, \
-            offset + size
+        arr = np.frombuffer(raw, dtype, rows * cols, offset)
+        return arr.reshape(rows, cols), datatype, offset + size
     if "data" not in tensor:
         raise InvalidInput(f"{where} needs data, or binary_data_size with binary data.")
     try:

@@ -249,8 +249,8 @@ def _model_metadata(
         model, row = registry.resolve_served(
             session, name, None, version_number(version), caller.namespace
         )
-        rows = registry.list_versions(session, model)
-        versions = [str(row.version) for row in rows if _servable(row, model)]
+        listed = registry.list_versions(session, model)
+        versions = [str(v.version) for v in listed if _servable(v, model)]
         width = registry.version_top_k(session, row)
     if width is not None:
         if top_k is not None:
