@@ -596,3 +596,49 @@ def test_a_full_version_refuses_top_k_feedback(client):
             "vocab_size": 30, "labels": [3]}
     assert_problem(client.post("/v1/models/full/feedback", json=body), 422,
                    "full (n, K) scores", "top-k")
+
+
+@pytest.mark.process
+def test_tritonclient_infers_a_top_k_version(tmp_path):
+    """A real ``welltempered serve`` and tritonclient.http: the two inputs as binary and
+    as JSON tensors, the answers equal TopKTemperature.predict to 1e-6, the metadata
+    tritonclient reads, a refusal as the client's exception."""
+    httpclient = pytest.importorskip("tritonclient.http")
+    from tritonclient.utils import InferenceServerException
+
+    from tests.service.servers import Server
+
+    url = f"sqlite:///{tmp_path / 'registry.sqlite3'}"
+    with Server(url, tmp_path / "data") as server:
+        with server.client() as c:
+            _, v = _fitted(c)
+            assert v["status"] == "succeeded", v
+            r = c.put("/v1/models/lm/aliases/production", json={"version": v["version"]})
+            assert r.status_code == 200, r.text
+        cal = topk.TopKTemperature.from_params(v["params"])
+        client = httpclient.InferenceServerClient(server.base.removeprefix("http://"),
+                                                  network_timeout=120.0)
+        try:
+            meta = client.get_model_metadata("lm")
+            assert [t["name"] for t in meta["inputs"]] == ["topk_ids", "topk_logprobs"]
+            probs, tail = cal.predict(ROWS)
+            for binary in (True, False):
+                ids = httpclient.InferInput("topk_ids", [3000, 20], "INT64")
+                ids.set_data_from_numpy(DATA["topk_ids"].astype(np.int64), binary_data=binary)
+                lp = httpclient.InferInput("topk_logprobs", [3000, 20], "FP32")
+                lp.set_data_from_numpy(DATA["topk_logprobs"].astype(np.float32),
+                                       binary_data=binary)
+                wanted = [httpclient.InferRequestedOutput(n, binary_data=binary)
+                          for n in ("probabilities", "tail", "topk_ids")]
+                result = client.infer("lm", [ids, lp], outputs=wanted)
+                np.testing.assert_allclose(result.as_numpy("probabilities"), probs,
+                                           rtol=0, atol=1e-6)
+                np.testing.assert_allclose(result.as_numpy("tail"), tail, rtol=0, atol=1e-6)
+                assert (result.as_numpy("topk_ids") == DATA["topk_ids"]).all()
+            x = httpclient.InferInput("logits", [1, V], "FP32")
+            x.set_data_from_numpy(np.zeros((1, V), np.float32))
+            with pytest.raises(InferenceServerException) as err:
+                client.infer("lm", [x])
+            assert "top-k rows" in str(err.value)
+        finally:
+            client.close()
