@@ -68,6 +68,7 @@ import onnx
 from onnx import TensorProto, helper
 from scipy.special import gammaln, logsumexp
 
+from calibrators.evaluation import metrics
 from calibrators.methods.temperature import BETA_MAX, BETA_MIN, safeguarded_newton
 from calibrators.numerics import map_chunks, softmax, softmax_terms
 from calibrators.onnx_export import IR_VERSION, OPSET, GraphBuilder
@@ -395,6 +396,59 @@ def mean_nll(topk: TopK, labels, beta: float, tail: str = "decay") -> float:
     y = as_labels(labels, topk.logprobs.shape[0], topk.vocab_size)
     return _moments(_rows(topk, y, _tail_model(_check_tail(tail), topk.k, topk.vocab_size)),
                     float(beta))[0]
+
+
+def nll_rows(topk: TopK, labels, beta: float = 1.0, tail: str = "decay") -> np.ndarray:
+    """The NLL of each row tempered by ``beta`` under ``tail`` (n_samples,): the terms
+    whose mean :func:`mean_nll` is (labels in the tail scored as the module docstring
+    says). At ``beta`` 1, the rows as the model gave them."""
+    y = as_labels(labels, topk.logprobs.shape[0], topk.vocab_size)
+    r = _rows(topk, y, _tail_model(_check_tail(tail), topk.k, topk.vocab_size))
+    return logsumexp(r.w + float(beta) * r.s, axis=1) - float(beta) * r.sy
+
+
+def report(topk: TopK, labels, *, beta: float = 1.0, tail: str = "decay", sequences=None,
+           n_bins: int = metrics.DEFAULT_N_BINS) -> dict:
+    """The metrics of top-k rows tempered by ``beta`` (1: as given), JSON values.
+
+    ``n``, ``k``, ``vocab_size``, ``tail``, ``beta``; ``nll``, ``nll_median``,
+    ``nll_p95`` (:func:`nll_rows`); ``accuracy`` (the top-1 token is the label);
+    ``ece`` (top-label, equal-width bins, the top-1's calibrated probability as the
+    confidence); ``label_in_top_k`` (the share of labels among the ids; the rest are in
+    the tail); ``tail_mass`` (the mean calibrated mass of the tail); ``bins`` (the
+    reliability bins of that confidence, as ``metrics.report``'s); and with
+    ``sequences``, ``sequences`` (:func:`calibrators.evaluation.metrics.nll_rows_summary`).
+
+    >>> t = as_topk([[0, 1], [2, 0]], np.log([[0.7, 0.2], [0.6, 0.3]]), 5)
+    >>> out = report(t, [0, 4])
+    >>> out["accuracy"], out["label_in_top_k"], round(out["tail_mass"], 3)
+    (0.5, 0.5, 0.1)
+    """
+    n = topk.logprobs.shape[0]
+    y = as_labels(labels, n, topk.vocab_size)
+    model = _tail_model(_check_tail(tail), topk.k, topk.vocab_size)
+    r = _rows(topk, y, model)
+    u = r.w + float(beta) * r.s
+    lse = logsumexp(u, axis=1)
+    nll = lse - float(beta) * r.sy
+    top = topk.logprobs.argmax(axis=1)
+    rows = np.arange(n)
+    confidence = np.exp(u[rows, top] - lse)
+    correct = topk.ids[rows, top] == y
+    tail_mass = (np.exp(logsumexp(u[:, topk.k:], axis=1) - lse) if model.log_m.size
+                 else np.zeros(n))
+    median, p95 = np.percentile(nll, [50.0, 95.0])
+    ece = metrics.ece_from_bin_statistics(**metrics.bin_statistics(confidence, correct, n_bins))
+    out = {
+        "n": int(n), "k": topk.k, "vocab_size": topk.vocab_size, "tail": tail,
+        "beta": float(beta), "nll": float(nll.mean()), "nll_median": float(median),
+        "nll_p95": float(p95), "accuracy": float(correct.mean()), "ece": ece["ece"],
+        "label_in_top_k": float((topk.label_in_top_k(y) >= 0).mean()),
+        "tail_mass": float(tail_mass.mean()), "bins": ece["bins"],
+    }
+    if sequences is not None:
+        out["sequences"] = metrics.nll_rows_summary(nll, sequences)
+    return out
 
 
 def _check_tail(tail) -> str:

@@ -182,11 +182,35 @@ def nll_report(scores_before, probs_after, labels, *, kind: str = "logits") -> d
         calibrated = -probabilities_to_logits(after[part][picked].astype(np.float64))
         diff[part] = calibrated - raw
         before_sum += float(raw.sum())
+    return _paired(diff, before_sum / n)
+
+
+def _paired(diff: np.ndarray, before_loss: float) -> dict:
+    n = diff.shape[0]
     mean = float(diff.mean())
     return {
         "n": int(n),
-        "before_loss": before_sum / n,
-        "after_loss": before_sum / n + mean,
+        "before_loss": before_loss,
+        "after_loss": before_loss + mean,
         "difference": mean,
         "standard_error": float(diff.std(ddof=1) / np.sqrt(n)) if n > 1 else None,
     }
+
+
+def nll_rows_report(nll_before, nll_after) -> dict:
+    """:func:`nll_report` from the per-row NLLs before and after (two arrays of shape
+    (n_samples,)): for rows whose NLL is not read off an (N, K) probability matrix (top-k
+    rows, :func:`calibrators.topk.nll_rows`).
+
+    >>> out = nll_rows_report([1.0, 2.0, 3.0], [0.5, 2.0, 2.5])
+    >>> out["difference"], out["after_loss"]
+    (-0.3333333333333333, 1.6666666666666667)
+    """
+    before = np.asarray(nll_before, dtype=np.float64)
+    after = np.asarray(nll_after, dtype=np.float64)
+    if before.ndim != 1 or before.shape != after.shape or before.size == 0:
+        raise CalibrationInputError(
+            "nll_before and nll_after must be non-empty vectors of one shape. "
+            f"Got {before.shape} and {after.shape}."
+        )
+    return _paired(after - before, float(before.mean()))

@@ -1180,11 +1180,13 @@ def sequence_nll_summary(probs, labels, sequences) -> dict:
     (2, 0.399254)
     """
     probs, labels = _probs_and_labels(probs, labels)
-    return _sequence_summary(_nll_rows(probs, labels), sequences)
+    return nll_rows_summary(_nll_rows(probs, labels), sequences)
 
 
-def _sequence_summary(nll: np.ndarray, sequences) -> dict:
-    """:func:`sequence_nll_summary` of the per-row NLL ``nll``."""
+def nll_rows_summary(nll: np.ndarray, sequences) -> dict:
+    """:func:`sequence_nll_summary` of given per-row NLLs ``nll`` (n_samples,): for rows
+    whose NLL is not that of an (N, K) probability matrix (top-k rows,
+    :func:`calibrators.topk.report`)."""
     codes = as_sequence_ids(sequences, nll.shape[0])
     per_sequence = np.bincount(codes, weights=nll) / np.bincount(codes)
     token_median, token_p95 = np.percentile(nll, [50.0, 95.0])
@@ -1455,7 +1457,7 @@ def _report(block, labels: np.ndarray, n: int, k: int, n_bins: int, sequences=No
     quantile = ece_from_bin_statistics(**_bin_statistics(confidence, correct, quantile_edges))
     nll = -probabilities_to_logits(true_probability)
     median, p95 = np.percentile(nll, [50.0, 95.0])
-    by_sequence = {} if sequences is None else {"sequences": _sequence_summary(nll, sequences)}
+    by_sequence = {} if sequences is None else {"sequences": nll_rows_summary(nll, sequences)}
     return {
         "n": int(n),
         "n_classes": int(k),

@@ -180,13 +180,21 @@ class DatasetOut(BaseModel):
         "label-free fits only (an entropy target: temperature with target_entropy, "
         "row-entropy).",
     )
+    format: Literal["scores", "topk"] = Field(
+        "scores",
+        description="scores: full (N, K) scores. topk: top-k log-probabilities of a "
+        "language model's tokens (calibrators.topk): k is then the vocabulary size V and "
+        "top_k the width of the rows; fitted by temperature only, served top-k in and out.",
+    )
+    top_k: int | None = Field(None, description="The width k of top-k rows (format topk).")
     created_at: Timestamp
     metrics: dict[str, Any] | None = Field(
         None,
         description="calibrators.evaluation.metrics.report of the raw scores (with "
         "sequence ids, plus 'sequences': the NLL per token and per sequence); without "
-        "labels, calibrators.evaluation.entropy.entropy_report (the rows' entropies). Null "
-        "in lists, and while the metrics of a dataset of over 4,194,304 scores are being "
+        "labels, calibrators.evaluation.entropy.entropy_report (the rows' entropies); top-k "
+        "rows, calibrators.topk.report as given (beta 1, the decay tail). Null in lists, "
+        "and while the metrics of a dataset of over 4,194,304 scores are being "
         "computed after its upload's answer.",
     )
 
@@ -300,6 +308,12 @@ class VersionOut(BaseModel):
         description="The kind of scores its params were fitted on. A version of params "
         "format 2 gives one answer per distribution for both kinds; vector and matrix "
         "scaling of format 1 serve this kind only."
+    )
+    format: Literal["scores", "topk"] | None = Field(
+        None,
+        description="What it serves once fitted: scores, full (N, K) scores; topk, top-k "
+        "rows (its params calibrators.topk.TopKTemperature's, format welltempered.topk/1). "
+        "Null until it has params.",
     )
     chosen_method: str | None
     holdout: float

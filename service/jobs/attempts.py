@@ -138,6 +138,7 @@ def run_claimed(
             sequences = (
                 None if task.sequences_sha256 is None else store.load(task.sequences_sha256)
             )
+            ids = None if task.topk_ids_sha256 is None else store.load(task.topk_ids_sha256)
         finally:
             _report_cache(store, on_cache)
         if task.params is not None:  # a version from posted parameters: evaluated only
@@ -148,7 +149,7 @@ def run_claimed(
         else:
             result = fit_job(
                 scores, labels, progress=progress, memory_budget=config.memory_budget,
-                sequences=sequences, **task.spec,
+                sequences=sequences, topk_ids=ids, **task.spec,
             )
         also = None if task.comparing is None else _loop_end(task, scores, labels, result)
     except _Stopped:

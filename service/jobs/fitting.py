@@ -22,11 +22,12 @@ from typing import Any
 import numpy as np
 
 import calibrators
+from calibrators import topk
 from calibrators.evaluation import checks, entropy, metrics
 from calibrators.evaluation.holdout import split_indices, split_sizes
 from service.errors import FitTooLarge
 from service.jobs import evaluation
-from service.vocabulary import ARGMAX_CHANGED, AUTO
+from service.vocabulary import ARGMAX_CHANGED, AUTO, NLL_WORSE
 
 log = logging.getLogger("welltempered.fits")
 
@@ -44,6 +45,34 @@ def check_fit_request(method: str, options: dict[str, Any]) -> None:
             _create(m, options.get(m) or {})
     else:
         _create(method, options)
+
+
+#: The one method a top-k dataset is fitted by.
+TOPK_METHOD = "temperature"
+
+
+def check_topk_fit(method: str, options: Any) -> topk.TopKTemperature:
+    """The calibrator of a fit on top-k rows (``calibrators.topk``), or a 422: only
+    temperature scaling is defined on truncated distributions (options ``tail``,
+    ``tol``, ``max_passes``); every other method, and ``auto``, needs full scores."""
+    if method != TOPK_METHOD:
+        raise calibrators.CalibrationInputError(
+            "a top-k dataset holds each row's k largest log-probabilities, not its V scores: "
+            f"only {TOPK_METHOD} is fitted on it (the tail a stated model, "
+            f"calibrators.topk); {method} needs full (N, K) scores. Got method {method!r}."
+        )
+    if not isinstance(options, dict):
+        raise calibrators.CalibrationInputError(f"options must be an object. Got {options!r}.")
+    allowed = ("tail", *topk.TopKTemperature.option_checks)
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise calibrators.CalibrationInputError(
+            f"options of a {TOPK_METHOD} fit on top-k rows are {', '.join(allowed)} "
+            f"(tail: {' or '.join(topk.TAILS)}). Got {unknown!r}."
+        )
+    cal = topk.TopKTemperature(**options)
+    cal._options()
+    return cal
 
 
 def check_labels(method: str, options: dict[str, Any], labelled: bool) -> None:
@@ -233,6 +262,8 @@ def fit_job(
     memory_budget: int | None = None,
     refit: bool = False,
     sequences: np.ndarray | None = None,
+    topk_ids: np.ndarray | None = None,
+    vocab_size: int | None = None,
 ) -> dict[str, Any]:
     """Fit on the first part of the permutation, evaluate on the rest; no side effects.
 
@@ -250,12 +281,18 @@ def fit_job(
     break the policy the choice was made under.
 
     Without ``labels`` (scores alone: a label-free method, :func:`check_labels`), see
-    :func:`label_free_job`.
+    :func:`label_free_job`; with ``topk_ids`` (``scores`` are then top-k
+    log-probabilities out of ``vocab_size`` tokens), :func:`topk_job`.
 
     Returns the columns of the finished version: status (succeeded | rejected),
     chosen_method, params, metrics_before/after, argmax, candidates (auto only),
     warning, rejection and rejected_for (why, when rejected) and fit_seconds.
     """
+    if topk_ids is not None:
+        return topk_job(
+            scores, topk_ids, labels, vocab_size=vocab_size, method=method, holdout=holdout,
+            seed=seed, options=options, refit=refit, sequences=sequences,
+        )
     if labels is None:
         return label_free_job(
             scores, kind=kind, method=method, holdout=holdout, seed=seed, options=options,
@@ -343,6 +380,62 @@ def fit_job(
         "warning": warning,
         **evaluation.rejection(results, argmax_policy),
         "fit_seconds": total,
+    }
+
+
+def topk_job(
+    logprobs: np.ndarray,
+    ids: np.ndarray,
+    labels: np.ndarray,
+    *,
+    vocab_size: int,
+    method: str,
+    holdout: float,
+    seed: int,
+    options: dict[str, Any],
+    refit: bool = False,
+    sequences: np.ndarray | None = None,
+) -> dict[str, Any]:
+    """:func:`fit_job` on top-k rows (``calibrators.topk``): temperature fitted on the
+    split's first part (every row with ``refit``), the held-out rows reported before
+    (beta 1) and after by :func:`calibrators.topk.report` under the fit's tail model, and
+    rejected as any fit whose held-out NLL is worse than the rows as given
+    (:func:`service.jobs.evaluation.nll_worse`). Tempering keeps the order of the top-k,
+    so no predicted token changes (the argmax report measures it on the top-k)."""
+    started = time.perf_counter()
+    cal = check_topk_fit(method, options)
+    fit_idx, hold_idx = split_indices(labels.shape[0], holdout, seed, groups=sequences)
+
+    def part(idx) -> topk.TopK:
+        return topk.as_topk(np.asarray(ids[idx]), np.asarray(logprobs[idx]), vocab_size)
+
+    x_fit, x_hold = part(fit_idx), part(hold_idx)
+    y_fit, y_hold = labels[fit_idx], labels[hold_idx]
+    s_hold = None if sequences is None else np.asarray(sequences[hold_idx])
+    cal.fit(x_fit, y_fit)
+    tail, beta = cal.tail, cal.beta_
+    before = topk.report(x_hold, y_hold, tail=tail, sequences=s_hold)
+    after = topk.report(x_hold, y_hold, beta=beta, tail=tail, sequences=s_hold)
+    nll = checks.nll_rows_report(topk.nll_rows(x_hold, y_hold, 1.0, tail),
+                                 topk.nll_rows(x_hold, y_hold, beta, tail))
+    probs, _ = cal.predict(x_hold)
+    argmax = checks.argmax_report(x_hold.logprobs, probs / probs.sum(axis=1, keepdims=True))
+    served = cal
+    if refit and not evaluation.nll_worse(nll):
+        served = check_topk_fit(method, options).fit(part(slice(None)), labels)
+    reasons = [NLL_WORSE] if evaluation.nll_worse(nll) else []
+    result = {"allowed": not reasons, "argmax": argmax, "nll": nll, "rejected_for": reasons}
+    return {
+        "status": "rejected" if reasons else "succeeded",
+        "chosen_method": method,
+        "params": served.to_params(),
+        "metrics_before": before,
+        "metrics_after": after,
+        "argmax": argmax,
+        "candidates": None,
+        "warning": None,
+        **evaluation.rejection({method: result}, "off"),
+        "fit_seconds": time.perf_counter() - started,
     }
 
 

@@ -164,14 +164,19 @@ def feedback_statistics(probs: np.ndarray, labels: np.ndarray) -> dict[str, np.n
 def _statistics(probs: np.ndarray, labels: np.ndarray) -> dict[str, np.ndarray]:
     confidence = probs.max(axis=1).astype(np.float64)
     correct = probs.argmax(axis=1) == labels
-    stats = metrics.bin_statistics(confidence, correct, N_BINS)
-    # The bin of each row, by the rule bin_statistics documents (half-open, last closed).
-    index = np.searchsorted(EDGES[1:-1], confidence, side="right")
     p = probs.astype(np.float64)
     true_p = p[np.arange(p.shape[0]), labels]
     nll = -np.log(np.maximum(true_p, PROBABILITY_FLOOR))
     entropy = entr(p).sum(axis=1)
     brier = np.einsum("ij,ij->i", p, p) - 2.0 * true_p + 1.0
+    return _binned(confidence, correct, nll, entropy, brier)
+
+
+def _binned(confidence, correct, nll, entropy, brier) -> dict[str, np.ndarray]:
+    """The statistics of rows from their per-row quantities (:func:`feedback_statistics`)."""
+    stats = metrics.bin_statistics(confidence, correct, N_BINS)
+    # The bin of each row, by the rule bin_statistics documents (half-open, last closed).
+    index = np.searchsorted(EDGES[1:-1], confidence, side="right")
     return {
         "count": stats["count"].astype(np.int64),
         "correct_count": stats["correct_count"].astype(np.int64),
@@ -181,6 +186,25 @@ def _statistics(probs: np.ndarray, labels: np.ndarray) -> dict[str, np.ndarray]:
         "brier_sum": np.bincount(index, weights=brier, minlength=N_BINS),
         NLL_HISTOGRAM: token_nll.nll_histogram(nll),
     }
+
+
+def topk_feedback_statistics(
+    probabilities: np.ndarray, tail: np.ndarray, label_column: np.ndarray, nll: np.ndarray
+) -> dict[str, np.ndarray]:
+    """:func:`feedback_statistics` of calibrated top-k rows: ``probabilities`` (n, k) and
+    ``tail`` (n,) as served, ``label_column`` each label's column among the top-k (-1:
+    in the tail, ``calibrators.topk.TopK.label_in_top_k``), ``nll`` each row's NLL under
+    the version's tail model (``calibrators.topk.nll_rows``, the figure of its hold-out
+    report). The outcomes are the k tokens and the tail as one: confidence is the top-1
+    token's probability, correct when the label is that token; entropy and Brier score
+    are over the k + 1 outcomes (a label in the tail is the tail's outcome)."""
+    p = probabilities.astype(np.float64)
+    t = tail.astype(np.float64)
+    rows = np.arange(p.shape[0])
+    top = p.argmax(axis=1)
+    true_p = np.where(label_column >= 0, p[rows, np.maximum(label_column, 0)], t)
+    brier = np.einsum("ij,ij->i", p, p) + t * t - 2.0 * true_p + 1.0
+    return _binned(p[rows, top], top == label_column, nll, entr(p).sum(axis=1) + entr(t), brier)
 
 
 def add_statistics(parts: Iterable[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:

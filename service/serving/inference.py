@@ -23,6 +23,7 @@ import onnxruntime as ort
 from sqlalchemy.orm import sessionmaker
 
 import calibrators
+from calibrators import topk
 from calibrators.numerics import row_chunks
 from calibrators.validation import KINDS, PROBABILITY_FLOOR, CalibrationInputError
 from service.errors import InvalidInput
@@ -120,6 +121,9 @@ class Served:
     #: The kinds of scores it serves (:func:`input_kinds` of its session): both, or for
     #: vector and matrix params of format 1 the kind they were fitted on.
     input_kinds: tuple[str, ...] = KINDS
+    #: For a version fitted on top-k rows (``calibrators.topk``), the width k of the rows
+    #: its graph takes (its metadata's ``k``); None: it serves full (N, K) scores.
+    topk_k: int | None = None
 
 
 class ServingCache:
@@ -182,6 +186,8 @@ class ServingCache:
         with self.sessions() as session:
             model, row = resolve_served(session, name, alias, version, namespace)
             onnx = self.onnx.get(version_key(row), lambda: version_params(row))
+            meta = onnx.get_modelmeta().custom_metadata_map
+            top = meta.get("format") == "topk"
             return Served(
                 namespace=model.namespace,
                 model=model.name,
@@ -193,7 +199,8 @@ class ServingCache:
                     None if model.class_names is None else np.array(model.class_names, object)
                 ),
                 max_name_bytes=longest_name_bytes(model.class_names),
-                input_kinds=input_kinds(onnx),
+                input_kinds=() if top else input_kinds(onnx),
+                topk_k=int(meta["k"]) if top else None,
             )
 
     def invalidate(self, model: str, namespace: str) -> None:
@@ -212,13 +219,26 @@ class ServingCache:
 
 
 def onnx_bytes(params: dict) -> bytes:
+    """The graph of a version's params: a calibrator's, or for top-k params
+    (``calibrators.topk``) :meth:`~calibrators.topk.TopKTemperature.to_onnx` at the k
+    and V it was fitted on."""
+    if params.get("format") == topk.PARAMS_FORMAT:
+        return topk.TopKTemperature.from_params(params).to_onnx()
     return calibrators.from_params(params).to_onnx()
 
 
 def fused_onnx(model: bytes, params: dict, output: str | None, kind: str | None) -> bytes:
     """A classifier's ONNX then a version's calibrator, as one model
-    (:func:`calibrators.fuse.fuse`; FuseError, a 422, for a model it cannot take)."""
+    (:func:`calibrators.fuse.fuse`; FuseError, a 422, for a model it cannot take). A
+    top-k version's graph takes top-k log-probabilities, no classifier's scores: 422."""
     from calibrators.fuse import fuse
+
+    if params.get("format") == topk.PARAMS_FORMAT:
+        raise InvalidInput(
+            "A top-k version cannot be fused with a classifier: its graph takes the top-k "
+            f"log-probabilities a language model gives ({topk.INPUT_NAME}), not full scores. "
+            "Download its graph (GET .../onnx) and feed it those."
+        )
 
     return fuse(model, calibrators.from_params(params), output=output,
                 kind=kind).SerializeToString()
@@ -297,6 +317,29 @@ def run_chunks(
     n, k = scores.shape
     for rows in row_chunks(n, k, RUN_ELEMENTS):
         yield rows, run(session, as_onnx_input(scores[rows], kind, rows.start))
+
+
+def run_topk(session: ort.InferenceSession, logprobs: np.ndarray) -> dict[str, np.ndarray]:
+    """A top-k version's graph on validated log-probabilities (N, k): ``probabilities``
+    (N, k) and ``tail`` (N,), float32, in row chunks of about :data:`RUN_ELEMENTS`."""
+    n, k = logprobs.shape
+    names = list(topk.OUTPUT_NAMES)
+    out = {"probabilities": np.empty((n, k), np.float32), "tail": np.empty(n, np.float32)}
+    for rows in row_chunks(n, k, RUN_ELEMENTS):
+        values = session.run(names, {topk.INPUT_NAME: logprobs[rows].astype(np.float32)})
+        for name, value in zip(names, values, strict=True):
+            out[name][rows] = value
+    return out
+
+
+def check_topk_width(fitted: int, k: int, what: str) -> None:
+    """422 unless top-k rows of width ``k`` are what a version fitted on rows of width
+    ``fitted`` takes (``what`` names it): its tail model depends on k."""
+    if k != fitted:
+        raise CalibrationInputError(
+            f"{what} was fitted on top-{fitted} rows; its tail model depends on k, so it "
+            f"serves rows of {fitted} log-probabilities. Got rows of {k}."
+        )
 
 
 def check_top_k(k: int, num_classes: int) -> None:

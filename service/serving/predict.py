@@ -5,7 +5,9 @@ counts and ``top_k``."""
 from __future__ import annotations
 
 import numpy as np
+from scipy.special import xlogy
 
+from calibrators import topk
 from calibrators.numerics import row_chunks
 from service.observe.metrics import ServiceMetrics
 from service.observe.served import ServedCounts
@@ -61,3 +63,43 @@ def _flipped(scores: np.ndarray, labels: np.ndarray) -> int:
         int((scores[rows].argmax(axis=1) != labels[rows]).sum())
         for rows in row_chunks(n, k, inference.RUN_ELEMENTS)
     )
+
+
+def calibrate_topk(
+    served: Served, rows: topk.TopK, max_rows: int, metrics: ServiceMetrics
+) -> dict[str, np.ndarray]:
+    """The serving path of a top-k version (``served.topk_k`` set), shared by /v1 and
+    /v2: the row limit (413), the width of the rows its graph was built for (422), then
+    its ONNX session: ``probabilities`` (N, k), the calibrated top-k in the rows' order,
+    and ``tail`` (N,), the mass of the rest (:func:`service.serving.inference.run_topk`).
+
+    The prediction metrics count the rows as for full scores, with the top-1's
+    calibrated probability as the confidence and :func:`topk_entropy` as the entropy.
+    The served classes (label shift's counts) are not counted: a top-k version has no
+    hold-out confusion matrix over its vocabulary and no prior-shift correction
+    (docs/api.md, "Top-k log-probabilities")."""
+    limits.check_rows(rows.logprobs.shape[0], max_rows, "predict")
+    inference.check_topk_width(
+        served.topk_k, rows.k, f"Version {served.version} of {served.model!r}"
+    )
+    out = inference.run_topk(served.session, rows.logprobs)
+    top = out["probabilities"].argmax(axis=1)
+    confidence = np.take_along_axis(out["probabilities"], top[:, None], axis=1)[:, 0]
+    metrics.observe_predictions(
+        served.namespace, served.model, served.version,
+        topk_entropy(out["probabilities"], out["tail"]), confidence,
+        _flipped(rows.logprobs, top),
+    )
+    return out
+
+
+def topk_entropy(probabilities: np.ndarray, tail: np.ndarray) -> np.ndarray:
+    """The entropy in nats of each served top-k row as the k + 1 outcomes it gives: the
+    k tokens and the tail as one bucket (N,). A lower bound of the entropy over the
+    vocabulary, which the tail's tokens would add to (by at most ``tail * log(V - k)``).
+
+    >>> topk_entropy(np.array([[0.5, 0.25]]), np.array([0.25])).round(4)
+    array([1.0397])
+    """
+    p = np.concatenate([probabilities, tail[:, None]], axis=1).astype(np.float64)
+    return -xlogy(p, p).sum(axis=1)

@@ -85,12 +85,14 @@ def hold(session: Session, store: ArrayStore, files: Iterable[Held]) -> None:
 
 def dataset_files(dataset) -> list[str]:
     """The hashes of the files a dataset (a row, or a row of its file columns) names."""
-    files = [dataset.scores_sha256, dataset.labels_sha256, dataset.sequences_sha256]
+    files = [dataset.scores_sha256, dataset.labels_sha256, dataset.sequences_sha256,
+             dataset.topk_ids_sha256]
     return [sha for sha in files if sha is not None]
 
 
 def is_referenced(session: Session, sha256: str) -> bool:
-    """Whether any dataset names the file ``sha256`` (scores, labels or sequence ids)."""
+    """Whether any dataset names the file ``sha256`` (scores, labels, sequence ids or
+    top-k ids)."""
     return bool(
         session.scalar(
             select(
@@ -99,6 +101,7 @@ def is_referenced(session: Session, sha256: str) -> bool:
                         Dataset.scores_sha256 == sha256,
                         Dataset.labels_sha256 == sha256,
                         Dataset.sequences_sha256 == sha256,
+                        Dataset.topk_ids_sha256 == sha256,
                     )
                 )
             )
@@ -152,6 +155,7 @@ def referenced_hashes(session: Session) -> set[str]:
         select(Dataset.scores_sha256),
         select(Dataset.labels_sha256).where(Dataset.labels_sha256.is_not(None)),
         select(Dataset.sequences_sha256).where(Dataset.sequences_sha256.is_not(None)),
+        select(Dataset.topk_ids_sha256).where(Dataset.topk_ids_sha256.is_not(None)),
     )
     return set(session.scalars(query))
 

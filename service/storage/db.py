@@ -153,6 +153,11 @@ class Dataset(Base):
     sequences_sha256: Mapped[str | None] = mapped_column(String(64), index=True)
     #: Distinct sequences (None without sequence ids).
     n_sequences: Mapped[int | None]
+    #: A dataset of top-k log-probabilities (``calibrators.topk``): the width k of its
+    #: rows, and the file of their token ids (N, k) beside the log-probabilities in
+    #: ``scores_sha256``; ``n_classes`` is the vocabulary size V. None: full scores.
+    top_k: Mapped[int | None]
+    topk_ids_sha256: Mapped[str | None] = mapped_column(String(64), index=True)
     #: Bytes of its .npy files: what the dataset counts against its namespace's
     #: stored-bytes quota (in full, even when another dataset shares a file).
     n_bytes: Mapped[int] = mapped_column(BigInteger, server_default="0")

@@ -42,6 +42,8 @@ class FitTask:
     params: dict[str, Any] | None = None
     sequences_sha256: str | None = None
     comparing: loops.Comparing | None = None
+    #: The token ids of a top-k dataset's rows (``scores_sha256`` their log-probabilities).
+    topk_ids_sha256: str | None = None
 
 
 def _running(version_id: int, attempt: int):
@@ -81,6 +83,8 @@ def claim(sessions: sessionmaker, version_id: int, worker: str, max_attempts: in
             "seed": row.seed,
             "argmax_policy": policy,
         }
+        if dataset.top_k is not None:  # top-k rows out of a vocabulary of n_classes
+            spec["vocab_size"] = dataset.n_classes
         params = None
         if row.source == FROM_PARAMS:  # posted parameters to evaluate, not a fit
             params = dict(row.params)
@@ -88,7 +92,7 @@ def claim(sessions: sessionmaker, version_id: int, worker: str, max_attempts: in
             spec |= {"method": row.method, "options": dict(row.options or {}), "refit": row.refit}
         return FitTask(
             spec, dataset.scores_sha256, dataset.labels_sha256, row.attempts, params,
-            dataset.sequences_sha256, loops.comparing(s, version_id),
+            dataset.sequences_sha256, loops.comparing(s, version_id), dataset.topk_ids_sha256,
         )
 
 

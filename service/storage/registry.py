@@ -36,6 +36,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, undefer
 
+from calibrators import topk
 from calibrators.evaluation import entropy, metrics
 from service.errors import ArgmaxChanged, Conflict, InUse, InvalidInput, NotFound, NotReady
 from service.storage import array_refs, usage
@@ -151,14 +152,20 @@ def find_model(session: Session, name: str, namespace: str) -> Model:
 
 
 def dataset_sha256(
-    kind: str, scores_sha: str, labels_sha: str | None, sequences_sha: str | None = None
+    kind: str,
+    scores_sha: str,
+    labels_sha: str | None,
+    sequences_sha: str | None = None,
+    topk_ids_sha: str | None = None,
 ) -> str:
     """The content hash of a dataset: the same scores with other sequence ids (or none),
     or without labels, are another dataset; one with labels and without sequence ids
-    keeps the hash it always had."""
+    keeps the hash it always had. Top-k rows add their ids' hash."""
     text = f"{kind}\n{scores_sha}\n{labels_sha or 'unlabelled'}"
     if sequences_sha is not None:
         text += f"\n{sequences_sha}"
+    if topk_ids_sha is not None:
+        text += f"\ntopk {topk_ids_sha}"
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -182,6 +189,7 @@ def add_dataset(
     sequences: np.ndarray | None = None,
     metrics_later: Callable[[int], None] | None = None,
     scores_file: Staged | None = None,
+    topk_ids: np.ndarray | None = None,
 ) -> tuple[Dataset, bool]:
     """Store validated arrays (files first, fsynced), then commit the row; dedupe by content.
 
@@ -200,6 +208,10 @@ def add_dataset(
     to :func:`fill_metrics`). ``scores_file``: the scores' ``.npy`` bytes already written
     and hashed (an upload's member, :class:`~service.storage.arrays.Staged`), stored as
     they are instead of writing ``scores`` again.
+
+    ``topk_ids``: the token ids (N, k) of top-k rows (``calibrators.topk``, validated,
+    the vocabulary size the model's K), whose log-probabilities are ``scores``; their
+    metrics are :func:`calibrators.topk.report` of the rows as given.
     """
 
     # Written first, hashed and sized while written: one pass over each array. Content
@@ -211,11 +223,15 @@ def add_dataset(
         return array_refs.Held(*(arrays.write(array) if staged is None else arrays.adopt(staged)),
                                array)
 
-    named = [written(scores, scores_file), written(labels), written(sequences)]
+    named = [
+        written(scores, scores_file), written(labels), written(sequences), written(topk_ids)
+    ]
     files = [f for f in named if f is not None]
     shas = [f.sha256 for f in files]
-    score_sha, label_sha, sequence_sha = (None if f is None else f.sha256 for f in named)
-    sha = dataset_sha256(kind, score_sha, label_sha, sequence_sha)
+    score_sha, label_sha, sequence_sha, ids_sha = (
+        None if f is None else f.sha256 for f in named
+    )
+    sha = dataset_sha256(kind, score_sha, label_sha, sequence_sha, ids_sha)
     existing = _dataset_by_sha(session, model, sha)
     if existing is not None:
         return existing, False
@@ -225,18 +241,22 @@ def add_dataset(
         sha256=sha,
         kind=kind,
         n_rows=rows,
-        n_classes=int(scores.shape[1]),
+        n_classes=int(scores.shape[1]) if topk_ids is None else model.num_classes,
         dtype=str(scores.dtype),
         scores_sha256=score_sha,
         labels_sha256=label_sha,
         sequences_sha256=sequence_sha,
         n_sequences=None if sequences is None else int(np.unique(sequences).size),
         n_bytes=n_bytes,
+        top_k=None if topk_ids is None else int(scores.shape[1]),
+        topk_ids_sha256=ids_sha,
     )
     later = scores.size > INLINE_METRICS_SCORES
     try:
         if not later:
-            dataset.metrics = dataset_report(scores, labels, kind, sequences)
+            dataset.metrics = dataset_report(
+                scores, labels, kind, sequences, topk_ids, dataset.n_classes
+            )
         if quotas is not None:
             usage.lock(session, model.namespace)
             usage.check_dataset(session, model.namespace, rows, n_bytes, quotas)
@@ -265,11 +285,21 @@ def add_dataset(
 
 
 def dataset_report(
-    scores: np.ndarray, labels: np.ndarray | None, kind: str, sequences: np.ndarray | None
+    scores: np.ndarray,
+    labels: np.ndarray | None,
+    kind: str,
+    sequences: np.ndarray | None,
+    topk_ids: np.ndarray | None = None,
+    vocab_size: int | None = None,
 ) -> dict[str, Any]:
     """A dataset's metrics: :func:`calibrators.evaluation.metrics.scores_report` of
     labelled scores; without labels, the entropies of the rows
-    (:func:`calibrators.evaluation.entropy.entropy_report`)."""
+    (:func:`calibrators.evaluation.entropy.entropy_report`); for top-k rows (``scores``
+    their log-probabilities, ``topk_ids`` their ids), :func:`calibrators.topk.report` as
+    given (beta 1, the default tail)."""
+    if topk_ids is not None:
+        rows = topk.as_topk(topk_ids, scores, vocab_size)
+        return topk.report(rows, labels, sequences=sequences)
     if labels is None:
         return entropy.entropy_report(scores, kind)
     return metrics.scores_report(scores, labels, kind, sequences=sequences)
@@ -289,9 +319,11 @@ def fill_metrics(sessions: Callable[[], Session], arrays: ArrayStore, dataset_id
         if dataset is None:
             return False
         kind, scores_sha, labels_sha = dataset.kind, dataset.scores_sha256, dataset.labels_sha256
+        ids_sha, vocab_size = dataset.topk_ids_sha256, dataset.n_classes
         sequences = dataset_sequences(arrays, dataset)
     labels = None if labels_sha is None else arrays.load(labels_sha)
-    report = dataset_report(arrays.load(scores_sha), labels, kind, sequences)
+    ids = None if ids_sha is None else arrays.load(ids_sha)
+    report = dataset_report(arrays.load(scores_sha), labels, kind, sequences, ids, vocab_size)
     with sessions() as session:
         written = session.execute(
             update(Dataset)
@@ -556,6 +588,13 @@ def resolve_served(
     return model, row
 
 
+def version_top_k(session: Session, row: CalibratorVersion) -> int | None:
+    """The width k of the top-k rows ``row`` serves (its dataset's ``top_k``), or None
+    when it serves full scores. A version is top-k exactly when its dataset is: a fit on
+    a top-k dataset is a top-k temperature, and posted params are refused there."""
+    return session.scalar(select(Dataset.top_k).where(Dataset.id == row.dataset_id))
+
+
 # ---------------------------------------------------------------------------
 # deletes
 
@@ -802,6 +841,7 @@ def delete_model(session: Session, model: Model, arrays: ArrayStore) -> Deleted:
                 Dataset.scores_sha256,
                 Dataset.labels_sha256,
                 Dataset.sequences_sha256,
+                Dataset.topk_ids_sha256,
                 Dataset.n_bytes,
             )
             .where(Dataset.model_id == model.id)

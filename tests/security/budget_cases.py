@@ -48,6 +48,10 @@ NAMESPACE = "harness"
 TARGET = "target"
 #: The model the routes that change or delete things act on.
 VICTIM = "victim"
+#: A model of top-k log-probabilities (calibrators.topk): its vocabulary size V (its K)
+#: and the width k of its rows, wider than a hosted API's 20, V small enough to fit fast.
+TOPK = "topk"
+TOPK_V, TOPK_K = 1000, 32
 #: The server's limits: each reachable by a test, none toy-sized.
 SETTINGS = {
     "max_body_bytes": 4 * MiB,
@@ -367,6 +371,187 @@ def _infer_json(ids: Ids) -> Body:
                               "data": [0.0] * K}]})
 
 
+# -- top-k rows (calibrators.topk) on the top-k model ----------------------------
+
+
+def _topk_rows(rows: int) -> dict[str, np.ndarray]:
+    """``rows`` top-k rows of the top-k model (400 distinct ones, repeated), with labels
+    drawn from a flatter distribution than the rows say (an overconfident model: its fit
+    is accepted), a few in the tail."""
+    rng = np.random.default_rng(5)
+    base = min(rows, 400)
+    z = rng.normal(scale=3.0, size=(base, TOPK_V))
+    lp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    ids = np.argsort(-lp, axis=1)[:, :TOPK_K]
+    flat = np.exp(0.6 * z)
+    flat /= flat.sum(axis=1, keepdims=True)
+    labels = (rng.random(base)[:, None] < np.cumsum(flat, axis=1)).argmax(axis=1)
+    again = np.arange(rows) % base
+    return {"topk_ids": ids[again].astype(np.int64),
+            "topk_logprobs": np.take_along_axis(lp, ids, axis=1)[again].astype(np.float32),
+            "labels": labels[again].astype(np.int64)}
+
+
+def _topk_npz(rows: int, labelled: bool) -> Body:
+    arrays = _topk_rows(rows)
+    members = {f"{k}.npy": pl.array_npy(v) for k, v in arrays.items()
+               if labelled or k != "labels"}
+    members["vocab_size.npy"] = pl.array_npy(np.int64(TOPK_V))
+    return OCTET, pl.npz(members)
+
+
+def _topk_json(rows: int, labelled: bool) -> Body:
+    arrays = _topk_rows(rows)
+    obj = {"topk_ids": arrays["topk_ids"].tolist(),
+           "topk_logprobs": arrays["topk_logprobs"].astype(float).tolist(),
+           "vocab_size": TOPK_V}
+    if labelled:
+        obj["labels"] = arrays["labels"].tolist()
+    return _json(obj)
+
+
+def _topk_chat(rows: int | None, limit: int = 0) -> Body:
+    """Top-k rows in the chat-completions shape (one choice, token strings of the
+    longest ids), ``rows`` positions, or (``rows`` None) as many as fill ``limit`` bytes."""
+    arrays = _topk_rows(400)
+
+    def position(i: int) -> dict:
+        i %= 400
+        return {"token": f"tok{arrays['labels'][i]:06d}", "logprob": -1.0,
+                "top_logprobs": [{"token": f"tok{t:06d}", "logprob": float(v)}
+                                 for t, v in zip(arrays["topk_ids"][i],
+                                                 arrays["topk_logprobs"][i], strict=True)]}
+
+    if rows is None:
+        each = len(_json(position(0))[1]) + 1
+        rows = (limit - 1024) // each
+    return _json({"logprobs": {"content": [position(i) for i in range(rows)]},
+                  "vocab_size": TOPK_V})
+
+
+def _topk_path(op: dict, ids: Ids) -> str:
+    """The operation's path naming the top-k model (and its served version)."""
+    return op["path"].format(model=TOPK, name=TOPK, version=ids.params["topk_version"],
+                             dataset_id=ids.dataset_id)
+
+
+def _topk_predict_shapes(ids: Ids, op: dict, settings: dict) -> list[Case]:
+    """A top-k version's predict: rows at the row limit as a .npz, JSON arrays and the
+    chat-completions shape, either Accept (predict.npy answers a .npy whatever it
+    says); a chat body filling the JSON limit (more rows than the limit: 413 once
+    read); the .npz gzip'd."""
+    budget, path = op["x-budget"], _topk_path(op, ids)
+    rows = settings["max_predict_rows"]
+    cases = []
+    for fmt, body in (("npz", _topk_npz(rows, False)), ("JSON arrays", _topk_json(rows, False)),
+                      ("chat JSON", _topk_chat(rows))):
+        for accept in (JSON, NPY):  # a JSON answer may pass MAX_JSON_BYTES: 422 first
+            cases.append(Case(op["op"], f"top-k: {rows} x {TOPK_K} {fmt}, accept {accept}",
+                              _send(ids, "POST", path, budget, body, {"Accept": accept}),
+                              len(body[1]), frozenset({200, 422} if accept == JSON else {200})))
+    body = _topk_chat(None, settings["max_json_bytes"])
+    cases.append(Case(op["op"], f"top-k: chat JSON filling MAX_JSON_BYTES "
+                      f"({len(body[1]) / MiB:.1f} MiB)",
+                      _send(ids, "POST", path, budget, body), len(body[1]),
+                      frozenset({413})))
+    body = _topk_npz(rows, False)
+    cases.append(Case(op["op"], f"top-k: {rows} x {TOPK_K} npz gzip'd",
+                      _send(ids, "POST", path, budget, (OCTET, gzip.compress(body[1])),
+                            {"Content-Encoding": "gzip"}),
+                      len(body[1]), frozenset({200})))
+    return cases
+
+
+def _predict_all_shapes(ids: Ids, op: dict, settings: dict) -> list[Case]:
+    return _predict_shapes(ids, op, settings) + _topk_predict_shapes(ids, op, settings)
+
+
+def _topk_infer_shapes(ids: Ids, op: dict, settings: dict) -> list[Case]:
+    """A top-k version's infer: rows at the row limit, JSON and binary tensors in and
+    out, every output; the binary body gzip'd."""
+    budget, path = op["x-budget"], _topk_path(op, ids)
+    rows = settings["max_predict_rows"]
+    arrays = _topk_rows(rows)
+    cases = []
+    for binary in (False, True):
+        inputs, raw = [], b""
+        for name, datatype in (("topk_ids", "INT64"), ("topk_logprobs", "FP32")):
+            t = {"name": name, "shape": [rows, TOPK_K], "datatype": datatype}
+            if binary:
+                t["parameters"] = {"binary_data_size": arrays[name].nbytes}
+                raw += arrays[name].tobytes()
+            else:
+                t["data"] = arrays[name].ravel().tolist()
+            inputs.append(t)
+        head = json.dumps({"inputs": inputs, "parameters": {"binary_data_output": binary},
+                           "outputs": [{"name": n} for n in ("probabilities", "topk_ids",
+                                                              "tail")]}).encode()
+        headers = {"Inference-Header-Content-Length": str(len(head))} if binary else {}
+        body = head + raw
+        cases.append(Case(op["op"], f"top-k: {rows} x {TOPK_K} {'binary' if binary else 'JSON'}"
+                          ", all 3 outputs",
+                          _send(ids, "POST", path, budget, (OCTET if binary else JSON, body),
+                                headers), len(body), frozenset({200})))
+        if binary:
+            cases.append(Case(op["op"], f"top-k: {rows} x {TOPK_K} binary gzip'd",
+                              _send(ids, "POST", path, budget, (OCTET, gzip.compress(body)),
+                                    {**headers, "Content-Encoding": "gzip"}),
+                              len(body), frozenset({200})))
+    return cases
+
+
+def _infer_all_shapes(ids: Ids, op: dict, settings: dict) -> list[Case]:
+    return _infer_shapes(ids, op, settings) + _topk_infer_shapes(ids, op, settings)
+
+
+def _topk_upload_shapes(ids: Ids, op: dict, settings: dict) -> list[Case]:
+    """Top-k datasets: the largest .npz the body limit allows (int64 ids and labels
+    count twice, as read and validated), JSON arrays and the chat-completions shape
+    filling the JSON limit, and that chat body gzip'd."""
+    budget, path = op["x-budget"], _topk_path(op, ids)
+    per_row = TOPK_K * (2 * 8 + 4) + 2 * 8
+    rows = (budget["body_bytes"] - 4096) // per_row
+    cases = []
+    npz_body = _topk_npz(rows, True)
+    json_rows = (settings["max_json_bytes"] - 4096) // len(_topk_json(1, True)[1])
+    chat = _topk_chat(None, settings["max_json_bytes"])
+    for name, body in ((f"{rows:,} rows .npz", npz_body),
+                       (f"{json_rows:,} rows JSON arrays", _topk_json(json_rows, True)),
+                       ("chat JSON filling MAX_JSON_BYTES", chat)):
+        cases.append(Case(op["op"], f"top-k: {name} ({len(body[1]) / MiB:.1f} MiB)",
+                          _send(ids, "POST", path, budget, body), len(body[1]),
+                          frozenset({200, 201})))
+    cases.append(Case(op["op"], "top-k: that chat JSON gzip'd",
+                      _send(ids, "POST", path, budget, (JSON, gzip.compress(chat[1])),
+                            {"Content-Encoding": "gzip"}),
+                      len(chat[1]), frozenset({200, 201})))
+    return cases
+
+
+def _topk_feedback_shapes(ids: Ids, op: dict, settings: dict) -> list[Case]:
+    """Labelled top-k rows on the top-k version: at and over the row limit (.npz), JSON
+    arrays at it, a chat body filling the JSON limit (over it: 413 once read)."""
+    budget, path = op["x-budget"], _topk_path(op, ids)
+    rows = settings["max_feedback_rows"]
+    cases = []
+    for n, body in ((rows, _topk_npz(rows, True)), (rows + 1, _topk_npz(rows + 1, True)),
+                    (rows, _topk_json(rows, True)),
+                    (None, _topk_chat(None, settings["max_json_bytes"]))):
+        name = "chat JSON filling MAX_JSON_BYTES" if n is None else f"{n} labelled rows"
+        fmt = "" if n is None else (" .npz" if body[0] == OCTET else " JSON arrays")
+        cases.append(Case(op["op"], f"top-k: {name}{fmt}", _send(ids, "POST", path, budget, body),
+                          len(body[1]), frozenset({200} if n == rows else {413})))
+    return cases
+
+
+def _feedback_all_shapes(ids: Ids, op: dict, settings: dict) -> list[Case]:
+    return _feedback_shapes(ids, op, settings) + _topk_feedback_shapes(ids, op, settings)
+
+
+def _upload_all_shapes(ids: Ids, op: dict, settings: dict) -> list[Case]:
+    return _upload_shapes(ids, op, settings) + _topk_upload_shapes(ids, op, settings)
+
+
 def _http_layer(ids: Ids, op: dict) -> list[Case]:
     """Before any route is known: a request line and a header value of
     :data:`HTTP_LAYER_BYTES` (no route's budget can apply yet; the HTTP layer's limits
@@ -398,8 +583,8 @@ ROUTES: dict[str, Route] = {
     f"GET {V2}/versions/{{version}}/ready": Route(),
     f"GET {V2}/config": Route(),
     f"GET {V2}/versions/{{version}}/config": Route(),
-    f"POST {V2}/infer": Route(_infer_json, shapes=_infer_shapes, any_content_type=True),
-    f"POST {V2}/versions/{{version}}/infer": Route(_infer_json, shapes=_infer_shapes,
+    f"POST {V2}/infer": Route(_infer_json, shapes=_infer_all_shapes, any_content_type=True),
+    f"POST {V2}/versions/{{version}}/infer": Route(_infer_json, shapes=_infer_all_shapes,
                                                    any_content_type=True),
     "GET /v1/models": Route(),
     "POST /v1/models": Route(lambda ids: _json({"name": "created", "num_classes": K,
@@ -409,18 +594,18 @@ ROUTES: dict[str, Route] = {
     f"PATCH {V1}": Route(lambda ids: _json({"description": "d"}), victim=True),
     f"DELETE {V1}": Route(victim=True),
     f"POST {V1}/predict": Route(lambda ids: _json({"logits": [[0.0] * K]}),
-                                shapes=_predict_shapes),
+                                shapes=_predict_all_shapes),
     f"POST {V1}/predict.npy": Route(lambda ids: _json({"logits": [[0.0] * K]}),
-                                    shapes=_predict_shapes),
+                                    shapes=_predict_all_shapes),
     f"POST {V1}/feedback": Route(
-        lambda ids: _json({"logits": [[0.0] * K], "labels": [0]}), shapes=_feedback_shapes),
+        lambda ids: _json({"logits": [[0.0] * K], "labels": [0]}), shapes=_feedback_all_shapes),
     f"GET {V1}/monitoring": Route(),
     f"GET {V1}/monitoring/reliability.svg": Route(),
     # label shift (service/api/routers/label_shift.py)
     f"GET {V1}/label-shift": Route(),
     f"POST {V1}/label-shift": Route(victim=True),
     f"GET {V1}/datasets": Route(),
-    f"POST {V1}/datasets": Route(_dataset_json, victim=True, shapes=_upload_shapes),
+    f"POST {V1}/datasets": Route(_dataset_json, victim=True, shapes=_upload_all_shapes),
     f"GET {V1}/datasets/{{dataset_id}}": Route(),
     f"DELETE {V1}/datasets/{{dataset_id}}": Route(victim=True),
     f"POST {V1}/compare": Route(
@@ -694,11 +879,12 @@ def prepare(server: Server) -> tuple[Ids, Ids]:
     with server.client(headers=auth) as c:
         target = _model(c, TARGET)
         victim = _model(c, VICTIM)
+        topk_version = _topk_model(c)
         names = longest_names(c, TARGET, SETTINGS["max_metadata_bytes"])
         # Enough models with those names that their names alone pass the largest answer
         # bound of a list of models (max_json_bytes), within the namespace's model quota.
         each = len(_json(names)[1])
-        for i in range(min(SETTINGS["quota_models"] - 3, SETTINGS["max_json_bytes"] // each)):
+        for i in range(min(SETTINGS["quota_models"] - 4, SETTINGS["max_json_bytes"] // each)):
             r = c.post("/v1/models", json={"name": f"named-{i}", "num_classes": K})
             assert r.status_code == 201, r.text
             r = c.patch(f"/v1/models/named-{i}", json={"class_names": names})
@@ -720,12 +906,31 @@ def prepare(server: Server) -> tuple[Ids, Ids]:
         assert r.status_code == 200, r.text
     keys_ = {"admin": made["admin"], METRICS_SCOPE: made[METRICS_SCOPE]}
     common = {"alias": DEFAULT_ALIAS, "port": server.port, "keys": keys_}
+    served = {"v2_outputs": outputs, "topk_version": topk_version}
     return (
         Ids(TARGET, target[1], target[0], key_id=int(made["victim"]) + 10_000,
-            names=names, params={"params": target[2], "v2_outputs": outputs}, **common),
+            names=names, params={"params": target[2], **served}, **common),
         Ids(VICTIM, victim[1], victim[0], key_id=int(made["victim"]), names=names,
-            params={"params": victim[2], "v2_outputs": outputs}, **common),
+            params={"params": victim[2], **served}, **common),
     )
+
+
+def _topk_model(c) -> int:
+    """The top-k model (V = :data:`TOPK_V`), a top-k temperature fitted on 400 rows of
+    width :data:`TOPK_K` behind its default alias, and its first predicts of each format
+    (the first session and parse, as for the target). Returns the version."""
+    r = c.post("/v1/models", json={"name": TOPK, "num_classes": TOPK_V})
+    assert r.status_code == 201, r.text
+    r = c.post(f"/v1/models/{TOPK}/datasets", content=_topk_npz(400, True)[1],
+               headers={"content-type": OCTET})
+    assert r.status_code == 201, r.text
+    version = promote(c, TOPK, r.json()["id"])["version"]
+    for body in (_topk_npz(4, False), _topk_json(4, False), _topk_chat(4)):
+        for accept in (JSON, NPY):
+            r = c.post(f"/v1/models/{TOPK}/predict", content=body[1],
+                       headers={"content-type": body[0], "accept": accept})
+            assert r.status_code == 200, r.text
+    return version
 
 
 def all_cases(doc: dict, target: Ids, victim: Ids, settings: dict) -> list[Case]:

@@ -15,18 +15,23 @@ from typing import Any
 import numpy as np
 import orjson
 
+from calibrators import topk
 from calibrators.validation import as_labels
 from service.api.codecs.rules import (
+    CHAT_KEYS,
     CHUNK_BYTES,
     JSON_SCORE_KEYS,
     SEQUENCE_KEY,
+    TOPK_KEYS,
     Bounds,
     Labelled,
+    TopKRows,
     check_not_probabilities,
     resolve_kind,
     shorten,
     validated_scores,
     validated_sequences,
+    validated_topk,
 )
 from service.errors import ContentTooLarge, InvalidInput, MalformedJSON
 
@@ -53,6 +58,13 @@ def json_body_limit(bounds: Bounds, max_json_bytes: int) -> int:
     per_row = bounds.num_classes * JSON_BYTES_PER_VALUE + JSON_BYTES_PER_ROW
     if bounds.sequences:
         per_row += JSON_BYTES_PER_SEQUENCE_ID
+    return min(max_json_bytes, JSON_BYTES_CONSTANT + bounds.max_rows * per_row)
+
+
+def topk_json_limit(bounds: Bounds, k: int, max_json_bytes: int) -> int:
+    """Largest JSON body the rows of ``bounds`` can need as top-k rows of width ``k``
+    (``k`` ids and ``k`` log-probabilities a row), and the JSON limit."""
+    per_row = 2 * k * JSON_BYTES_PER_VALUE + JSON_BYTES_PER_ROW
     return min(max_json_bytes, JSON_BYTES_CONSTANT + bounds.max_rows * per_row)
 
 
@@ -404,3 +416,100 @@ def labelled_from_json(
         else None
     )
     return Labelled(scores, labels, kind, sequences), {k: obj[k] for k in extra_keys if k in obj}
+
+
+#: The most bytes of a JSON body of top-k rows in the chat-completions shape: it is read
+#: as Python objects (token strings, an object per alternative: about 6 times its bytes),
+#: unlike number arrays; send more rows as arrays (``topk_ids``, ``topk_logprobs``) or as
+#: a ``.npz``.
+MAX_CHAT_JSON_BYTES = 16 << 20
+
+
+def is_topk(body) -> bool:
+    """Whether a JSON body holds top-k rows (its keys name them), before it is parsed."""
+    return any(body.find(f'"{key}"'.encode()) >= 0 for key in (topk.LOGPROBS, "top_logprobs"))
+
+
+def topk_from_json(body, bounds: Bounds, *, labelled: bool) -> TopKRows:
+    """Top-k rows from JSON: ``{"topk_ids": [[...]], "topk_logprobs": [[...]],
+    "vocab_size": V}`` (with ``labelled``, ``labels`` and optionally ``sequence_ids``), or
+    the chat-completions shape (:data:`~service.api.codecs.rules.CHAT_KEYS`, optionally
+    ``vocabulary`` and ``vocab_size``), whose labels are each position's own ``token``.
+    ``vocab_size`` may be left out of a predict's body (the model's K)."""
+    if body.find(b'"top_logprobs"') >= 0:
+        return _chat_rows(body, bounds)
+    ids_key, lp_key, v_key = TOPK_KEYS
+    extra = ("labels", SEQUENCE_KEY) if labelled else ()
+    obj = json_object(body, {*TOPK_KEYS, *extra}, bounds)
+    needed = (ids_key, lp_key, v_key, "labels") if labelled else (ids_key, lp_key)
+    missing = [k for k in needed if k not in obj]
+    if missing:
+        raise InvalidInput(
+            f"A JSON body of top-k rows holds {', '.join(needed)}. Got {shorten(sorted(obj))}."
+        )
+    return validated_topk(
+        _integers(obj[ids_key], ids_key), obj[lp_key], obj.get(v_key, bounds.num_classes),
+        bounds, labels=obj.get("labels"), sequences=obj.get(SEQUENCE_KEY),
+    )
+
+
+def _integers(value: Any, name: str) -> Any:
+    """JSON numbers read as float64 back to int64 when every one is an exact integer;
+    anything else as it was (``calibrators.topk.as_topk`` words the refusal)."""
+    arr = np.asarray(value) if isinstance(value, list) else value
+    if not isinstance(arr, np.ndarray) or arr.dtype.kind != "f":
+        return arr
+    if not (np.isfinite(arr).all() and (arr == np.round(arr)).all()
+            and (np.abs(arr) <= 2**53).all()):
+        raise InvalidInput(f"{name} must be integers (token ids). Got {shorten(arr.tolist())}.")
+    return arr.astype(np.int64)
+
+
+def _chat_rows(body, bounds: Bounds) -> TopKRows:
+    """The chat-completions shape (:func:`topk_from_json`): each of ``choices`` is one
+    sequence (its index the sequence id), ``logprobs`` one sequence without an id."""
+    if len(body) > MAX_CHAT_JSON_BYTES:
+        raise ContentTooLarge(
+            f"A JSON body of top-k rows in the chat-completions shape may take at most "
+            f"{MAX_CHAT_JSON_BYTES} bytes (its tokens are read as Python objects). Got "
+            f"{len(body)}: send the rows as topk_ids and topk_logprobs arrays, or as a .npz.",
+            max_bytes=MAX_CHAT_JSON_BYTES,
+        )
+    obj = decode_json(body)
+    allowed = {*CHAT_KEYS, "vocabulary", topk.VOCAB_SIZE}
+    if not isinstance(obj, dict) or set(obj) - allowed or sum(k in obj for k in CHAT_KEYS) != 1:
+        raise InvalidInput(
+            f"A chat-completions body of top-k rows is an object with one of "
+            f"{' or '.join(CHAT_KEYS)}, and optionally vocabulary and {topk.VOCAB_SIZE}. "
+            f"Got {shorten(sorted(obj) if isinstance(obj, dict) else type(obj).__name__)}."
+        )
+    choices = obj["choices"] if "choices" in obj else [{"logprobs": obj["logprobs"]}]
+    if not isinstance(choices, list) or not choices:
+        raise InvalidInput(f"choices must be a non-empty list. Got {shorten(choices)}.")
+    contents = []
+    for i, choice in enumerate(choices):
+        logprobs = choice.get("logprobs") if isinstance(choice, dict) else None
+        content = logprobs.get("content") if isinstance(logprobs, dict) else None
+        if not isinstance(content, list):
+            raise InvalidInput(
+                f"choice {i} must hold logprobs.content, a list of positions. "
+                f"Got {shorten(choice)}."
+            )
+        contents.append(content)
+    positions = sum(map(len, contents))
+    bounds.check_rows(positions)
+    vocabulary = obj.get("vocabulary")
+    if vocabulary is not None and not (
+        isinstance(vocabulary, list) and all(isinstance(t, str) for t in vocabulary)
+    ):
+        raise InvalidInput("vocabulary must be a list of token strings (id = index).")
+    rows, labels, names = topk.from_chat_logprobs(
+        [p for c in contents for p in c], obj.get(topk.VOCAB_SIZE, bounds.num_classes),
+        vocabulary,
+    )
+    sequences = (
+        np.repeat(np.arange(len(contents)), [len(c) for c in contents])
+        if "choices" in obj else None
+    )
+    return validated_topk(rows.ids, rows.logprobs, rows.vocab_size, bounds, labels=labels,
+                          sequences=sequences, names=names)

@@ -46,14 +46,17 @@ from service.api.codecs.rules import (
     LABEL_KEYS,
     SCORE_KEYS,
     SEQUENCE_KEY,
+    TOPK_KEYS,
     Bounds,
     Labelled,
+    TopKRows,
     check_not_probabilities,
     resolve_kind,
     shorten,
     too_many_bytes,
     validated,
     validated_sequences,
+    validated_topk,
 )
 from service.errors import InvalidInput, MalformedBody
 from service.storage.arrays import Staged
@@ -415,22 +418,41 @@ def _read_member_data(fp, header: NpyHeader, read: bytes, what: str) -> np.ndarr
     return stream.finish()
 
 
+def _members(zf: zipfile.ZipFile, what: str) -> dict[str, zipfile.ZipInfo]:
+    members: dict[str, zipfile.ZipInfo] = {}
+    for info in zf.infolist():
+        name = info.filename.removesuffix(".npy")
+        if name in members:
+            raise MalformedBody(f"{what} holds the array {name!r} twice.")
+        members[name] = info
+    return members
+
+
 def labelled_from_npz(
     body: Path | NpzBody, bounds: Bounds, kind: str | None = None
-) -> Labelled:
+) -> Labelled | TopKRows:
     """A ``.npz`` holding ``logits`` | ``probabilities`` | ``predictions`` and ``labels`` |
     ``ground_truth`` (and, where ``bounds.sequences``, optionally ``sequence_ids``; where
     ``bounds.unlabelled``, the labels may be left out). Every header is checked against
     ``bounds`` before a byte of data is inflated; ``kind`` (``?kind=``) must agree with
     the member's name. ``body``: the spooled file, or a body spooled split
     (:class:`NpzBody`), whose routed score member, when it is what would be stored,
-    becomes the scores memory-mapped and :attr:`Labelled.scores_file`."""
+    becomes the scores memory-mapped and :attr:`Labelled.scores_file`. Where
+    ``bounds.topk``, a ``.npz`` of top-k rows instead (:func:`topk_from_npz`)."""
     what = "The .npz body"
     with _body_file(body) as f:
         zf = _open_npz(f, what)
         with zf:
+            members = _members(zf, what)
+            if bounds.topk and any(m in members for m in TOPK_KEYS):
+                if kind is not None:
+                    raise InvalidInput(
+                        f"?kind={kind} is for full scores; top-k rows are log-probabilities. "
+                        "Drop ?kind."
+                    )
+                return _topk_members(zf, members, bounds, labelled=True)
             scores, labels, sequences, kind, explicit, staged = _read_npz(
-                zf, f, body, bounds, kind, what
+                zf, members, f, body, bounds, kind, what
             )
     data = validated(scores, labels, kind, bounds.num_classes, bounds.model)
     check_not_probabilities(
@@ -439,14 +461,8 @@ def labelled_from_npz(
     return dataclasses.replace(data, sequences=sequences, scores_file=staged)
 
 
-def _read_npz(zf: zipfile.ZipFile, f: BinaryIO, body: Path | NpzBody, bounds: Bounds,
-              kind: str | None, what: str):  # fmt: skip
-    members: dict[str, zipfile.ZipInfo] = {}
-    for info in zf.infolist():
-        name = info.filename.removesuffix(".npy")
-        if name in members:
-            raise MalformedBody(f"{what} holds the array {name!r} twice.")
-        members[name] = info
+def _read_npz(zf: zipfile.ZipFile, members: dict[str, zipfile.ZipInfo], f: BinaryIO,
+              body: Path | NpzBody, bounds: Bounds, kind: str | None, what: str):  # fmt: skip
     score_names = [k for k in SCORE_KEYS if k in members]
     label_names = [k for k in LABEL_KEYS if k in members]
     label_counts = (0, 1) if bounds.unlabelled else (1,)
@@ -526,3 +542,75 @@ def _read_sequences(
         _check_member_size(info, head, what)
         arr = _read_member_data(fp, head, read, what)
     return validated_sequences(arr, n, max_bytes - used)
+
+
+def topk_from_npz(body: Path | bytes | bytearray, bounds: Bounds) -> TopKRows:
+    """Top-k rows to calibrate (a top-k version's predict): a ``.npz`` with the members
+    ``topk_ids`` and ``topk_logprobs`` (N, k) and optionally ``vocab_size`` (the model's
+    K when left out); no labels."""
+    what = "The .npz body"
+    with (
+        open(body, "rb") if isinstance(body, Path) else io.BytesIO(body) as f,
+        _open_npz(f, what) as zf,
+    ):
+        return _topk_members(zf, _members(zf, what), bounds, labelled=False)
+
+
+def _topk_members(
+    zf: zipfile.ZipFile, members: dict[str, zipfile.ZipInfo], bounds: Bounds, *, labelled: bool
+) -> TopKRows:
+    """The top-k members (``calibrators.topk``: ``topk_ids``, ``topk_logprobs``,
+    ``vocab_size``; with ``labelled`` ``labels`` too and optionally ``sequence_ids``), each
+    header checked against ``bounds`` before its data are inflated."""
+    ids_key, lp_key, v_key = TOPK_KEYS
+    needed = (ids_key, lp_key, v_key, "labels") if labelled else (ids_key, lp_key)
+    allowed = {*needed, v_key, *((SEQUENCE_KEY,) if labelled else ())}
+    missing = [m for m in needed if m not in members]
+    if missing or set(members) - allowed:
+        raise InvalidInput(
+            f"A .npz of top-k rows holds {', '.join(needed)}"
+            + (f" and optionally {SEQUENCE_KEY}" if labelled else f" and optionally {v_key}")
+            + f". Got {shorten(sorted(members))}."
+        )
+    try:
+        lp, used = _read_topk_member(zf, members[lp_key], lp_key, None, 0, bounds)
+        ids, used = _read_topk_member(zf, members[ids_key], ids_key, lp.shape, used, bounds)
+        vocab = bounds.num_classes
+        if v_key in members:
+            vocab, used = _read_topk_member(zf, members[v_key], v_key, (), used, bounds)
+        labels = sequences = None
+        if labelled:
+            labels, used = _read_labels(zf, members["labels"], "labels", lp.shape[0], used,
+                                        bounds.max_bytes)
+            if SEQUENCE_KEY in members:
+                sequences = _read_sequences(zf, members[SEQUENCE_KEY], lp.shape[0], used,
+                                            bounds.max_bytes)
+    except _ZIP_ERRORS as exc:
+        raise MalformedBody(f"The .npz body is corrupt: {shorten(exc)}.") from None
+    return validated_topk(ids, lp, vocab, bounds, labels=labels, sequences=sequences)
+
+
+def _read_topk_member(
+    zf: zipfile.ZipFile, info: zipfile.ZipInfo, name: str, shape: tuple | None, used: int,
+    bounds: Bounds,
+) -> tuple[np.ndarray, int]:
+    """One top-k member, its header checked first: ``topk_logprobs`` (``shape`` None) a
+    2-D array of real numbers within the row limit; ``topk_ids`` integers of ``shape``;
+    ``vocab_size`` (``shape`` ()) one integer. Returns it and the bytes used so far."""
+    what = f"array {name!r} of the .npz"
+    with _member(zf, info, what) as fp:
+        head, read = _read_member_header(fp, what, ids=shape is not None)
+        if shape is None:
+            if len(head.shape) != 2 or head.shape[1] < 1:
+                raise InvalidInput(f"{what} must be 2-D, (n_samples, k). Got shape {head.shape}.")
+            bounds.check_rows(head.shape[0])
+        elif head.dtype.kind not in "iu" or head.shape not in ((shape,) if shape else ((), (1,))):
+            raise InvalidInput(
+                f"{what} must hold integers of shape {shape}. Got shape {head.shape}, "
+                f"dtype {head.dtype}."
+            )
+        total = used + head.memory
+        if total > bounds.max_bytes:
+            raise too_many_bytes("The .npz body", total, bounds.max_bytes)
+        _check_member_size(info, head, what)
+        return _read_member_data(fp, head, read, what), total

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from calibrators import topk
 from calibrators.numerics import row_chunks
 from calibrators.validation import as_labels, as_scores
 from service.errors import ContentTooLarge, InvalidInput
@@ -67,6 +68,9 @@ class Bounds:
     sequences: bool = False
     #: Whether the body may leave out the labels (scores for label-free fits): datasets.
     unlabelled: bool = False
+    #: Whether the body may hold top-k rows (:data:`TOPK_KEYS`, :data:`CHAT_KEYS`)
+    #: instead of scores: datasets (a top-k version's predict reads nothing else).
+    topk: bool = False
 
     def check_rows(self, rows: int) -> None:
         limits.check_rows(rows, self.max_rows, self.what)
@@ -88,7 +92,7 @@ def bounds(
     rows = getattr(settings, _ROW_SETTINGS[what])
     return Bounds(
         num_classes, model, rows, settings.max_body_bytes, what, dtype, what == "dataset",
-        what == "dataset",
+        what == "dataset", what == "dataset",
     )
 
 
@@ -101,6 +105,67 @@ class Labelled:
     #: The scores' .npy bytes, already written and hashed (an upload's routed member,
     #: :mod:`service.api.codecs.npz`): stored as they are.
     scores_file: Staged | None = None
+
+
+#: The members (.npz) and keys (JSON) of top-k rows (``calibrators.topk``).
+TOPK_KEYS = (topk.IDS, topk.LOGPROBS, topk.VOCAB_SIZE)
+#: The keys of top-k rows in the chat-completions shape: ``choices`` (the answer's
+#: ``choices``, each ``{"logprobs": {"content": [...]}}``, one sequence each) or
+#: ``logprobs`` (one choice's ``{"content": [...]}``); ``vocabulary`` optionally maps
+#: token strings to ids (id = index).
+CHAT_KEYS = ("choices", "logprobs")
+
+
+@dataclass(frozen=True)
+class TopKRows:
+    """Validated top-k rows of a request: the rows, their labels (None: predict), their
+    sequence ids, and the token strings of their ids when they came in the
+    chat-completions shape (id -> token; None for arrays)."""
+
+    rows: topk.TopK
+    labels: np.ndarray | None = None
+    sequences: np.ndarray | None = None
+    names: list[str] | None = None
+
+
+def validated_topk(
+    ids: Any, logprobs: Any, vocab_size: Any, bounds: Bounds, *, labels: Any = None,
+    sequences: Any = None, names: list[str] | None = None,
+) -> TopKRows:
+    """Top-k rows checked (``calibrators.topk.as_topk``: ids, log-probabilities and V, a
+    422 each) against the model: V must be its K (its vocabulary), the rows within the
+    request's limit."""
+    given = vocab_size.item() if isinstance(vocab_size, np.ndarray | np.generic) else vocab_size
+    if isinstance(given, int) and given != bounds.num_classes:  # first: the likeliest slip
+        raise InvalidInput(
+            f"vocab_size must be the number of classes of model {bounds.model!r}, "
+            f"{bounds.num_classes} (its vocabulary). Got {given}."
+        )
+    rows = topk.as_topk(ids, logprobs, vocab_size)
+    n = rows.logprobs.shape[0]
+    bounds.check_rows(n)
+    if labels is not None:
+        labels = as_labels(labels, n, rows.vocab_size)
+    if sequences is not None:
+        sequences = validated_sequences(sequences, n, bounds.max_bytes)
+    return TopKRows(rows, labels, sequences, names)
+
+
+def topk_needed(served: str) -> InvalidInput:
+    """The 422 of full scores sent to what serves top-k rows (``served``: its name)."""
+    return InvalidInput(
+        f"{served} serves top-k rows (calibrators.topk): send {topk.IDS} and "
+        f"{topk.LOGPROBS} (JSON arrays or .npz members) or the chat-completions shape "
+        f"({' or '.join(CHAT_KEYS)}, top_logprobs at each position), not full (n, K) scores."
+    )
+
+
+def full_needed(served: str) -> InvalidInput:
+    """The 422 of top-k rows sent to what serves full (n, K) scores."""
+    return InvalidInput(
+        f"{served} serves full (n, K) scores (logits or probabilities), not top-k rows: "
+        "top-k rows need a version fitted on a top-k dataset."
+    )
 
 
 def _check_classes(arr: np.ndarray, kind: str, num_classes: int, model: str) -> None:

@@ -11,6 +11,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, Query, Request, Response
 from sqlalchemy.orm import Session
 
+from calibrators import topk
 from calibrators.evaluation.holdout import split_indices
 from service.api.deps import AppState, ModelDep, SessionDep, StateDep, VersionDep
 from service.api.idempotent import Claim, IdempotentJson
@@ -29,7 +30,13 @@ from service.api.schemas import (
 from service.api.uploads import media_type, read_body, require_json
 from service.errors import Conflict, InvalidInput, NotReady, UnsupportedMediaType
 from service.jobs import evaluation
-from service.jobs.fitting import affordable, check_fit_request, check_labels, import_affordable
+from service.jobs.fitting import (
+    affordable,
+    check_fit_request,
+    check_labels,
+    check_topk_fit,
+    import_affordable,
+)
 from service.security import limits
 from service.server import budget
 from service.server.budget import declare
@@ -56,6 +63,8 @@ def version_out(row: CalibratorVersion, model: Model) -> VersionOut:
         dataset_id=row.dataset_id,
         method=row.method,
         kind=row.kind,
+        format=None if not row.params else (
+            "topk" if row.params.get("format") == topk.PARAMS_FORMAT else "scores"),
         chosen_method=row.chosen_method,
         holdout=row.holdout,
         seed=row.seed,
@@ -101,6 +110,12 @@ def start_fit(
         return claim.replay
     dataset = registry.find_dataset(session, model, body.dataset_id)
     check_split(dataset, body.holdout, body.seed, state)
+    if dataset.top_k is not None:  # top-k rows: temperature alone, in memory O(N (k + G))
+        check_topk_fit(body.method, body.options)
+        return _enqueue(
+            model, dataset, session, state, response, claim, method=body.method,
+            holdout=body.holdout, seed=body.seed, options=body.options, refit=body.refit,
+        )
     check_fit_request(body.method, body.options)  # 422 now for unknown options
     check_labels(body.method, body.options, dataset.labels_sha256 is not None)
     affordable(  # 422 now for a fit no worker can hold (auto: if no candidate fits)
@@ -203,6 +218,12 @@ def enqueue_import(
     """A queued version made from ``params``, evaluated and policed on the hold-out of
     ``dataset`` (``holdout``, ``seed``): posted params, and label shift's proposed
     correction. 422 now for params, a split or an evaluation that cannot be."""
+    if dataset.top_k is not None:
+        raise InvalidInput(
+            f"dataset {dataset.id} holds top-k rows: posted parameters are evaluated on full "
+            "(N, K) scores. Fit temperature on it instead, or import with a dataset of full "
+            "scores. Got a top-k dataset."
+        )
     if dataset.labels_sha256 is None:
         raise InvalidInput(
             "posted parameters are evaluated by their held-out NLL and ECE, which need "

@@ -44,6 +44,12 @@ def compare(
     same number of rows, or the comparison needs more memory than a fit worker may use."""
     a = registry.find_dataset(session, model, body.a)
     b = registry.find_dataset(session, model, body.b)
+    topk_rows = [d.id for d in (a, b) if d.top_k is not None]
+    if topk_rows:
+        raise InvalidInput(
+            "comparing two models needs their full (N, K) scores, and dataset "
+            f"{topk_rows[0]} holds top-k rows. Got a top-k dataset."
+        )
     if a.n_rows != b.n_rows:
         raise InvalidInput(
             f"datasets {a.id} and {b.id} must hold the scores of the same positions: the "

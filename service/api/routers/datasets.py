@@ -24,6 +24,7 @@ from service.api.openapi import LABELS, SCORE_PROPERTIES, SEQUENCE_IDS
 from service.api.pagination import Page, pages
 from service.api.schemas import DatasetList, DatasetOut, DeletedOut
 from service.api.uploads import NPZ_TYPES, Upload, labelled_body
+from service.errors import InvalidInput
 from service.server import budget
 from service.server.budget import declare
 from service.storage import registry
@@ -95,6 +96,8 @@ def dataset_out(dataset: Dataset, model: Model, *, with_metrics: bool = True) ->
         dtype=dataset.dtype,
         sha256=dataset.sha256,
         n_sequences=dataset.n_sequences,
+        format="scores" if dataset.top_k is None else "topk",
+        top_k=dataset.top_k,
         labelled=dataset.labels_sha256 is not None,
         created_at=dataset.created_at,
         metrics=dataset.metrics if with_metrics else None,
@@ -132,10 +135,21 @@ def upload_dataset(
     if claim.replay is not None:
         return claim.replay
     bounds = rules.bounds(state.settings, "dataset", model.num_classes, model.name, dtype)
-    if upload.json is not None:
+    if upload.json is not None and json_body.is_topk(upload.json):
+        if kind is not None or dtype is not None:
+            raise InvalidInput("?kind and ?dtype are for full scores; top-k rows are "
+                               "log-probabilities in JSON numbers. Drop them.")
+        data = json_body.topk_from_json(upload.json, bounds, labelled=True)
+    elif upload.json is not None:
         data, _ = json_body.labelled_from_json(upload.json, bounds, kind)
     else:
         data = npz.labelled_from_npz(upload.npz, bounds, kind)
+    if isinstance(data, rules.TopKRows):  # log-probabilities, their ids beside them
+        scores, labels, ids = data.rows.logprobs, data.labels, data.rows.ids
+        kind_, scores_file = "logits", None
+    else:
+        scores, labels, ids, kind_ = data.scores, data.labels, None, data.kind
+        scores_file = data.scores_file  # a split upload's member, stored as it is
 
     def answer(s: Session, dataset: Dataset, status_code: int) -> DatasetOut:
         out = dataset_out(dataset, model)
@@ -146,10 +160,10 @@ def upload_dataset(
         return out
 
     dataset, created = registry.add_dataset(
-        session, model, state.arrays, data.scores, data.labels, data.kind, quotas,
+        session, model, state.arrays, scores, labels, kind_, quotas,
         before_commit=lambda s, d: answer(s, d, 201), sequences=data.sequences,
         metrics_later=state.dataset_metrics.submit if state.dataset_metrics else None,
-        scores_file=data.scores_file,
+        scores_file=scores_file, topk_ids=ids,
     )
     if created:
         return dataset_out(dataset, model)

@@ -17,12 +17,12 @@ from service.api.idempotent import IdempotentJson
 from service.api.routers.calibrators import enqueue_import
 from service.api.routers.monitoring import MonitoredDep, WindowDep
 from service.api.schemas import FitAccepted, LabelShiftOut
-from service.errors import Conflict
+from service.errors import Conflict, InvalidInput
 from service.observe import label_shift, monitoring
 from service.server import budget
 from service.server.budget import declare
 from service.serving.inference import version_key, version_params
-from service.storage import counts
+from service.storage import counts, registry
 from service.storage.db import CalibratorVersion, Dataset, Model, ServedClass
 
 router = APIRouter(tags=["monitoring"])
@@ -35,6 +35,12 @@ def served_shift(
 ) -> dict[str, Any]:
     """The window, and :func:`service.observe.label_shift.estimate` of ``row``'s served
     counts in it against its hold-out confusion matrix (computed once per process)."""
+    if registry.version_top_k(session, row) is not None:
+        raise InvalidInput(
+            f"Version {row.version} serves top-k rows: label shift is not estimated for "
+            "top-k versions (their served classes are not counted, and a prior-shift "
+            "correction needs full (N, K) scores)."
+        )
     width = state.settings.feedback_bucket_seconds
     since = monitoring.window_start(seconds, width)
     served = counts.window_counts(session, ServedClass, since, [row.id]).get(row.id, {})

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Annotated, Any
 
 import numpy as np
 from fastapi import APIRouter, Depends, Query, Request, Response
 
+from calibrators import topk
 from service.api.codecs import json_body, npz, rules
 from service.api.deps import (
     AppState,
@@ -190,11 +192,17 @@ def parse_feedback(
 
 def feedback_rows(
     body: Upload, bounds: rules.Bounds, version: int | None, kind: str | None = None
-) -> tuple[rules.Labelled, int | None]:
+) -> tuple[rules.Labelled | rules.TopKRows, int | None]:
     """The validated rows, and the version that served them: the query's ``version``, or a
-    JSON body's own (422 if the two disagree)."""
+    JSON body's own (422 if the two disagree). Labelled top-k rows (the members and keys
+    of a top-k dataset; no ``version`` key then) for a top-k version."""
     if body.npz is not None:
-        return npz.labelled_from_npz(body.npz, bounds, kind), version
+        return npz.labelled_from_npz(body.npz, replace(bounds, topk=True), kind), version
+    if json_body.is_topk(body.json):
+        if kind is not None:
+            raise InvalidInput(f"?kind={kind} is for full scores; top-k rows are "
+                               "log-probabilities. Drop ?kind.")
+        return json_body.topk_from_json(body.json, bounds, labelled=True), version
     labelled, in_body = parse_feedback(body.json, bounds, kind)
     if in_body is not None and version is not None and in_body != version:
         raise InvalidInput(
@@ -268,18 +276,29 @@ def post_feedback(
     limits.check_rows(n, settings.max_feedback_rows, "feedback")
     row = monitoring.monitored_version(session, model, version)
     registry.check_servable(row, model)
+    what = f"Version {row.version} of {model.name!r}"
+    width = registry.version_top_k(session, row)
+    top = isinstance(labelled, rules.TopKRows)
+    if width is not None and not top:
+        raise rules.topk_needed(what)
+    if width is None and top:
+        raise rules.full_needed(what)
     onnx = state.serving.onnx.get(inference.version_key(row), lambda: inference.version_params(row))
-    inference.check_input_kind(
-        inference.input_kinds(onnx), labelled.kind, f"Version {row.version} of {model.name!r}"
-    )
+    if top:
+        params = inference.version_params(row)
+    else:
+        inference.check_input_kind(inference.input_kinds(onnx), labelled.kind, what)
     # The reads are done: end their transaction, so the connection goes back to the
     # pool during the computation and the write below runs on a checked one, briefly.
     session.commit()
-    # Calibrated and reduced a row chunk at a time: memory beyond the rows is one chunk's.
-    stats = monitoring.add_statistics(
-        monitoring.feedback_statistics(out["probabilities"], labelled.labels[rows])
-        for rows, out in inference.run_chunks(onnx, labelled.scores, labelled.kind)
-    )
+    if top:
+        stats = topk_statistics(onnx, params, labelled, what)
+    else:
+        # Calibrated and reduced a row chunk at a time: memory beyond the rows is one chunk's.
+        stats = monitoring.add_statistics(
+            monitoring.feedback_statistics(out["probabilities"], labelled.labels[rows])
+            for rows, out in inference.run_chunks(onnx, labelled.scores, labelled.kind)
+        )
     bucket = monitoring.bucket_start(time.time(), settings.feedback_bucket_seconds)
     answer = {
         "model": model.name,
@@ -291,13 +310,27 @@ def post_feedback(
     }
     # In the transaction record_feedback commits: the answer is stored iff the rows count
     # (and are kept, for a model that keeps them).
-    answer["kept"] = keep_feedback(session, state, model, row, labelled)
+    answer["kept"] = 0 if top else keep_feedback(session, state, model, row, labelled)
     claim.store(session, answer)
     monitoring.record_nll_histogram(session, row.id, stats, bucket)
     monitoring.record_feedback(session, row.id, stats, bucket)
     state.metrics.observe_feedback(model.namespace, model.name, row.version, n)
     loop_on_drift(session, state, model, row)
     return answer
+
+
+def topk_statistics(onnx, params: dict, labelled: rules.TopKRows, what: str) -> dict:
+    """The feedback statistics of labelled top-k rows under a top-k version (its graph
+    ``onnx``, its ``params``): the rows as it serves them, each row's NLL under its tail
+    model (:func:`service.observe.monitoring.topk_feedback_statistics`)."""
+    rows, labels = labelled.rows, labelled.labels
+    cal = topk.TopKTemperature.from_params(params)
+    inference.check_topk_width(cal.k_, rows.k, what)
+    out = inference.run_topk(onnx, rows.logprobs)
+    nll = topk.nll_rows(rows, labels, cal.beta_, cal.tail)
+    return monitoring.topk_feedback_statistics(
+        out["probabilities"], out["tail"], rows.label_in_top_k(labels), nll
+    )
 
 
 def keep_feedback(

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import anyio.to_thread
+import numpy as np
 import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -21,12 +22,12 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from service.api.auth import authorize
-from service.api.codecs import answers, json_body, npy, rules
+from service.api.codecs import answers, json_body, npy, npz, rules
 from service.api.deps import AppState, get_app_state
 from service.api.openapi import BINARY, OCTET_STREAM, SCORE_PROPERTIES, schema_ref
 from service.api.schemas import Kind, PredictOut, ScoreDtype
-from service.api.uploads import media_type, read_body, read_npy
-from service.errors import UnsupportedMediaType
+from service.api.uploads import NPZ_TYPES, media_type, read_body, read_npy
+from service.errors import InvalidInput, UnsupportedMediaType
 from service.observe.metrics import ServiceMetrics
 from service.observe.served import ServedCounts
 from service.server import budget
@@ -34,7 +35,7 @@ from service.server.budget import declare
 from service.server.hotpath import add_hot_route
 from service.serving import inference
 from service.serving.inference import Served
-from service.serving.predict import calibrate
+from service.serving.predict import calibrate, calibrate_topk
 from service.vocabulary import DEFAULT_ALIAS, MAX_ID
 
 PATH = "/v1/models/{model}/predict"
@@ -66,6 +67,72 @@ async def read_scores_body(
         f"Send scores as application/json or as a .npy body ({NPY}). "
         f"Got {kind or 'no Content-Type'!r}."
     )
+
+
+#: Bytes of a top-k .npz predict body beyond its arrays (zip headers, .npy headers).
+TOPK_NPZ_CONSTANT = 64 * 1024
+
+
+async def read_topk_body(
+    request: Request, state: AppState, bounds: rules.Bounds, k: int
+) -> tuple[str, Any]:
+    """A top-k version's body, read whole within what ``max_rows`` rows of ``k`` ids and
+    log-probabilities can need (narrowed before reading): JSON (arrays, or the
+    chat-completions shape within :data:`~service.api.codecs.json_body.MAX_CHAT_JSON_BYTES`)
+    or a .npz (``topk_ids``, ``topk_logprobs``)."""
+    kind = media_type(request)
+    settings = state.settings
+    if kind == "application/json" or kind.endswith("+json"):
+        limit = max(json_body.topk_json_limit(bounds, k, settings.max_json_bytes),
+                    min(settings.max_json_bytes, json_body.MAX_CHAT_JSON_BYTES))
+        fmt = "json"
+    elif kind in (NPY, *NPZ_TYPES):
+        limit = min(settings.max_body_bytes, TOPK_NPZ_CONSTANT + bounds.max_rows * k * 16)
+        fmt = "npz"
+    else:
+        raise UnsupportedMediaType(
+            "Send top-k rows as application/json or as a .npz body (topk_ids, "
+            f"topk_logprobs). Got {kind or 'no Content-Type'!r}."
+        )
+    budget.narrow(request, limit)
+    return fmt, await read_body(request, limit)
+
+
+def respond_topk(
+    served: Served, fmt: str, raw: Any, want_npy: bool, bounds: rules.Bounds,
+    limits: answers.AnswerLimits, metrics: ServiceMetrics,
+) -> Response:
+    """A top-k version's answer: per row the ids as sent, their calibrated probabilities
+    and the tail's mass (JSON; with ``want_npy`` an (n, k + 1) float32 .npy, the tail
+    last); with the chat-completions shape, the token strings too."""
+    what = f"Version {served.version} of {served.model!r}"
+    if fmt == "json":
+        if not json_body.is_topk(raw):
+            raise rules.topk_needed(what)
+        data = json_body.topk_from_json(raw, bounds, labelled=False)
+    elif bytes(raw[:6]) == npy.NPY_MAGIC:
+        raise rules.topk_needed(what)
+    else:
+        data = npz.topk_from_npz(raw, bounds)
+    n, k = data.rows.logprobs.shape
+    names = 0 if data.names is None else max(len(t.encode()) for t in data.names)
+    fp32, int64 = answers.JSON_BYTES["FP32"], answers.JSON_BYTES["INT64"]
+    if want_npy:
+        size, as_json = n * (k + 1) * answers.BINARY_BYTES["FP32"], 0
+    else:
+        size = as_json = n * (k * (int64 + fp32 + answers.json_string_bytes(names)) + fp32)
+    limits.check(size + answers.CONSTANT_BYTES, as_json, "Send fewer rows, or ask for a .npy.")
+    out = calibrate_topk(served, data.rows, bounds.max_rows, metrics)
+    headers = {VERSION_HEADER: str(served.version)}
+    if want_npy:
+        body = np.concatenate([out["probabilities"], out["tail"][:, None]], axis=1)
+        return Response(npy.npy_view(body), media_type=NPY, headers=headers)
+    payload = {"topk_ids": data.rows.ids, "probabilities": out["probabilities"],
+               "tail": out["tail"], "model": served.model, "version": served.version}
+    if data.names is not None:
+        payload["tokens"] = np.asarray(data.names, dtype=object)[data.rows.ids].tolist()
+    return Response(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY),
+                    media_type="application/json", headers=headers)
 
 
 class Target(BaseModel):
@@ -176,7 +243,13 @@ def respond(
 ) -> Response:
     """Parse, validate, bound the answer, run ONNX Runtime and serialise: CPU work."""
     if fmt == "json":
-        scores, kind = json_body.scores_from_json(raw, bounds, query.kind)
+        try:
+            scores, kind = json_body.scores_from_json(raw, bounds, query.kind)
+        except InvalidInput:
+            if json_body.is_topk(raw):  # said plainly, not as unknown fields
+                raise rules.full_needed(
+                    f"Version {served.version} of {served.model!r}") from None
+            raise
     else:
         scores, kind = npy.scores_from_npy(raw, bounds, query.kind)
     n, k = scores.shape
@@ -242,9 +315,18 @@ async def _predict(request: Request, want_npy: bool) -> Response:
     query = target(request)
     served = await state.serving.get(model, query.alias, query.version, caller.namespace)
     bounds = rules.bounds(state.settings, "predict", served.num_classes, served.model, query.dtype)
+    declared = budget.limits_of(request.scope).answer
+    if served.topk_k is not None:
+        if query.top_k is not None or query.kind is not None or query.dtype is not None:
+            raise InvalidInput("?top_k, ?kind and ?dtype are for full scores; a top-k version "
+                               "answers the top-k rows it is sent.")
+        fmt, raw = await read_topk_body(request, state, bounds, served.topk_k)
+        limits = answers.AnswerLimits.of(declared, state.settings.max_json_bytes, len(raw))
+        args = (served, fmt, raw, want_npy, bounds, limits, state.metrics)
+        return await anyio.to_thread.run_sync(respond_topk, *args,
+                                              limiter=state.predict_limiter)
     fmt, raw = await read_scores_body(request, state, bounds)
     size = len(raw) if fmt == "json" else raw.nbytes
-    declared = budget.limits_of(request.scope).answer
     limits = answers.AnswerLimits.of(declared, state.settings.max_json_bytes, size)
     args = (served, fmt, raw, query, want_npy, bounds, state.metrics, state.served_counts, limits)
     if size <= state.settings.inline_predict_bytes:

@@ -22,6 +22,13 @@ answers ``label_name`` (BYTES, the UTF-8 name of each row's label) and, with
 ``top_k``, ``top_k_names`` (BYTES, the names of ``top_k_indices``); both are
 listed in its metadata then, and answered by default.
 
+A version fitted on top-k rows (``calibrators.topk``: a language model's top-k
+log-probabilities) takes the inputs ``topk_ids`` (INT64) and ``topk_logprobs`` (FP32
+or FP64), both ``[n, k]`` at the k it was fitted on, and answers ``probabilities``
+(``[n, k]``, the calibrated top-k in the input's order), ``topk_ids`` (echoed) and
+``tail`` (``[n]``, the mass of the rest of the vocabulary); its metadata and config
+say so. Full scores sent to it, or top-k inputs sent to a full version, are a 422.
+
 Tensors travel as JSON (``data``, row major) or with the binary tensor data
 extension: the body is the JSON header, whose length the
 ``Inference-Header-Content-Length`` header gives, followed by the raw
@@ -51,7 +58,7 @@ from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from calibrators import triton
+from calibrators import topk, triton
 from service.api.auth import PrincipalDep, authorize
 from service.api.codecs import answers, json_body, oip, rules
 from service.api.deps import StateDep, get_app_state
@@ -61,6 +68,7 @@ from service.api.uploads import read_body
 from service.errors import (
     Conflict,
     ContentTooLarge,
+    InvalidInput,
     NotFound,
 )
 from service.observe.metrics import ServiceMetrics
@@ -70,7 +78,7 @@ from service.server.budget import declare
 from service.server.hotpath import add_hot_route
 from service.server.problems import OIP_PREFIX, problem_response
 from service.serving.inference import TOP_K_OUTPUTS, Served, check_top_k
-from service.serving.predict import calibrate
+from service.serving.predict import calibrate, calibrate_topk
 from service.storage import registry
 from service.vocabulary import DEFAULT_ALIAS, KINDS, MAX_ID
 
@@ -85,14 +93,20 @@ def respond(
     limits: answers.AnswerLimits,
 ) -> Response:
     """Parse, validate, bound the answer, run ONNX Runtime and serialise: CPU work."""
-    named = served.class_names is not None
-    request = oip.parse_request(raw, head, bounds, named)
+    top = served.topk_k is not None
+    named = served.class_names is not None and not top
+    what = f"Version {served.version} of {served.model!r}"
+    request = oip.parse_request(raw, head, bounds, named, served.topk_k, what)
     total, as_json = oip.answer_bytes(request, served.max_name_bytes)
-    limits.check(total, as_json, oip.BINARY_ANSWER_FIX)
-    out = calibrate(
-        served, request.scores, request.kind, bounds.max_rows, metrics, served_counts,
-        request.top_k,
-    )
+    limits.check(total, as_json, oip.TOPK_BINARY_FIX if top else oip.BINARY_ANSWER_FIX)
+    if request.rows is not None:
+        out = calibrate_topk(served, request.rows, bounds.max_rows, metrics)
+        out[topk.IDS] = request.rows.ids
+    else:
+        out = calibrate(
+            served, request.scores, request.kind, bounds.max_rows, metrics, served_counts,
+            request.top_k,
+        )
     encoded = oip.encode(served.model, served.version, served.class_names, request, out)
     headers = {VERSION_HEADER: str(served.version)}
     if not encoded.binary:
@@ -129,12 +143,16 @@ async def infer(request: Request) -> Response:
     head = oip.header_length(request.headers.get(oip.HEADER_LENGTH))
     settings = state.settings
     bounds = rules.bounds(settings, "predict", served.num_classes, served.model)
-    limit = json_body.json_body_limit(bounds, settings.max_json_bytes)
-    if head is not None:  # a JSON header, then at most max_rows x K float64s
+    if served.topk_k is None:
+        limit = json_body.json_body_limit(bounds, settings.max_json_bytes)
+        per_row = bounds.num_classes * 8  # float64s
+    else:  # k ids and k log-probabilities a row
+        limit = json_body.topk_json_limit(bounds, served.topk_k, settings.max_json_bytes)
+        per_row = served.topk_k * 16
+    if head is not None:  # a JSON header, then at most max_rows rows of binary data
         if head > limit:
             raise ContentTooLarge(f"{oip.HEADER_LENGTH} is over the limit of {limit} bytes.")
-        data = bounds.max_rows * bounds.num_classes * 8
-        limit = min(settings.max_body_bytes, head + data)
+        limit = min(settings.max_body_bytes, head + bounds.max_rows * per_row)
     budget.narrow(request, limit)
     raw = await read_body(request, limit)
     declared = budget.limits_of(request.scope).answer
@@ -217,15 +235,36 @@ def _servable(row, model) -> bool:
     return True
 
 
+def _topk_tensors(k: int) -> tuple[dict, dict]:
+    """The inputs and outputs of a top-k version of width ``k``: name -> (datatype, shape)."""
+    inputs = {topk.IDS: ("INT64", [-1, k]), topk.LOGPROBS: ("FP32", [-1, k])}
+    shapes = {"probabilities": [-1, k], topk.IDS: [-1, k], "tail": [-1]}
+    return inputs, {n: (oip.TOPK_OUTPUT_DATATYPES[n], shape) for n, shape in shapes.items()}
+
+
 def _model_metadata(
     state, caller, name: str, version: str | None, top_k: int | None
 ) -> ModelMetadata:
     with state.sessions() as session:
-        model, _ = registry.resolve_served(
+        model, row = registry.resolve_served(
             session, name, None, version_number(version), caller.namespace
         )
-        rows = registry.list_versions(session, model)
-        versions = [str(row.version) for row in rows if _servable(row, model)]
+        listed = registry.list_versions(session, model)
+        versions = [str(v.version) for v in listed if _servable(v, model)]
+        width = registry.version_top_k(session, row)
+    if width is not None:
+        if top_k is not None:
+            raise InvalidInput(
+                f"top_k is for full scores; version {row.version} of {model.name!r} serves "
+                f"top-k rows (k = {width}) and answers all of them."
+            )
+        inputs, top_outputs = _topk_tensors(width)
+        return ModelMetadata(
+            name=model.name, versions=versions, platform=oip.PLATFORM,
+            inputs=[TensorMetadata(name=n, datatype=d, shape=s) for n, (d, s) in inputs.items()],
+            outputs=[TensorMetadata(name=n, datatype=d, shape=s)
+                     for n, (d, s) in top_outputs.items()],
+        )
     k = model.num_classes
     outputs = {"probabilities": [-1, k], "confidence": [-1], "label": [-1], "entropy": [-1]}
     if model.class_names is not None:
@@ -280,10 +319,18 @@ async def version_ready(
 
 def _model_config(state, caller, name: str, version: str | None) -> dict:
     with state.sessions() as session:
-        model, _ = registry.resolve_served(
+        model, row = registry.resolve_served(
             session, name, None, version_number(version), caller.namespace
         )
+        width = registry.version_top_k(session, row)
     config = triton.model_config(model.name, model.num_classes)
+    if width is not None:  # what infer takes and answers (not the graph's one input)
+        inputs, outputs = _topk_tensors(width)
+        config["input"], config["output"] = (
+            [{"name": n, "data_type": f"TYPE_{d}", "dims": s} for n, (d, s) in t.items()]
+            for t in (inputs, outputs)
+        )
+        return config
     if model.class_names is not None:
         config["output"].append({"name": "label_name", "data_type": "TYPE_STRING",
                                  "dims": [-1]})
@@ -343,20 +390,24 @@ _INFER_REQUEST = {
         "inputs": {
             "type": "array",
             "minItems": 1,
-            "maxItems": 1,
+            "maxItems": 2,
+            "description": f"One tensor, {oip.INPUT!r}; for a version fitted on top-k rows, "
+            f"two: {' and '.join(map(repr, oip.TOPK_INPUT_DATATYPES))}.",
             "items": {
                 "type": "object",
                 "required": ["name", "shape", "datatype"],
                 "additionalProperties": False,
                 "properties": {
-                    "name": {"type": "string", "enum": [oip.INPUT]},
+                    "name": {"type": "string", "enum": [oip.INPUT, *oip.TOPK_INPUT_DATATYPES]},
                     "shape": {
                         "type": "array",
                         "items": {"type": "integer", "minimum": 0},
                         "minItems": 2,
                         "maxItems": 2,
                     },
-                    "datatype": {"type": "string", "enum": list(oip.INPUT_DATATYPES)},
+                    "datatype": {"type": "string", "enum": list(dict.fromkeys(
+                        [*oip.INPUT_DATATYPES,
+                         *(d for t in oip.TOPK_INPUT_DATATYPES.values() for d in t)]))},
                     "parameters": {
                         "type": "object",
                         "additionalProperties": True,
@@ -373,7 +424,8 @@ _INFER_REQUEST = {
                 "required": ["name"],
                 "additionalProperties": False,
                 "properties": {
-                    "name": {"type": "string", "enum": list(oip.OUTPUT_DATATYPES)},
+                    "name": {"type": "string", "enum": list(dict.fromkeys(
+                        [*oip.OUTPUT_DATATYPES, *oip.TOPK_OUTPUT_DATATYPES]))},
                     "parameters": {
                         "type": "object",
                         "additionalProperties": True,
