@@ -29,7 +29,13 @@ from service.api.schemas import (
 from service.api.uploads import media_type, read_body, require_json
 from service.errors import Conflict, InvalidInput, NotReady, UnsupportedMediaType
 from service.jobs import evaluation
-from service.jobs.fitting import affordable, check_fit_request, check_labels, import_affordable
+from service.jobs.fitting import (
+    affordable,
+    check_fit_request,
+    check_labels,
+    import_affordable,
+    resolve_refit,
+)
 from service.security import limits
 from service.server import budget
 from service.server.budget import declare
@@ -103,6 +109,7 @@ def start_fit(
     check_split(dataset, body.holdout, body.seed, state)
     check_fit_request(body.method, body.options)  # 422 now for unknown options
     check_labels(body.method, body.options, dataset.labels_sha256 is not None)
+    refit = resolve_refit(body.method, body.refit)
     affordable(  # 422 now for a fit no worker can hold (auto: if no candidate fits)
         body.method,
         body.options,
@@ -112,11 +119,11 @@ def start_fit(
         itemsize=np.dtype(dataset.dtype).itemsize,
         holdout=body.holdout,
         budget=state.fits.config.memory_budget,
-        refit=body.refit,
+        refit=refit,
     )
     return _enqueue(
         model, dataset, session, state, response, claim, method=body.method,
-        holdout=body.holdout, seed=body.seed, options=body.options, refit=body.refit,
+        holdout=body.holdout, seed=body.seed, options=body.options, refit=refit,
     )
 
 
