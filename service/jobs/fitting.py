@@ -91,11 +91,10 @@ def auto_candidates(argmax_policy: str) -> tuple[str, ...]:
 
 
 def lowest_nll(nll: Mapping[str, float]) -> str:
-    """The lowest held-out NLL (the first of equals, in the candidates' order): what
-    ``welltempered fit --method auto`` reports as chosen on its one hold-out, and what
-    an ``auto`` fit keeps when the policies allow none of its candidates (the version
-    is then rejected). Among allowed candidates an ``auto`` fit races them over folds
-    (:func:`service.jobs.selection.race`)."""
+    """The lowest held-out NLL (the first of equals, in the candidates' order): what an
+    ``auto`` fit keeps when the policies allow fewer than two of its candidates (none:
+    the version is rejected, and says which). Among two or more it races them over
+    folds (:func:`race_candidates`), and so does ``welltempered fit --method auto``."""
     return min(nll, key=nll.__getitem__)
 
 
