@@ -113,3 +113,25 @@ def test_auto_serves_its_choice_fitted_on_every_row_by_default(client):
             np.testing.assert_array_equal(np.asarray(auto["params"][name]),
                                           np.asarray(want[name]))
     assert "selection" in auto["candidates"][auto["chosen_method"]]
+
+
+def test_with_sequences_the_race_folds_are_whole_sequences(monkeypatch):
+    from service.jobs import fitting
+
+    logits, labels = logits_data(n=600, k=4, seed=8)
+    sequences = np.repeat(np.arange(60), 10)
+    seen = []
+
+    def recording(*args, **kwargs):
+        parts = fold_indices(*args, **kwargs)
+        seen.append(parts)
+        return parts
+
+    monkeypatch.setattr(fitting, "fold_indices", recording)
+    job = fit_job(logits, labels, kind="logits", method="auto", holdout=0.2, seed=1,
+                  options={}, argmax_policy="off", sequences=sequences)
+    assert job["status"] == "succeeded" and len(seen) == 1
+    assert len(seen[0]) > 1
+    for part in seen[0]:  # every row of each of its sequences, and no other row
+        rows = np.flatnonzero(np.isin(sequences, sequences[part]))
+        assert np.array_equal(np.sort(part), rows)
