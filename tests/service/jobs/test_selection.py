@@ -3,6 +3,8 @@ the fit job (service/jobs/fitting.py)."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -135,3 +137,14 @@ def test_with_sequences_the_race_folds_are_whole_sequences(monkeypatch):
     for part in seen[0]:  # every row of each of its sequences, and no other row
         rows = np.flatnonzero(np.isin(sequences, sequences[part]))
         assert np.array_equal(np.sort(part), rows)
+
+
+def test_progress_never_goes_back_and_ends_at_one():
+    logits, labels = logits_data(n=600, k=4, seed=7)
+    seen = []
+    job = fit_job(logits, labels, kind="logits", method="auto", holdout=0.2, seed=1,
+                  options={}, argmax_policy="off", progress=seen.append)
+    assert any(c["selection"]["folds"] > 1 for c in job["candidates"].values()
+               if "selection" in c)  # the race ran further folds, and the refit followed
+    assert seen and seen[-1] == 1.0 and 0.0 <= min(seen)
+    assert all(b >= a for a, b in itertools.pairwise(seen))
