@@ -4,11 +4,11 @@ For each shared file and each seed 0 to 4: ``perm = default_rng(seed).permutatio
 (:func:`calibrators.evaluation.holdout.split_indices` at ``holdout=0.5``), fit on the first
 half with the method's defaults, and score the mean NLL of the held-out second half.
 ``auto`` is the service's fit job as a user gets it (``method="auto"``,
-``argmax_policy="off"``, its default inner hold-out and seed) run on the fit half;
-its chosen calibrator (fitted on 80% of the fit half) is scored on the same
-held-out half. Run on the whole file at ``holdout=0.5`` instead, the job fits every
-method on the fit half and keeps the best on the held-out half: its figure is the
-best candidate per split, printed too.
+``argmax_policy="off"``, its default inner hold-out, seed and refit) run on the fit
+half: it races the candidates over folds of the fit half and serves its choice
+fitted on the whole fit half, scored on the same held-out half (``--no-refit``:
+served as fitted without the inner hold-out). The best candidate per split (the
+lowest held-out NLL of the single methods on each split) is printed too.
 
 Prints, per file, each method's mean [min, max] over the seeds, its mean minus
 temperature's (the goal: <= +0.002 for every method), the number of seeds on which
@@ -64,7 +64,7 @@ def summary(values) -> str:
     return f"{v.mean():.4f} [{v.min():.4f}, {v.max():.4f}]"
 
 
-def run_file(path: Path, methods, with_auto: bool, refit: bool) -> None:
+def run_file(path: Path, methods, with_auto: bool, refit: bool | None) -> None:
     with np.load(path) as f:
         p, y = f["predictions"], f["ground_truth"]
     print(f"\n## {path.name}: {p.shape[0]:,} x {p.shape[1]}")
@@ -97,12 +97,11 @@ def run_file(path: Path, methods, with_auto: bool, refit: bool) -> None:
               + " | ".join(chosen[m]))
     best = min(methods, key=lambda m: np.mean(nll[m]))
     per_split = np.min([nll[m] for m in methods], axis=0)
-    print(f"best candidate per split (auto run on the whole file at holdout 0.5, as "
-          f"tests/service/jobs/test_auto_splits.py runs it): {summary(per_split)}, "
-          f"{per_split.mean() - np.mean(nll[best]):+.4f} against {best}")
+    print(f"best candidate per split (a choice that knew the held-out labels): "
+          f"{summary(per_split)}, {per_split.mean() - np.mean(nll[best]):+.4f} against {best}")
     if with_auto:
         a = np.asarray(auto)
-        label = "auto refit" if refit else "auto"
+        label = "auto" if refit is None else "auto no refit"
         print(f"{label:<12} {summary(a):<30} {a.mean() - base.mean():>+8.4f} "
               f"{int(np.sum(a > base + 1e-12)):>4}/5 {np.mean(auto_secs):>7.2f}  "
               + " | ".join(auto_pick))
@@ -117,9 +116,10 @@ def main() -> None:
     parser.add_argument("--methods", nargs="*", default=None,
                         help="methods (default: all; temperature is always included)")
     parser.add_argument("--no-auto", action="store_true", help="leave out auto")
-    parser.add_argument("--refit", action="store_true",
-                        help="auto refits its choice on the whole fit half (the fit request's "
-                        "refit); default: served as fitted on the inner fit part")
+    parser.add_argument("--no-refit", action="store_true",
+                        help="auto serves its choice as fitted without the inner hold-out "
+                        "(the fit request's refit false); default: the service's, refitted "
+                        "on the whole fit half")
     args = parser.parse_args()
     files = [DATA / f for f in args.files] if args.files else sorted(DATA.glob("*.npz"))
     methods = tuple(args.methods or calibrators.METHODS)
@@ -129,7 +129,7 @@ def main() -> None:
     print(f"start: load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for path in files:
         run_file(path, methods, with_auto=not args.no_auto and args.methods is None,
-                 refit=args.refit)
+                 refit=False if args.no_refit else None)
     print(f"\nend: load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -128,3 +128,65 @@ def _split_groups(n: int, holdout: float, seed: int, groups) -> tuple[np.ndarray
     order = np.lexsort((np.arange(n), rank[codes]))  # by sequence in perm, then by row
     split = n_fit_rows
     return order[:split], order[split:]
+
+
+def fold_indices(
+    n: int,
+    holdout: float = DEFAULT_HOLDOUT,
+    seed: int = 0,
+    *,
+    groups=None,
+    max_folds: int = 5,
+) -> list[np.ndarray]:
+    """Disjoint held-out parts of the size of :func:`split_indices`' own, its first.
+
+    The first part is ``split_indices(n, holdout, seed, groups=groups)[1]``; each next
+    one is the tail of the rows fitted on so far (the permutation's order) of the same
+    size, while that many rows remain and at most ``max_folds`` parts in all: so
+    every part's complement, the rows a model is fitted on to score it, has as many
+    rows as the first split's fit part. With ``groups`` the cuts fall between whole
+    sequences, nearest the first part's size (on a tie, the smaller part).
+
+    Parameters
+    ----------
+    n, holdout, seed, groups
+        As :func:`split_indices`.
+    max_folds : int, default=5
+        The most parts returned (at least 1).
+
+    Returns
+    -------
+    list of ndarray of int64
+        Between 1 and ``max_folds`` disjoint parts; ``min(max_folds, n // n_holdout)``
+        of them without ``groups`` (``n_holdout = round(n * holdout)``).
+
+    Examples
+    --------
+    >>> parts = fold_indices(10, 0.3, seed=0)
+    >>> [len(p) for p in parts]
+    [3, 3, 3]
+    >>> np.array_equal(parts[0], split_indices(10, 0.3, seed=0)[1])
+    True
+    >>> len(np.unique(np.concatenate(parts)))
+    9
+    """
+    if isinstance(max_folds, bool) or not isinstance(max_folds, int) or max_folds < 1:
+        raise CalibrationInputError(f"max_folds must be an integer >= 1. Got {max_folds!r}.")
+    rest, first = split_indices(n, holdout, seed, groups=groups)
+    parts = [first]
+    size = len(first)
+    codes = None if groups is None else as_sequence_ids(groups, n)
+    while len(parts) < max_folds and len(rest) >= size:
+        if codes is None:
+            cut = len(rest) - size
+        else:
+            # Where a new sequence starts in `rest` (0 included): the cut nearest size rows
+            # from the end, the later of two equally near (the smaller part).
+            seq = codes[rest]
+            starts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
+            tails = len(rest) - starts
+            best = np.abs(tails - size)
+            cut = int(starts[np.flatnonzero(best == best.min())[-1]])
+        parts.append(rest[cut:])
+        rest = rest[:cut]
+    return parts

@@ -175,6 +175,7 @@ __all__ = [
     "maximum_calibration_error",
     "mean_entropy",
     "nll_loss",
+    "nll_per_row",
     "reliability_bins",
     "report",
     "scores_report",
@@ -1216,6 +1217,22 @@ def nll_loss(probs, labels) -> float:
     """
     probs, labels = _probs_and_labels(probs, labels)
     return float(_nll_rows(probs, labels).mean())
+
+
+def nll_per_row(probs, labels) -> np.ndarray:
+    """Each row's negative log-likelihood in nats, float64 of shape (n_samples,).
+
+    :math:`-\\log \\max(p_{i, y_i}, 2^{-149})`, the terms whose mean is
+    :func:`nll_loss`: what paired comparisons of two calibrations on the same rows
+    need (the mean and standard error of the per-row differences).
+
+    Examples
+    --------
+    >>> nll_per_row([[0.5, 0.5], [0.25, 0.75]], [0, 1]).round(4).tolist()
+    [0.6931, 0.2877]
+    """
+    probs, labels = _probs_and_labels(probs, labels)
+    return _nll_rows(probs, labels)
 
 
 def _brier_sum(chunk: np.ndarray, labels: np.ndarray, *, scratch: bool = False) -> float:

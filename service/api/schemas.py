@@ -221,12 +221,13 @@ class FitRequest(BaseModel):
         description="Keyword options of calibrators.create(method, ...); for 'auto', "
         'keyed by method: {"matrix": {...}}.',
     )
-    refit: StrictBool = Field(
-        False,
+    refit: StrictBool | None = Field(
+        None,
         description="After the hold-out evaluation (and, for 'auto', the choice), fit the "
-        "chosen method again on every row of the dataset and serve that. The version's "
-        "metrics stay the hold-out estimate of the method fitted without the held-out "
-        "rows; its argmax report is the served calibrator's on the held-out rows.",
+        "chosen method again on every row of the dataset and serve that. Default: true for "
+        "'auto', false for a named method. The version's metrics stay the hold-out "
+        "estimate of the method fitted without the held-out rows; its argmax report is "
+        "the served calibrator's on the held-out rows.",
     )
 
 

@@ -83,8 +83,10 @@ def evaluate(
     """``metrics`` (calibrators.evaluation.metrics.report of the calibrated held-out rows,
     per sequence too with ``sequences``, the held-out rows' sequence ids),
     ``argmax`` (calibrators.evaluation.checks.argmax_report), ``nll``
-    (calibrators.evaluation.checks.nll_report), ``rejected_for`` (the reasons the policies refuse
-    it, :data:`~service.vocabulary.REJECTION_REASONS`) and ``allowed`` (none)."""
+    (calibrators.evaluation.checks.nll_report), ``row_nll`` (each held-out row's NLL,
+    calibrators.evaluation.metrics.nll_per_row: what ``auto``'s race compares),
+    ``rejected_for`` (the reasons the policies refuse it,
+    :data:`~service.vocabulary.REJECTION_REASONS`) and ``allowed`` (none)."""
     probs = cal.predict_proba(x_hold, kind=kind)
     argmax = checks.argmax_report(x_hold, probs, kind=kind)
     nll = checks.nll_report(x_hold, probs, y_hold, kind=kind)
@@ -97,6 +99,7 @@ def evaluate(
         "metrics": metrics.report(probs, y_hold, sequences=sequences),
         "argmax": argmax,
         "nll": nll,
+        "row_nll": metrics.nll_per_row(probs, y_hold),
         "rejected_for": reasons,
         "allowed": not reasons,
     }

@@ -427,3 +427,17 @@ def rate_limited_total(namespace: str, exposition: str) -> float:
                 if s.labels == {"namespace": namespace}:
                     return s.value
     return 0.0
+
+
+def race_leader(candidates: dict) -> str:
+    """The method an ``auto`` version should have chosen from its ``candidates``: the
+    race's leader (the lowest ``selection.nll`` among those scored on the most folds),
+    or without a race (one allowed candidate, or none) the lowest hold-out NLL among
+    the allowed (else all)."""
+    raced = {m: c["selection"] for m, c in candidates.items() if "selection" in c}
+    if raced:
+        last = max(r["folds"] for r in raced.values())
+        return min((m for m, r in raced.items() if r["folds"] == last),
+                   key=lambda m: raced[m]["nll"])
+    pool = [m for m, c in candidates.items() if c["allowed"]] or list(candidates)
+    return min(pool, key=lambda m: candidates[m]["metrics"]["nll"])

@@ -36,6 +36,7 @@ from service.jobs.fitting import (
     check_labels,
     check_topk_fit,
     import_affordable,
+    resolve_refit,
 )
 from service.security import limits
 from service.server import budget
@@ -110,11 +111,12 @@ def start_fit(
         return claim.replay
     dataset = registry.find_dataset(session, model, body.dataset_id)
     check_split(dataset, body.holdout, body.seed, state)
+    refit = resolve_refit(body.method, body.refit)
     if dataset.top_k is not None:  # top-k rows: temperature alone, in memory O(N (k + G))
         check_topk_fit(body.method, body.options)
         return _enqueue(
             model, dataset, session, state, response, claim, method=body.method,
-            holdout=body.holdout, seed=body.seed, options=body.options, refit=body.refit,
+            holdout=body.holdout, seed=body.seed, options=body.options, refit=refit,
         )
     check_fit_request(body.method, body.options)  # 422 now for unknown options
     check_labels(body.method, body.options, dataset.labels_sha256 is not None)
@@ -127,11 +129,11 @@ def start_fit(
         itemsize=np.dtype(dataset.dtype).itemsize,
         holdout=body.holdout,
         budget=state.fits.config.memory_budget,
-        refit=body.refit,
+        refit=refit,
     )
     return _enqueue(
         model, dataset, session, state, response, claim, method=body.method,
-        holdout=body.holdout, seed=body.seed, options=body.options, refit=body.refit,
+        holdout=body.holdout, seed=body.seed, options=body.options, refit=refit,
     )
 
 

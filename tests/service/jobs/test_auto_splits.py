@@ -3,16 +3,18 @@
 For seeds 0 to 4 the service's fit job runs ``auto`` under ``argmax_policy="off"``
 with ``holdout=0.5`` on a whole file: every method is fitted with its defaults on
 the first half of ``split_indices(N, 0.5, seed)`` and scored on the second half,
-which is the protocol, and ``auto`` keeps the best of them. Over the five splits,
+which is the protocol. Over the five splits,
 
 * every method's mean held-out NLL is at most temperature scaling's + ``MARGIN``
   (the penalised searches start at temperature scaling and can choose it);
-* ``auto``'s is within ``MARGIN`` of the best single method's: no candidate is
-  skipped, rejected or lost on the way.
+* the held-out NLL of ``auto``'s choice (a race over the two halves) is within
+  ``MARGIN`` of the best single method's: no candidate is skipped, rejected or
+  lost on the way.
 
 One job per split gives both (the fits are the slowest part of the suite's
-real-data tests). ``bench/search_splits.py`` prints the same table, and ``auto``
-given only the fit half (its own inner hold-out), scored on the other half.
+real-data tests). And the strict reading: ``auto`` given only the fit half, with
+its defaults (its own inner hold-out of 0.2, its race, its refit), scored on the
+other half. ``bench/search_splits.py`` prints the same tables for both files.
 """
 
 from __future__ import annotations
@@ -21,15 +23,13 @@ import numpy as np
 import pytest
 
 import calibrators
-from calibrators.evaluation.holdout import split_indices
+from calibrators.evaluation.holdout import DEFAULT_HOLDOUT, split_indices
 from calibrators.evaluation.metrics import nll_loss
 from service.jobs.fitting import auto_candidates, fit_job
 from tests.helpers import load_shared
 
 SEEDS = (0, 1, 2, 3, 4)
 MARGIN = 0.002
-#: The inner hold-out of auto given only the fit half (its choice's rows).
-INNER_HOLDOUT = 0.3
 #: Every method auto tries under "off": all but those that learn nothing from labels.
 LEARNERS = auto_candidates("off")
 
@@ -45,7 +45,7 @@ def five_splits(stem: str) -> tuple[dict[str, float], float]:
     auto = []
     for seed in SEEDS:
         job = fit_job(data.probs, data.labels, kind="probabilities", method="auto",
-                      holdout=0.5, seed=seed, options={}, argmax_policy="off")
+                      holdout=0.5, seed=seed, options={}, argmax_policy="off", refit=False)
         assert set(job["candidates"]) == set(LEARNERS), job["warning"]
         for m, candidate in job["candidates"].items():
             nll[m].append(candidate["metrics"]["nll"])
@@ -68,13 +68,15 @@ def test_no_method_loses_to_temperature_and_auto_keeps_up_with_the_best(stem):
 
 
 @pytest.mark.slow
-def test_auto_given_only_the_fit_half_keeps_up_with_the_best_when_it_refits():
-    """The honest reading of ``auto`` on the protocol: given only the fit half, it
-    chooses on its own inner hold-out (``INNER_HOLDOUT``) and refits the choice on the
-    whole fit half (``refit``); scored on the other half, its mean is within ``MARGIN``
-    of the best single method fitted on the fit half. On lenet-5-cifar-10, where the
-    methods are closest (K = 10; CIFAR-100's auto picks iop on every split: see
-    bench/README.md for both files and for an inner hold-out of 0.2)."""
+def test_auto_given_only_the_fit_half_keeps_up_with_the_best():
+    """The strict reading of ``auto`` on the protocol: given only the fit half, with
+    the service's defaults (inner hold-out 0.2, seed 0, the race over folds, the refit
+    of its choice on the whole fit half), scored on the other half, its mean is within
+    ``MARGIN`` of the best single method fitted on the fit half. On lenet-5-cifar-10,
+    where the methods are closest (K = 10) and the fits are quick; CIFAR-100's figure
+    (minutes of fits) is bench/search_splits.py's, in bench/README.md. One hold-out
+    without the race missed here (+0.0051 served as fitted on 80% of the fit half,
+    +0.0012 refitted: bench/README.md)."""
     data = load_shared("lenet-5-cifar-10")
     nll = {m: [] for m in LEARNERS}
     auto = []
@@ -84,8 +86,8 @@ def test_auto_given_only_the_fit_half_keeps_up_with_the_best_when_it_refits():
         for m in LEARNERS:
             cal = calibrators.create(m).fit(p_fit, y_fit, kind="probabilities")
             nll[m].append(held_out_nll(cal, data.probs[test], data.labels[test]))
-        job = fit_job(p_fit, y_fit, kind="probabilities", method="auto", holdout=INNER_HOLDOUT,
-                      seed=0, options={}, argmax_policy="off", refit=True)
+        job = fit_job(p_fit, y_fit, kind="probabilities", method="auto",
+                      holdout=DEFAULT_HOLDOUT, seed=0, options={}, argmax_policy="off")
         served = calibrators.from_params(job["params"])
         auto.append(held_out_nll(served, data.probs[test], data.labels[test]))
     means = {m: float(np.mean(v)) for m, v in nll.items()}

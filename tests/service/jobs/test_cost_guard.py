@@ -26,9 +26,16 @@ from tests.service.helpers import (
 N, K, HOLDOUT = 300, 6, 0.2
 
 
-def need(method: str, k: int = K, options=None) -> int:
+def need(method: str, k: int = K, options=None, refit: bool = False) -> int:
+    """A fit's estimate; with ``refit`` (auto's default) its fit on every row."""
     n_fit, n_hold = split_sizes(N, HOLDOUT)
+    n_fit = N if refit else n_fit
     return job_bytes(method, options or {}, n_fit, n_hold, k, np.dtype(np.float64).itemsize)
+
+
+def auto_need(method: str) -> int:
+    """An auto fit's estimate of a candidate: auto refits its choice on every row."""
+    return need(method, refit=True)
 
 
 def serve(database_url, tmp_path, budget: int) -> TestClient:
@@ -58,8 +65,8 @@ def test_an_explicit_fit_over_the_budget_is_refused_and_nothing_is_queued(databa
 
 def test_auto_skips_the_candidates_over_the_budget(database_url, tmp_path):
     everything = auto_candidates("off")
-    budget = min(need(m) for m in everything)  # only the cheapest candidates fit
-    dropped = {m for m in everything if need(m) > budget}
+    budget = min(auto_need(m) for m in everything)  # only the cheapest candidates fit
+    dropped = {m for m in everything if auto_need(m) > budget}
     assert dropped and dropped != set(everything)
     with serve(database_url, tmp_path, budget) as c:
         create_model(c, "m", K, argmax_policy="off")
@@ -71,8 +78,8 @@ def test_auto_skips_the_candidates_over_the_budget(database_url, tmp_path):
 
 
 def test_auto_with_no_candidate_under_the_budget_names_the_cheapest(database_url, tmp_path):
-    cheapest = min(calibrators.METHODS, key=need)
-    budget = need(cheapest) - 1
+    cheapest = min(calibrators.METHODS, key=auto_need)
+    budget = auto_need(cheapest) - 1
     with serve(database_url, tmp_path, budget) as c:
         create_model(c, "m", K, argmax_policy="off")
         ds = upload(c, "m", *logits_data(n=N, k=K))
