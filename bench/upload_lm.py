@@ -17,6 +17,12 @@ dataset's metrics are there (``GET`` of the dataset until ``metrics`` is not nul
 are computed after the answer). With ``--before TREE`` (a checkout of another commit,
 e.g. ``git worktree add /tmp/before COMMIT``), that tree's server is measured in the same
 rounds, turn about. At the end: the ratio's mean [min, max] over the rounds, per server.
+
+The **transfer** (``--transfer``, on by default): the same body streamed by the same
+client to a bare uvicorn app (httptools, uvloop, as ``serve`` runs) that reads it and
+throws it away, in each round: what moving the bytes from a Python client to a Python
+server on this machine costs before any work on them. Printed per round beside the
+floor, and at the end each server's upload against it.
 """
 
 from __future__ import annotations
@@ -40,6 +46,49 @@ from upload_metrics import make_logits
 MODEL = "lm"
 MiB = 1 << 20
 
+#: The transfer's server: reads every body to its end and answers its length.
+SINK = """
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    n, more = 0, True
+    while more:
+        message = await receive()
+        n += len(message.get("body", b""))
+        more = message.get("more_body", False)
+    body = str(n).encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+"""
+
+
+def start_sink(where: Path) -> tuple[subprocess.Popen, str]:
+    where.mkdir(parents=True)
+    (where / "sink.py").write_text(SINK)
+    port = serve_peers.free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "sink:app", "--port", str(port), "--log-level",
+         "warning", "--http", "httptools", "--loop", "uvloop"],
+        cwd=where, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    serve_peers.wait_port(port, proc, "the transfer's sink")
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def transfer(base: str, path: Path) -> float:
+    """Seconds to stream ``path`` to the sink, as :func:`upload` streams it."""
+    t0 = time.perf_counter()
+    r = httpx.post(
+        f"{base}/", content=stream(path), timeout=600,
+        headers={"content-type": "application/octet-stream",
+                 "content-length": str(path.stat().st_size)},
+    )  # fmt: skip
+    seconds = time.perf_counter() - t0
+    if r.status_code != 200 or int(r.text) != path.stat().st_size:
+        raise RuntimeError(f"transfer: HTTP {r.status_code} {r.text[:100]}")
+    return seconds
+
 
 def start(tree: Path | None, where: Path, k: int) -> tuple[subprocess.Popen, str]:
     where.mkdir(parents=True)
@@ -53,6 +102,8 @@ def start(tree: Path | None, where: Path, k: int) -> tuple[subprocess.Popen, str
         "WELLTEMPERED_METRICS_ADDRESS": "",
         "WELLTEMPERED_MAX_CLASSES": str(max(k, 1000)),
         "WELLTEMPERED_MAX_BODY_BYTES": str(2 << 30),
+        # Every round stores a new dataset: room for more rounds than the default quota.
+        "WELLTEMPERED_QUOTA_STORED_BYTES": str(64 << 30),
     }
     exe = Path(sys.executable).with_name("welltempered")
     proc = subprocess.Popen(
@@ -105,6 +156,8 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=49152)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--before", type=Path, help="another commit's tree, served beside")
+    parser.add_argument("--no-transfer", dest="transfer", action="store_false",
+                        help="skip the bare transfer of the body")
     args = parser.parse_args()
     z, y = make_logits(args.n, args.k, "float32")
     with tempfile.TemporaryDirectory(prefix="wt-upload-lm-") as d:
@@ -112,12 +165,15 @@ def main() -> int:
         servers = {"this tree": start(None, tmp / "now", args.k)}
         if args.before is not None:
             servers["before"] = start(args.before.resolve(), tmp / "before", args.k)
+        sink = start_sink(tmp / "sink") if args.transfer else None
         body = tmp / "body.npz"
         print(f"{args.n} x {args.k} float32 ({z.nbytes / MiB:.0f} MiB) .npz uploads; cpus "
               f"{os.cpu_count()}, load {os.getloadavg()[0]:.1f}")
         print(f"{'server':<10} {'round':>5} {'upload s':>9} {'floor s':>8} {'x floor':>8} "
-              f"{'server CPU s':>13} {'RSS growth MiB':>15} {'metrics at s':>13}")
+              f"{'server CPU s':>13} {'RSS growth MiB':>15} {'metrics at s':>13} "
+              f"{'transfer s':>11}")
         ratios: dict[str, list[float]] = {name: [] for name in servers}
+        over_transfer: dict[str, list[float]] = {name: [] for name in servers}
         try:
             for rnd in range(args.rounds):
                 for name, (proc, base) in servers.items():
@@ -126,11 +182,14 @@ def main() -> int:
                     base_floor = min(upload_floor(body, tmp) for _ in range(2))
                     got = upload(proc, base, body)
                     ratios[name].append(got["seconds"] / base_floor)
+                    moved = transfer(sink[1], body) if sink is not None else float("nan")
+                    over_transfer[name].append(got["seconds"] / moved)
                     print(f"{name:<10} {rnd:>5} {got['seconds']:>9.2f} {base_floor:>8.2f} "
                           f"{ratios[name][-1]:>8.2f} {got['cpu']:>13.2f} "
-                          f"{got['rss'] / MiB:>15.0f} {got['metrics']:>13.2f}", flush=True)
+                          f"{got['rss'] / MiB:>15.0f} {got['metrics']:>13.2f} "
+                          f"{moved:>11.2f}", flush=True)
         finally:
-            for proc, _ in servers.values():
+            for proc, _ in [*servers.values(), *([sink] if sink is not None else [])]:
                 proc.terminate()
                 proc.wait(timeout=60)
         print(f"\nupload / floor, mean [min, max] over {args.rounds} rounds; load "
@@ -138,6 +197,11 @@ def main() -> int:
         for name, r in ratios.items():
             a = np.array(r)
             print(f"{name:<10} {a.mean():.2f}x [{a.min():.2f}, {a.max():.2f}]")
+        if sink is not None:
+            print("upload / the bare transfer of the same body in the same round:")
+            for name, r in over_transfer.items():
+                a = np.array(r)
+                print(f"{name:<10} {a.mean():.2f}x [{a.min():.2f}, {a.max():.2f}]")
     return 0
 
 
