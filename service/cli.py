@@ -139,7 +139,7 @@ def serve(args: argparse.Namespace) -> int:
     from service.observe import metrics
     from service.server import exporter, timeouts
     from service.settings import Settings
-    from service.storage import array_refs, fits, migrate, retry
+    from service.storage import array_refs, fits, migrate
     from service.storage.arrays import ArrayStore
     from service.storage.db import make_engine
 
@@ -169,9 +169,8 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     engine = make_engine(settings.database_url)
     try:
-        retry.until_reachable(
-            migrate.ensure_schema, engine, settings.database_url,
-            wait_seconds=settings.startup_database_wait_seconds, what="the schema check",
+        migrate.ensure_schema(
+            engine, settings.database_url, settings.startup_database_wait_seconds
         )
         if settings.is_sqlite:
             # The only process of this database file. Once, before any uvicorn worker
@@ -275,7 +274,7 @@ def worker(args: argparse.Namespace) -> int:
     from service.observe import metrics, monitoring
     from service.server import exporter
     from service.settings import Settings
-    from service.storage import migrate, retry
+    from service.storage import migrate
     from service.storage.db import make_engine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
@@ -300,9 +299,8 @@ def worker(args: argparse.Namespace) -> int:
     engine = make_engine(settings.database_url, application_name="welltempered-worker")
     listener = process_metrics = None
     try:
-        retry.until_reachable(
-            migrate.ensure_schema, engine, settings.database_url,
-            wait_seconds=settings.startup_database_wait_seconds, what="the schema check",
+        migrate.ensure_schema(
+            engine, settings.database_url, settings.startup_database_wait_seconds
         )
         # This process's metrics, as a one-worker serve has them (PROMETHEUS_MULTIPROC_DIR
         # set, as in the image: its files, service/observe/metrics.py): the fits this

@@ -45,7 +45,7 @@ from service.server.requests import MetricsMiddleware
 from service.server.timeouts import BodyTimeoutMiddleware
 from service.serving.inference import ServingCache, SessionCache
 from service.settings import Settings
-from service.storage import array_refs, retry
+from service.storage import array_refs
 from service.storage.arrays import ArrayStore
 from service.storage.db import make_engine
 from service.storage.migrate import ensure_schema
@@ -67,9 +67,8 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
         metrics.mark_dead_workers()  # metric files of workers killed without a shutdown
         engine = make_engine(settings.database_url)
         try:
-            retry.until_reachable(
-                ensure_schema, engine, settings.database_url,
-                wait_seconds=settings.startup_database_wait_seconds, what="the schema check",
+            ensure_schema(
+                engine, settings.database_url, settings.startup_database_wait_seconds
             )
             sessions = sessionmaker(engine, expire_on_commit=False)
             arrays = ArrayStore(

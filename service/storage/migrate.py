@@ -18,6 +18,8 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
 
+from service.storage import retry
+
 
 class NotMigrated(RuntimeError):
     """The database is not at the latest revision and will not be migrated implicitly."""
@@ -66,8 +68,19 @@ def current_revision(engine: Engine) -> str | None:
         return MigrationContext.configure(conn).get_current_revision()
 
 
-def ensure_schema(engine: Engine, database_url: str) -> None:
-    """SQLite: upgrade to head. Other databases: refuse to run on an old schema."""
+def ensure_schema(engine: Engine, database_url: str, wait_seconds: float = 0.0) -> None:
+    """SQLite: upgrade to head. Other databases: refuse to run on an old schema.
+
+    ``wait_seconds``: how long to keep trying after a transient database failure
+    (:func:`service.storage.retry.until_reachable`; a process starting, whose failed
+    start-up would stop every uvicorn worker with it); 0: raise the first."""
+    retry.until_reachable(
+        _ensure_schema, engine, database_url, wait_seconds=wait_seconds,
+        what="the schema check",
+    )
+
+
+def _ensure_schema(engine: Engine, database_url: str) -> None:
     if database_url.startswith("sqlite"):
         upgrade(database_url)
         return
