@@ -76,15 +76,20 @@ def start_sink(where: Path) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-def transfer(base: str, path: Path) -> float:
-    """Seconds to stream ``path`` to the sink, as :func:`upload` streams it."""
+def post_file(url: str, path: Path) -> tuple[httpx.Response, float]:
+    """``path`` streamed as the body of a POST with its length; the answer and seconds."""
     t0 = time.perf_counter()
     r = httpx.post(
-        f"{base}/", content=stream(path), timeout=600,
+        url, content=stream(path), timeout=600,
         headers={"content-type": "application/octet-stream",
                  "content-length": str(path.stat().st_size)},
     )  # fmt: skip
-    seconds = time.perf_counter() - t0
+    return r, time.perf_counter() - t0
+
+
+def transfer(base: str, path: Path) -> float:
+    """Seconds to stream ``path`` to the sink, as :func:`upload` streams it."""
+    r, seconds = post_file(f"{base}/", path)
     if r.status_code != 200 or int(r.text) != path.stat().st_size:
         raise RuntimeError(f"transfer: HTTP {r.status_code} {r.text[:100]}")
     return seconds
@@ -127,12 +132,7 @@ def rss(pid: int) -> int:
 def upload(proc: subprocess.Popen, base: str, path: Path) -> dict:
     cpu0, rss0 = serve_peers.tree_cpu_seconds(proc.pid), rss(proc.pid)
     t0 = time.perf_counter()
-    r = httpx.post(
-        f"{base}/v1/models/{MODEL}/datasets", content=stream(path), timeout=600,
-        headers={"content-type": "application/octet-stream",
-                 "content-length": str(path.stat().st_size)},
-    )  # fmt: skip
-    seconds = time.perf_counter() - t0
+    r, seconds = post_file(f"{base}/v1/models/{MODEL}/datasets", path)
     if r.status_code != 201:
         raise RuntimeError(f"upload: HTTP {r.status_code} {r.text[:300]}")
     out = {
@@ -148,6 +148,12 @@ def upload(proc: subprocess.Popen, base: str, path: Path) -> dict:
         dataset = got.json()
     out["metrics"] = time.perf_counter() - t0
     return out
+
+
+def print_ratios(ratios: dict[str, list[float]]) -> None:
+    for name, r in ratios.items():
+        a = np.array(r)
+        print(f"{name:<10} {a.mean():.2f}x [{a.min():.2f}, {a.max():.2f}]")
 
 
 def main() -> int:
@@ -194,14 +200,10 @@ def main() -> int:
                 proc.wait(timeout=60)
         print(f"\nupload / floor, mean [min, max] over {args.rounds} rounds; load "
               f"{os.getloadavg()[0]:.1f} at the end")
-        for name, r in ratios.items():
-            a = np.array(r)
-            print(f"{name:<10} {a.mean():.2f}x [{a.min():.2f}, {a.max():.2f}]")
+        print_ratios(ratios)
         if sink is not None:
             print("upload / the bare transfer of the same body in the same round:")
-            for name, r in over_transfer.items():
-                a = np.array(r)
-                print(f"{name:<10} {a.mean():.2f}x [{a.min():.2f}, {a.max():.2f}]")
+            print_ratios(over_transfer)
     return 0
 
 

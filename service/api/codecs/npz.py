@@ -301,7 +301,11 @@ class _Spliced(io.RawIOBase):
 
 
 @contextmanager
-def _body_file(body: Path | NpzBody) -> Iterator[BinaryIO]:
+def _body_file(body: Path | NpzBody | bytes | bytearray) -> Iterator[BinaryIO]:
+    """The body as a file: a spooled one, a split one spliced back, or one in memory."""
+    if isinstance(body, bytes | bytearray):
+        yield io.BytesIO(body)
+        return
     with body.open() if isinstance(body, NpzBody) else open(body, "rb") as f:
         yield f
 
@@ -549,10 +553,7 @@ def topk_from_npz(body: Path | bytes | bytearray, bounds: Bounds) -> TopKRows:
     ``topk_ids`` and ``topk_logprobs`` (N, k) and optionally ``vocab_size`` (the model's
     K when left out); no labels."""
     what = "The .npz body"
-    with (
-        open(body, "rb") if isinstance(body, Path) else io.BytesIO(body) as f,
-        _open_npz(f, what) as zf,
-    ):
+    with _body_file(body) as f, _open_npz(f, what) as zf:
         return _topk_members(zf, _members(zf, what), bounds, labelled=False)
 
 
