@@ -301,13 +301,18 @@ class _Spliced(io.RawIOBase):
 
 
 @contextmanager
-def _body_file(body: Path | NpzBody | bytes | bytearray) -> Iterator[BinaryIO]:
-    """The body as a file: a spooled one, a split one spliced back, or one in memory."""
-    if isinstance(body, bytes | bytearray):
+def _body_file(body) -> Iterator[BinaryIO]:
+    """The body as a file: a spooled one (a Path), a split one spliced back
+    (:class:`NpzBody`), or one in memory (any buffer: bytes, a bytearray, the memory map
+    of a body without a declared length)."""
+    if isinstance(body, NpzBody):
+        with body.open() as f:
+            yield f
+    elif isinstance(body, Path):
+        with open(body, "rb") as f:
+            yield f
+    else:
         yield io.BytesIO(body)
-        return
-    with body.open() if isinstance(body, NpzBody) else open(body, "rb") as f:
-        yield f
 
 
 def _routed_scores(
@@ -548,10 +553,10 @@ def _read_sequences(
     return validated_sequences(arr, n, max_bytes - used)
 
 
-def topk_from_npz(body: Path | bytes | bytearray, bounds: Bounds) -> TopKRows:
-    """Top-k rows to calibrate (a top-k version's predict): a ``.npz`` with the members
-    ``topk_ids`` and ``topk_logprobs`` (N, k) and optionally ``vocab_size`` (the model's
-    K when left out); no labels."""
+def topk_from_npz(body, bounds: Bounds) -> TopKRows:
+    """Top-k rows to calibrate (a top-k version's predict; ``body`` as :func:`_body_file`
+    takes it): a ``.npz`` with the members ``topk_ids`` and ``topk_logprobs`` (N, k) and
+    optionally ``vocab_size`` (the model's K when left out); no labels."""
     what = "The .npz body"
     with _body_file(body) as f, _open_npz(f, what) as zf:
         return _topk_members(zf, _members(zf, what), bounds, labelled=False)

@@ -242,6 +242,18 @@ def test_v1_serves_the_calibrated_top_k_and_tail(client, served):
     np.testing.assert_allclose(got[:, 20], tail[rows], rtol=0, atol=1e-6)
 
 
+def test_v1_serves_a_top_k_npz_sent_without_a_length(client, served):
+    """A body without Content-Length (chunked; what a gzip'd body becomes once inflated)
+    is read into a memory map, not a bytearray: the .npz reader takes it too (a 500
+    once, found by the budget harness)."""
+    probs, tail = served.predict(ROWS)
+    body = npz(topk_ids=DATA["topk_ids"], topk_logprobs=DATA["topk_logprobs"])
+    r = _predict(client, iter([body[: len(body) // 2], body[len(body) // 2 :]]))
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(r.json()["probabilities"], probs, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(r.json()["tail"], tail, rtol=0, atol=1e-6)
+
+
 def test_v1_serves_the_chat_completions_shape(client, served):
     rows = slice(100, 160)
     r = _predict(client, _chat(rows))
