@@ -112,33 +112,40 @@ async def labelled_body(
             member.unlink(missing_ok=True)
 
 
-async def read_body(request: Request, limit: int) -> bytearray | mmap.mmap:
+async def read_body(request: Request, limit: int) -> bytes | bytearray | mmap.mmap:
     """The whole body in one buffer, refusing (413) a declared length over ``limit`` before
     reading, and a chunked body as soon as it passes ``limit``.
 
-    With a declared length the buffer is a bytearray allocated once (no list of chunks
-    joined into a second copy). Without one, it is an anonymous memory map of ``limit``
-    bytes of address space, of which only the pages written cost memory, shrunk to the
-    body's size at the end: a growing bytearray would be copied as it grows, holding
-    twice the body. Both are buffers (``len``, slices, ``find``, ``re``, ``memoryview``).
+    With a declared length, a body that arrives in one piece (most small requests) is
+    kept as it came, as ``bytes``; one in several pieces goes into a bytearray allocated
+    once (no list of chunks joined into a second copy). Without a declared length, it is
+    an anonymous memory map of ``limit`` bytes of address space, of which only the pages
+    written cost memory, shrunk to the body's size at the end: a growing bytearray would
+    be copied as it grows, holding twice the body. All are buffers (``len``, slices,
+    ``find``, ``re``, ``memoryview``); only ``bytes`` is read-only.
     """
     declared = declared_length(request)
     if declared is not None:
         if declared > limit:
             raise _too_large(limit)
-        body = bytearray(declared)
-        view = memoryview(body)
+        whole = b""  # the body, while it has come in one piece
+        body: bytearray | None = None
         filled = 0
         async for chunk in request.stream():
             end = filled + len(chunk)
             if end > declared:  # the server frames by Content-Length: never happens
                 raise MalformedBody("The body is longer than its Content-Length.")
-            view[filled:end] = chunk
+            if not filled:
+                whole = chunk
+            elif chunk:
+                if body is None:
+                    body = bytearray(declared)
+                    body[:filled] = whole
+                body[filled:end] = chunk
             filled = end
-        view.release()
         if filled < declared:
             raise MalformedBody(f"The body ended after {filled} of {declared} bytes.")
-        return body
+        return whole if body is None else body
     buffer = mmap.mmap(-1, limit, flags=mmap.MAP_PRIVATE)
     filled = 0
     try:

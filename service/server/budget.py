@@ -48,6 +48,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.errors import ContentTooLarge, MalformedBody, ServiceError, UnsupportedMediaType
+from service.server.exchange import Exchange
 from service.server.problems import error_response
 from service.settings import Settings
 from service.vocabulary import METRICS_SCOPE, TENANT_SCOPES
@@ -306,7 +307,7 @@ class BudgetMiddleware:
                 if error is not None:
                     await state.refuse(error)
                     return
-        await self.app(scope, state.receive, state.send)
+        await self.app(scope, state.receive, state.send_next)
         state.check_sent()
 
 
@@ -314,49 +315,43 @@ class _Request:
     """One request's budget state (the middleware's ``receive`` and ``send``)."""
 
     __slots__ = (
-        "declared", "decoded", "encoding", "inflater", "limits", "middleware", "raw",
-        "receive_next", "refused", "scope", "send_next", "sent", "started",
+        "declared", "decoded", "encoding", "exchange", "inflater", "limits", "middleware",
+        "raw", "receive_next", "refused", "scope", "send_next",
     )
 
     def __init__(self, middleware: BudgetMiddleware, scope: Scope, receive: Receive, send: Send):
         self.middleware = middleware
         self.scope = scope
         self.receive_next = receive
-        self.send_next = send
+        # What the app sends is seen by the request's exchange: the bytes counted
+        # against the answer's bound, and dropped once a refusal is out.
+        self.exchange, self.send_next = Exchange.of(scope, send)
         self.limits: Limits | None = None
         self.inflater: _Inflater | None = None
         self.declared: bytes | None = None  # Content-Length as sent
         self.encoding: bytes | None = None  # Content-Encoding as sent
-        self.raw = self.decoded = self.sent = 0
-        self.started = self.refused = False
-
-    async def send(self, message: Message) -> None:
-        if self.refused:  # the refusal is out: whatever the app answers after it is dropped
-            return
-        if message["type"] == "http.response.start":
-            self.started = True
-        elif message["type"] == "http.response.body":
-            self.sent += len(message.get("body", b""))
-        await self.send_next(message)
+        self.raw = self.decoded = 0
+        self.refused = False
 
     def check_sent(self) -> None:
         limits = self.limits or limits_of(self.scope)
-        if limits is not None and self.sent > limits.answer and not self.refused:
+        sent = self.exchange.sent
+        if limits is not None and sent > limits.answer and not self.refused:
             log.error(
                 "answer over its budget: %s %s sent %d bytes, its limit is %d",
                 self.scope.get("method"), getattr(self.scope.get("route"), "path", "?"),
-                self.sent, limits.answer,
+                sent, limits.answer,
             )
 
     async def refuse(self, error: ServiceError) -> Message:
         """Answer ``error`` now and tell the app the client left (raising instead would
         reach FastAPI's body parsing, which turns any error into a 400); once the answer
         has started, raise it."""
-        if self.started:
+        if self.exchange.started:
             raise error
         response = error_response(Request(self.scope), error, headers={"Connection": "close"})
         await response(self.scope, self.receive_next, self.send_next)
-        self.refused = True
+        self.refused = self.exchange.closed = True
         return {"type": "http.disconnect"}
 
     def check_headers(self) -> ServiceError | None:

@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.errors import DatabaseUnavailable
+from service.server.exchange import Exchange
 from service.server.problems import error_response
 from service.storage import retry
 
@@ -64,12 +65,13 @@ class DatabaseFaultMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        exchange, send = Exchange.of(scope, send)
         attempts = 2 if scope.get("method") in REPLAYED_METHODS else 1
         # The request's messages, replayed to a second attempt; kept only when there can
         # be one (never for a POST: its body would be held twice, tests/security).
         seen: list[Message] | None = [] if attempts > 1 else None
         for attempt in range(1, attempts + 1):
-            applied = await self._attempt(scope, receive, send, seen, attempt)
+            applied = await self._attempt(scope, receive, send, exchange, seen, attempt)
             if applied is None:
                 return
             if applied != "no" or attempt == attempts:
@@ -82,17 +84,11 @@ class DatabaseFaultMiddleware:
         scope: Scope,
         receive: Receive,
         send: Send,
+        exchange: Exchange,
         seen: list[Message] | None,
         attempt: int,
     ) -> str | None:
         """Run the app once: None when it answered, else what its writes came to."""
-        started = False
-
-        async def tracked_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
         if seen is None:  # nothing to replay or keep (a POST): its own receive, unwrapped
             app_receive = receive
         else:
@@ -108,10 +104,10 @@ class DatabaseFaultMiddleware:
 
         with retry.recording() as writes:
             try:
-                await self.app(scope, app_receive, tracked_send)
+                await self.app(scope, app_receive, send)
                 return None
             except Exception as exc:
-                if started or not retry.is_transient(exc):
+                if exchange.started or not retry.is_transient(exc):
                     raise
                 applied = writes.applied()
                 log.warning(

@@ -38,6 +38,8 @@ from starlette.responses import Response
 from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from service.server.exchange import Exchange
+
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
@@ -93,17 +95,11 @@ class ServingApp(FastAPI):
     async def _serve(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
         """``app`` with Starlette's last resort: a 500 from the ``Exception`` handler when
         nothing was sent yet, and the error raised again (uvicorn logs it)."""
-        started = False
-
-        async def tracked(message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        exchange, tracked = Exchange.of(scope, send)
         try:
             await app(scope, receive, tracked)
         except Exception as exc:
-            if not started:
+            if not exchange.started:
                 response = await self.exception_handlers[Exception](Request(scope), exc)
                 await response(scope, receive, send)
             raise

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import time
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.observe import metrics as obs
 from service.observe.access import AccessLog
+from service.server.exchange import Exchange
 
 
 class MetricsMiddleware:
@@ -17,11 +18,14 @@ class MetricsMiddleware:
     None: no access log).
 
     Pure ASGI (no ``BaseHTTPMiddleware``: no extra task, no body buffering). The
-    route template is read from ``scope["route"]``, which the router sets while
-    routing (the same dict travels down the stack), when the response starts; the
-    latency is the time to that moment. A request whose handler raised (a 500 sent
-    by Starlette's outermost error middleware) is counted as 500. The access line is
-    written when the app is done: its duration runs to the answer's last byte.
+    request is counted when the app is done: the route template is read from
+    ``scope["route"]``, which the router sets while routing (the same dict travels down
+    the stack), the status and the latency (to the moment the response started) from
+    the request's :class:`~service.server.exchange.Exchange` (this layer, the outermost
+    middleware, wraps ``send`` for it unless the short way already has). A request
+    whose handler raised before answering (a 500 sent by Starlette's outermost error
+    middleware) is counted as 500. The access line's duration runs to the answer's last
+    byte.
     """
 
     def __init__(self, app: ASGIApp, metrics: obs.ServiceMetrics, access: AccessLog | None = None):
@@ -34,38 +38,20 @@ class MetricsMiddleware:
             await self.app(scope, receive, send)
             return
         metrics = self.metrics
-        access = self.access
         start = time.perf_counter()
-        status = 0  # the answer's, once it starts
-        sent = 0  # its body bytes (counted for the access log only)
-
-        async def send_observed(message: Message) -> None:
-            nonlocal status, sent
-            if message["type"] == "http.response.start":
-                if not status:
-                    status = message["status"]
-                    metrics.observe_request(
-                        obs.route_template(scope),
-                        scope["method"],
-                        status,
-                        time.perf_counter() - start,
-                    )
-            elif access is not None:
-                sent += len(message.get("body", b""))
-            await send(message)
-
+        exchange, send = Exchange.of(scope, send)
         in_progress = metrics.http_in_progress_value  # the gauge's value (observe.metrics)
         in_progress.inc(1)
         try:
-            await self.app(scope, receive, send_observed)
-        except BaseException:
-            if not status:
-                status = 500
-                metrics.observe_request(
-                    obs.route_template(scope), scope["method"], 500, time.perf_counter() - start
-                )
-            raise
+            await self.app(scope, receive, send)
         finally:
             in_progress.inc(-1)
-            if access is not None:
-                access.record(scope, status, sent, time.perf_counter() - start)
+            # A request whose handler raised before answering is counted as a 500 (the
+            # short way's last resort, or Starlette's error middleware, answers it).
+            status = exchange.status or 500
+            started = exchange.started_at or time.perf_counter()
+            metrics.observe_request(
+                obs.route_template(scope), scope["method"], status, started - start
+            )
+            if self.access is not None:
+                self.access.record(scope, status, exchange.sent, time.perf_counter() - start)

@@ -55,6 +55,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.errors import RequestTimeout
+from service.server.exchange import Exchange
 from service.server.problems import error_response
 from service.server.transport import JoinedWritesProtocol
 
@@ -367,17 +368,11 @@ class BodyTimeoutMiddleware:
             return
         waited = 0.0
         received = 0
-        body_done = timed_out = started = False
-
-        async def guarded_send(message: Message) -> None:
-            nonlocal started
-            if timed_out:  # the 408 is out: whatever the app answers after it is dropped
-                return
-            started = started or message["type"] == "http.response.start"
-            await send(message)
+        body_done = timed_out = False
+        exchange, send = Exchange.of(scope, send)
 
         async def timed_receive() -> Message:
-            nonlocal waited, received, body_done, timed_out, started
+            nonlocal waited, received, body_done, timed_out
             if timed_out:
                 return {"type": "http.disconnect"}
             if body_done:  # e.g. listening for a disconnect during the response: untimed
@@ -408,7 +403,7 @@ class BodyTimeoutMiddleware:
                     received,
                     waited,
                 )
-                if not started:
+                if not exchange.started:
                     detail = (
                         f"The request body arrived too slowly ({received} bytes in "
                         f"{waited:.0f} s of waiting): each piece must come within "
@@ -418,8 +413,10 @@ class BodyTimeoutMiddleware:
                     response = error_response(
                         Request(scope), RequestTimeout(detail), headers={"Connection": "close"}
                     )
-                    started = True
                     await response(scope, receive, send)
+                # The 408 is out (or the answer had started): whatever the app sends
+                # after it is dropped.
+                exchange.closed = True
                 return {"type": "http.disconnect"}
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
@@ -429,7 +426,7 @@ class BodyTimeoutMiddleware:
             return message
 
         try:
-            await self.app(scope, timed_receive, guarded_send)
+            await self.app(scope, timed_receive, send)
         except Exception:
             if not timed_out:
                 raise
