@@ -95,7 +95,9 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
                 settings, engine, sessions, arrays, fits, serving, metrics, limiter,
                 served_counts, HoldoutCache(), filler,
             )
-            flusher = Flusher(served_counts, sessions, settings.served_flush_seconds).start()
+            flusher = Flusher(
+                served_counts, sessions, settings.served_flush_seconds, metrics.fold
+            ).start()
             sweeper = None
             if settings.sweep_interval_seconds > 0:
                 sweeper = Sweeper(

@@ -112,6 +112,8 @@ import logging
 import math
 import os
 import re
+import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -737,6 +739,10 @@ def route_template(scope: Mapping[str, Any]) -> str:
 #: loop; above it, one vectorised bucket count is cheaper (the break-even point;
 #: bench/README.md).
 _SMALL_BATCH = 16
+#: Answers of at most :data:`_SMALL_BATCH` rows wait for at most this many others, or
+#: this many seconds, before they are counted (:meth:`ServiceMetrics.fold`).
+_FOLD_ANSWERS = 256
+_FOLD_SECONDS = 1.0
 
 
 def _observe_few(child, values: list[float]) -> None:
@@ -842,6 +848,10 @@ class ServiceMetrics:
         #: (``Gauge.inc``'s checks cost more than the addition, twice per request).
         self.http_in_progress_value = self.http_in_progress._value
         self._prediction_children = functools.lru_cache(maxsize=4096)(self._prediction_labels)
+        #: Answers of a few rows not counted yet (:meth:`fold`): ``deque`` appends and
+        #: pops are atomic, so threads may add and fold at once.
+        self._pending_predictions: deque = deque()
+        self._fold_by = time.monotonic() + _FOLD_SECONDS
 
     def _request_values(self, route: str, method: str, status_code: int) -> tuple:
         """What :meth:`observe_request` adds to for these arguments: the request
@@ -929,22 +939,50 @@ class ServiceMetrics:
             )
         if isinstance(flipped, bool) or not 0 <= int(flipped) <= entropy.size:
             raise ValueError(f"flipped must be an int in [0, {entropy.size}]. Got {flipped!r}.")
-        rows, flips, entropies, confidences, total, squared = self._prediction_children(
-            namespace, model, str(version)
-        )
+        key = (namespace, model, str(version))
+        if entropy.size > _SMALL_BATCH:
+            self._count_predictions(key, entropy, confidence, int(flipped))
+            return
+        # A few rows (a predict of one, every time): counted with the next answers, in
+        # one pass of numpy's over all of them (:meth:`fold`). One by one, the counters'
+        # locks and the small conversions cost a predict of one row about a tenth of
+        # its server time over HTTP (bench/README.md, "Serving through http.client").
+        pending = self._pending_predictions
+        pending.append((key, entropy, confidence, int(flipped)))
+        if len(pending) >= _FOLD_ANSWERS or time.monotonic() >= self._fold_by:
+            self.fold()
+
+    def fold(self) -> None:
+        """Count the answers of a few rows that :meth:`observe_predictions` has kept: done
+        when :data:`_FOLD_ANSWERS` are waiting or the oldest has waited
+        :data:`_FOLD_SECONDS`, before every :meth:`render`, and by the app's served-counts
+        thread (``Settings.served_flush_seconds``): a scrape of this process sees every
+        answer; in multiprocess mode, another process's scrape may miss the answers of
+        this one's last second until that thread's next turn. Safe from any thread."""
+        pending = self._pending_predictions
+        groups: dict[tuple[str, str, str], list] = {}
+        while True:
+            try:
+                key, entropy, confidence, flipped = pending.popleft()
+            except IndexError:
+                break
+            groups.setdefault(key, []).append((entropy, confidence, flipped))
+        self._fold_by = time.monotonic() + _FOLD_SECONDS
+        for key, answers in groups.items():
+            entropy, confidence, flips = zip(*answers, strict=True)
+            self._count_predictions(
+                key, np.concatenate(entropy), np.concatenate(confidence), sum(flips)
+            )
+
+    def _count_predictions(
+        self, key: tuple[str, str, str], entropy: np.ndarray, confidence: np.ndarray, flipped: int
+    ) -> None:
+        rows, flips, entropies, confidences, total, squared = self._prediction_children(*key)
         # The counters' values directly, as observe_request does: the children exist and
-        # the amounts are valid (a predict of one row took 30 us here with numpy's sums
-        # and the counters' checks, about a tenth of the request; bench/README.md).
+        # the amounts are valid.
         rows.inc(entropy.size)
         if flipped:  # the series exists at 0 from ``labels`` (_prediction_labels)
-            flips.inc(int(flipped))
-        if entropy.size <= _SMALL_BATCH:
-            c = confidence.tolist()
-            _observe_few(entropies, entropy.tolist())
-            _observe_few(confidences, c)
-            total.inc(float(sum(c)))
-            squared.inc(float(sum(x * x for x in c)))
-            return
+            flips.inc(flipped)
         _observe_many(entropies, entropy)
         _observe_many(confidences, confidence)
         c = confidence.astype(np.float64)
@@ -1011,6 +1049,7 @@ class ServiceMetrics:
         (bytes, str)
             The Prometheus text exposition (format 0.0.4) and its Content-Type.
         """
+        self.fold()
         if self.multiprocess_dir is not None:
             return render_multiprocess(self.multiprocess_dir, snapshot, cache_usage)
         return _exposition(self._registry, snapshot, cache_usage)
@@ -1018,8 +1057,11 @@ class ServiceMetrics:
     def mark_process_dead(self, pid: int | None = None) -> None:
         """prometheus_client's ``mark_process_dead`` for ``pid`` (default: this process).
 
-        A worker calls it as the last step of its lifespan; a no-op in single-process mode.
+        A worker calls it as the last step of its lifespan; a no-op in single-process mode
+        but for :meth:`fold` (this process's answers counted before its files are final).
         """
+        if pid is None or pid == os.getpid():
+            self.fold()
         if self.multiprocess_dir is not None:
             multiprocess.mark_process_dead(
                 os.getpid() if pid is None else pid, self.multiprocess_dir

@@ -255,6 +255,84 @@ def test_observe_request_equals_counter_inc_and_histogram_observe():
             assert fast_values[key] == pytest.approx(value, rel=1e-12), key
 
 
+def _prediction_values(metrics: obs.ServiceMetrics, ns: str, model: str, version: str) -> dict:
+    rows, flips, entropy, confidence, total, squared = metrics._prediction_children(
+        ns, model, version
+    )
+    return {
+        "rows": rows.get(), "flips": flips.get(), "total": total.get(),
+        "squared": squared.get(), "entropy_sum": entropy._sum.get(),
+        "entropy_buckets": [b.get() for b in entropy._buckets],
+        "confidence_buckets": [b.get() for b in confidence._buckets],
+    }
+
+
+def test_answers_of_a_few_rows_are_counted_together_as_one_by_one():
+    """An answer of at most _SMALL_BATCH rows waits (fold): the counters' locks one by
+    one cost a predict of one row more than the count. Every scrape counts what waits,
+    and the values are those of counting each answer at once."""
+    rng = np.random.default_rng(8)
+    answers = []
+    for i in range(60):
+        n = int(rng.integers(1, obs._SMALL_BATCH + 1)) if i % 7 else obs._SMALL_BATCH + 3
+        answers.append((rng.exponential(1.0, n), rng.uniform(0.1, 1.0, n), int(i % 5 == 0)))
+    kept, each = obs.ServiceMetrics(), obs.ServiceMetrics()
+    kept._fold_by = float("inf")  # no fold by the clock in this test
+    for entropy, confidence, flipped in answers:
+        kept.observe_predictions("ns", "m", 3, entropy, confidence, flipped)
+        each.observe_predictions("ns", "m", 3, entropy, confidence, flipped)
+        each.fold()
+    waiting = _prediction_values(kept, "ns", "m", "3")
+    assert waiting["rows"] == sum(a[0].size for a in answers if a[0].size > obs._SMALL_BATCH)
+    kept.render()  # a scrape counts every answer kept
+    got, want = _prediction_values(kept, "ns", "m", "3"), _prediction_values(each, "ns", "m", "3")
+    assert got["rows"] == sum(a[0].size for a in answers)
+    assert got["flips"] == sum(a[2] for a in answers) == 12
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-12), key
+
+
+def test_kept_answers_are_counted_when_enough_wait_or_the_oldest_has_waited():
+    metrics = obs.ServiceMetrics()
+    metrics._fold_by = float("inf")
+    one = (np.array([0.5]), np.array([0.9]))
+    for _ in range(obs._FOLD_ANSWERS - 1):
+        metrics.observe_predictions("ns", "m", 1, *one)
+    assert _prediction_values(metrics, "ns", "m", "1")["rows"] == 0
+    metrics.observe_predictions("ns", "m", 1, *one)  # enough: all counted
+    assert _prediction_values(metrics, "ns", "m", "1")["rows"] == obs._FOLD_ANSWERS
+    metrics.observe_predictions("ns", "m", 1, *one)
+    assert _prediction_values(metrics, "ns", "m", "1")["rows"] == obs._FOLD_ANSWERS
+    metrics._fold_by = 0.0  # the oldest has waited _FOLD_SECONDS: the next answer counts all
+    metrics.observe_predictions("ns", "m", 1, *one)
+    assert _prediction_values(metrics, "ns", "m", "1")["rows"] == obs._FOLD_ANSWERS + 2
+    assert metrics._fold_by > 0.0
+
+
+def test_answers_kept_and_folded_from_several_threads_are_counted_once():
+    import threading
+
+    metrics = obs.ServiceMetrics()
+    one = (np.array([0.25]), np.array([0.5]))
+
+    def serve():
+        for i in range(2000):
+            metrics.observe_predictions("ns", "m", 1, *one, flipped=1)
+            if i % 300 == 0:
+                metrics.fold()
+
+    threads = [threading.Thread(target=serve) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    metrics.fold()
+    values = _prediction_values(metrics, "ns", "m", "1")
+    assert values["rows"] == values["flips"] == 8000
+    assert values["total"] == pytest.approx(4000.0)
+    assert values["entropy_sum"] == pytest.approx(2000.0)
+
+
 def test_status_class_method_and_route_template():
     assert [obs.status_class(c) for c in (101, 200, 204, 307, 404, 422, 500, 599, 600)] == [
         "1xx", "2xx", "2xx", "3xx", "4xx", "4xx", "5xx", "5xx", "other",
@@ -350,7 +428,9 @@ WORKER = """
     metrics.observe_fit("temperature", 0.3)
     metrics.http_in_progress.inc()  # a request still running when the worker dies
     if os.environ.get("CLEAN_EXIT") == "1":
-        metrics.mark_process_dead()
+        metrics.mark_process_dead()  # counts the answers it kept (fold) too
+    else:  # killed later: the served-counts thread's turn has counted them (fold)
+        metrics.fold()
     print(os.getpid())
 """
 

@@ -102,3 +102,54 @@ def test_a_failed_flush_keeps_the_counts_for_the_next():
         counter.flush(broken)
     counter.add((1, None), 3, [1])
     assert counter.drain()[((1, None), 0)].tolist() == [1, 1, 2]
+
+
+def test_batches_of_a_few_rows_are_kept_until_drained_then_counted_alike():
+    """A batch of at most ``_FOLD_ROWS`` rows waits (one by one, counting costs a predict
+    of one row more than the count); drained, the counts are those of counting each."""
+    counter = served.ServedCounts(60, clock=lambda: 0.0)
+    key = (1, None)
+    rng = np.random.default_rng(4)
+    batches = [rng.integers(0, 9, rng.integers(1, served._FOLD_ROWS + 1)) for _ in range(40)]
+    for batch in batches:
+        counter.add(key, 9, batch)
+    assert counter._counts == {}  # kept, not counted yet
+    big = rng.integers(0, 9, served._FOLD_ROWS + 1)
+    counter.add(key, 9, big)  # counted at once
+    assert counter._counts[(key, 0)].sum() == big.size
+    expected = np.bincount(np.concatenate([*batches, big]), minlength=9)
+    assert counter.drain()[(key, 0)].tolist() == expected.tolist()
+
+
+def test_kept_batches_are_counted_once_enough_wait_and_under_threads():
+    import threading
+
+    counter = served.ServedCounts(60, clock=lambda: 0.0)
+    key = (1, None)
+    for _ in range(served._FOLD_BATCHES - 1):
+        counter.add(key, 3, [1])
+    assert counter._counts == {}
+    counter.add(key, 3, [2])  # the last one that fits: all counted
+    assert counter._counts[(key, 0)].tolist() == [0, served._FOLD_BATCHES - 1, 1]
+    assert not counter._pending
+
+    def serve():  # adds and folds from several threads at once: nothing lost or doubled
+        for i in range(3000):
+            counter.add(key, 3, [0])
+            if i % 500 == 0:
+                counter.fold()
+
+    threads = [threading.Thread(target=serve) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert counter.drain()[(key, 0)][0] == 4 * 3000
+
+
+def test_the_flusher_folds_before_each_flush_and_at_stop():
+    folds = []
+    counter = served.ServedCounts(60, clock=lambda: 0.0)
+    flusher = served.Flusher(counter, sessions=None, interval=3600, fold=lambda: folds.append(1))
+    flusher.start().stop()  # stop flushes once more (nothing to write: no session opened)
+    assert folds == [1]
