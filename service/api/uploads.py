@@ -200,11 +200,11 @@ _SYNC_BYTES = 64 << 20
 
 
 class _SplitWriter:
-    """The files of :func:`spool_npz`. Each 1 MiB piece of the body is routed in the event
-    loop (:class:`~service.api.codecs.npz.MemberRouter`: a few slices); then one thread
-    hashes the member's bytes (sha256) while another CRC-sums them and writes every slice
-    where it goes (hashlib, zlib and os.pwrite release the GIL), and a third starts the
-    member's write-back every :data:`_SYNC_BYTES`."""
+    """The files of :func:`spool_npz`. Each 1 MiB of the body (the pieces it arrived in,
+    not joined) is routed in the event loop (:class:`~service.api.codecs.npz.MemberRouter`:
+    a few slices); then one thread hashes the member's bytes (sha256) while another
+    CRC-sums them and writes every slice where it goes (hashlib, zlib and os.pwrite
+    release the GIL), and a third starts the member's write-back every :data:`_SYNC_BYTES`."""
 
     def __init__(self, path: Path, member: Path, pool: ThreadPoolExecutor):
         self.router = npz.MemberRouter(SCORE_KEYS)
@@ -223,9 +223,10 @@ class _SplitWriter:
             os.close(self.body)
             raise
 
-    def submit(self, piece: bytearray) -> None:
-        """Start the work of ``piece``, after that of the piece before (:meth:`wait`)."""
-        runs = self.router.feed(piece)
+    def submit(self, pieces: list[bytes]) -> None:
+        """Start the work of ``pieces`` (the body's next bytes, as received), after that of
+        the pieces before (:meth:`wait`)."""
+        runs = [run for piece in pieces for run in self.router.feed(piece)]
         views = [view for to_member, view in runs if to_member]
         self.jobs = [self.pool.submit(self._write, runs)]
         if views:
@@ -275,22 +276,25 @@ async def spool_npz(request: Request, path: Path, member: Path) -> npz.NpzBody:
     arrive: the reader checks them against the zip's directory and the store keeps the
     member file as it is (:func:`~service.api.codecs.npz.labelled_from_npz`).
 
-    The body is handed to worker threads 1 MiB at a time while the next MiB arrives
-    (:class:`_SplitWriter`): at most two pieces are held. Limits: :mod:`service.server.budget`.
+    The body is handed to worker threads 1 MiB at a time, as the pieces it arrived in,
+    while the next MiB arrives (:class:`_SplitWriter`): about two MiB are held.
+    Limits: :mod:`service.server.budget`.
     """
     with ThreadPoolExecutor(3, thread_name_prefix="spool") as pool:
         writer = _SplitWriter(path, member, pool)
         try:
-            piece = bytearray()
+            pieces: list[bytes] = []
+            held = 0
             async for chunk in request.stream():
-                piece += chunk
-                if len(piece) >= _FLUSH_BYTES:
+                pieces.append(chunk)
+                held += len(chunk)
+                if held >= _FLUSH_BYTES:
                     await writer.wait()
-                    writer.submit(piece)
-                    piece = bytearray()
+                    writer.submit(pieces)
+                    pieces, held = [], 0
             await writer.wait()
-            if piece:
-                writer.submit(piece)
+            if held:
+                writer.submit(pieces)
                 await writer.wait()
         finally:
             writer.settle()

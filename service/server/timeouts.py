@@ -52,11 +52,10 @@ import h11
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.errors import RequestTimeout
 from service.server.problems import error_response
-from service.server.transport import JoinedWritesProtocol
+from service.server.transport import HeldBodyProtocol, JoinedWritesProtocol
 
 log = logging.getLogger("welltempered.timeouts")
 
@@ -233,7 +232,7 @@ class GuardedH11Protocol(_HeaderDeadline, JoinedWritesProtocol, H11Protocol):
         return self.conn.their_state is h11.IDLE and bool(self.conn.trailing_data[0])
 
 
-class GuardedHttpToolsProtocol(_HeaderDeadline, JoinedWritesProtocol, HttpToolsProtocol):
+class GuardedHttpToolsProtocol(_HeaderDeadline, JoinedWritesProtocol, HeldBodyProtocol):
     """uvicorn's protocol on httptools (llhttp, in C) with the header deadline: what
     ``welltempered serve`` runs when httptools is installed (a runtime dependency).
 
