@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from calibrators.validation import CalibrationInputError
+from service.api import uploads
 from service.api.codecs import npz
 from service.api.codecs.rules import Bounds
 from service.api.uploads import spool_npz
@@ -164,6 +165,15 @@ def test_a_bad_split_body_gets_the_error_of_the_whole_file(tmp_path, mangle, err
     with pytest.raises(error) as split:
         npz.labelled_from_npz(spool(tmp_path, body), BOUNDS)
     assert str(split.value) == str(whole.value) and words in str(split.value)
+
+
+def test_the_spool_s_crc_is_the_zip_s():
+    # zlib-ng's where it is installed: the CRC-32 zip and zlib compute, piece after piece
+    data = np.random.default_rng(1).integers(0, 256, 3 << 20, np.uint8).tobytes()
+    crc = 0
+    for at in range(0, len(data), 777_777):
+        crc = uploads.crc32(memoryview(data)[at : at + 777_777], crc)
+    assert crc == zlib.crc32(data) and crc != 0
 
 
 def test_nan_in_a_split_member_is_refused_as_before(tmp_path):
