@@ -167,6 +167,27 @@ def test_a_bad_split_body_gets_the_error_of_the_whole_file(tmp_path, mangle, err
     assert str(split.value) == str(whole.value) and words in str(split.value)
 
 
+def test_a_split_body_s_digest_names_its_bytes_without_reading_the_member_again(tmp_path):
+    z = scores(2000)
+    body = npz_body(logits=z, labels=np.arange(2000) % 5)
+    labels_changed = npz_body(logits=z, labels=(np.arange(2000) + 1) % 5)
+    digests = {}
+    for name, b, sizes in [("body", body, (65_536,)), ("again", body, (7, 100_000)),
+                           ("member", corrupt_member(body), (65_536,)),
+                           ("labels", labels_changed, (65_536,))]:  # fmt: skip
+        (tmp_path / name).mkdir()
+        spooled = spool(tmp_path / name, b, sizes)
+        assert spooled.routed is not None
+        spooled.member.unlink()  # hashed as it arrived: not read again
+        digests[name] = spooled.digest()
+    assert digests["body"] == digests["again"]
+    assert len({digests["body"], digests["member"], digests["labels"]}) == 3
+    # nothing routed: the file's own sha256
+    unrouted = npz.NpzBody(tmp_path / "plain.npz", len(body))
+    unrouted.path.write_bytes(body)
+    assert unrouted.digest() == hashlib.sha256(body).hexdigest()
+
+
 def test_the_spool_s_crc_is_the_zip_s():
     # zlib-ng's where it is installed: the CRC-32 zip and zlib compute, piece after piece
     data = np.random.default_rng(1).integers(0, 256, 3 << 20, np.uint8).tobytes()
