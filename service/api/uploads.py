@@ -199,7 +199,8 @@ async def spool_body(request: Request, path: Path) -> int:
 
 #: Bytes of a split body's member written between two background flushes (fdatasync in
 #: a thread of its own while the body still arrives: the store's fsync then has only the
-#: last of them to wait for).
+#: last of them to wait for, and a last flush starts as the body ends, while it is read
+#: and validated).
 _SYNC_BYTES = 64 << 20
 
 
@@ -208,11 +209,14 @@ class _SplitWriter:
     not joined) is routed in the event loop (:class:`~service.api.codecs.npz.MemberRouter`:
     a few slices); then one thread hashes the member's bytes (sha256) while another
     CRC-sums them and writes every slice where it goes (hashlib, the CRC and os.pwrite
-    release the GIL), and a third starts the member's write-back every :data:`_SYNC_BYTES`."""
+    release the GIL), and a third flushes the member every :data:`_SYNC_BYTES` and once
+    more at the end (:meth:`flush_rest`), through a descriptor of its own: nothing waits
+    for those flushes here (the store's fsync does)."""
 
     def __init__(self, path: Path, member: Path, pool: ThreadPoolExecutor):
         self.router = npz.MemberRouter(SCORE_KEYS)
         self.pool = pool
+        self.member_path = member
         self.sha256 = hashlib.sha256()
         self.crc32 = 0
         self.written = 0
@@ -236,8 +240,13 @@ class _SplitWriter:
         if views:
             self.jobs.append(self.pool.submit(self._hash, views))
         if self.written - self.synced >= _SYNC_BYTES and (self.sync is None or self.sync.done()):
+            self.flush_rest()
+
+    def flush_rest(self) -> None:
+        """Start flushing what the member has so far (no-op when nothing new was written)."""
+        if self.written > self.synced:
             self.synced = self.written
-            self.sync = self.pool.submit(os.fdatasync, self.member)
+            self.sync = self.pool.submit(_flush, self.member_path)
 
     async def wait(self) -> None:
         for job in self.jobs:
@@ -245,8 +254,8 @@ class _SplitWriter:
         self.jobs = []
 
     def settle(self) -> None:
-        """Block until no thread uses the files (a failed body's last piece)."""
-        wait_futures([*self.jobs, *([self.sync] if self.sync else [])])
+        """Block until no thread writes the files (a failed body's last piece)."""
+        wait_futures(self.jobs)
 
     def _hash(self, views: list[memoryview]) -> None:
         for view in views:
@@ -268,6 +277,18 @@ class _SplitWriter:
         os.close(self.member)
 
 
+def _flush(path: Path) -> None:
+    """fdatasync of ``path`` (gone meanwhile: a failed upload's, nothing to flush)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
 def _pwrite(fd: int, view: memoryview, offset: int) -> None:
     while view:
         n = os.pwrite(fd, view, offset)
@@ -284,7 +305,8 @@ async def spool_npz(request: Request, path: Path, member: Path) -> npz.NpzBody:
     while the next MiB arrives (:class:`_SplitWriter`): about two MiB are held.
     Limits: :mod:`service.server.budget`.
     """
-    with ThreadPoolExecutor(3, thread_name_prefix="spool") as pool:
+    pool = ThreadPoolExecutor(3, thread_name_prefix="spool")
+    try:
         writer = _SplitWriter(path, member, pool)
         try:
             pieces: list[bytes] = []
@@ -300,9 +322,12 @@ async def spool_npz(request: Request, path: Path, member: Path) -> npz.NpzBody:
             if held:
                 writer.submit(pieces)
                 await writer.wait()
+            writer.flush_rest()
         finally:
             writer.settle()
             writer.close()
+    finally:
+        pool.shutdown(wait=False)  # a flush may still run: its thread ends after it
     return npz.NpzBody(
         path, writer.at, writer.router.routed, member if writer.router.routed else None,
         writer.written, writer.crc32, writer.sha256.hexdigest(),

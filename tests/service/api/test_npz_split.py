@@ -14,13 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from starlette.requests import ClientDisconnect
 
 from calibrators.validation import CalibrationInputError
 from service.api import uploads
 from service.api.codecs import npz
 from service.api.codecs.rules import Bounds
 from service.api.uploads import spool_npz
-from service.errors import MalformedBody
+from service.errors import InvalidInput, MalformedBody
 from tests.service.helpers import assert_problem, create_model
 
 BOUNDS = Bounds(5, "m", 10_000, 1 << 30, "dataset", None, True, True)
@@ -186,6 +187,48 @@ def test_a_split_body_s_digest_names_its_bytes_without_reading_the_member_again(
     unrouted = npz.NpzBody(tmp_path / "plain.npz", len(body))
     unrouted.path.write_bytes(body)
     assert unrouted.digest() == hashlib.sha256(body).hexdigest()
+
+
+class _CutRequest(_Request):
+    """A body that stops after ``cut`` bytes as a client that goes away does (None: whole)."""
+
+    def __init__(self, body: bytes, cut: int | None):
+        super().__init__(body[:cut], [65_536])
+        self.headers = {"content-type": "application/octet-stream"}
+        self.cut = cut
+
+    async def stream(self):
+        async for chunk in super().stream():
+            yield chunk
+        if self.cut is not None:
+            raise ClientDisconnect()
+
+
+@pytest.mark.parametrize("cut", [100, 3 << 20, None])
+def test_a_cut_or_refused_split_body_leaves_no_file(tmp_path, monkeypatch, cut):
+    # flushes start every MiB: a cut comes while they run, on files then removed
+    monkeypatch.setattr(uploads, "_SYNC_BYTES", 1 << 20)
+    z = np.tile(scores(2000), (3, 1))  # 1.1 MiB of float32 per 2,000 rows: 3.4 MiB
+    body = npz_body(logits=z, labels=np.arange(len(z)) % 5)
+    spool_dir = tmp_path / "tmp"
+    spool_dir.mkdir()
+    made = iter(range(100))
+
+    def temp_path(suffix):
+        path = spool_dir / f"{next(made)}{suffix}"
+        path.touch()
+        return path
+
+    async def upload():
+        request = _CutRequest(body, cut)
+        async with uploads.labelled_body(request, json_limit=1000, temp_path=temp_path,
+                                         multipart=False, expected="", split_scores=True) as up:
+            assert up.npz.routed is not None and up.npz.written == z.nbytes + 128
+            raise InvalidInput("refused after the body, as validation may")  # fmt: skip
+
+    with pytest.raises(ClientDisconnect if cut is not None else InvalidInput):
+        asyncio.run(upload())
+    assert not any(spool_dir.iterdir())
 
 
 def test_the_spool_s_crc_is_the_zip_s():
