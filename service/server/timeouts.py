@@ -233,8 +233,10 @@ class GuardedH11Protocol(_HeaderDeadline, JoinedWritesProtocol, H11Protocol):
 
 
 class GuardedHttpToolsProtocol(_HeaderDeadline, JoinedWritesProtocol, HeldBodyProtocol):
-    """uvicorn's protocol on httptools (llhttp, in C) with the header deadline: what
-    ``welltempered serve`` runs when httptools is installed (a runtime dependency).
+    """uvicorn's protocol on httptools (llhttp, in C) with the header deadline, its
+    request bodies held as :class:`~service.server.transport.HeldBodyProtocol` holds
+    them: what ``welltempered serve`` runs when httptools is installed (a runtime
+    dependency).
 
     llhttp reports where a request is through callbacks; the phase is kept from them:
     None between requests, then ``headers``, then ``body`` until the request's last byte.
