@@ -18,6 +18,9 @@ are computed after the answer). With ``--before TREE`` (a checkout of another co
 e.g. ``git worktree add /tmp/before COMMIT``), that tree's server is measured in the same
 rounds, turn about. At the end: the ratio's mean [min, max] over the rounds, per server.
 
+With ``--idempotency-key``, every upload carries a key of its own (the service then
+fingerprints the body: ``service/api/idempotent.py``).
+
 The **transfer** (``--transfer``, on by default): the same body streamed by the same
 client to a bare uvicorn app (httptools, uvloop, as ``serve`` runs) that reads it and
 throws it away, in each round: what moving the bytes from a Python client to a Python
@@ -76,14 +79,15 @@ def start_sink(where: Path) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-def post_file(url: str, path: Path) -> tuple[httpx.Response, float]:
-    """``path`` streamed as the body of a POST with its length; the answer and seconds."""
+def post_file(url: str, path: Path, key: str | None = None) -> tuple[httpx.Response, float]:
+    """``path`` streamed as the body of a POST with its length (and ``key`` as its
+    Idempotency-Key); the answer and seconds."""
+    headers = {"content-type": "application/octet-stream",
+               "content-length": str(path.stat().st_size)}  # fmt: skip
+    if key is not None:
+        headers["idempotency-key"] = key
     t0 = time.perf_counter()
-    r = httpx.post(
-        url, content=stream(path), timeout=600,
-        headers={"content-type": "application/octet-stream",
-                 "content-length": str(path.stat().st_size)},
-    )  # fmt: skip
+    r = httpx.post(url, content=stream(path), timeout=600, headers=headers)
     return r, time.perf_counter() - t0
 
 
@@ -129,10 +133,10 @@ def rss(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
-def upload(proc: subprocess.Popen, base: str, path: Path) -> dict:
+def upload(proc: subprocess.Popen, base: str, path: Path, key: str | None = None) -> dict:
     cpu0, rss0 = serve_peers.tree_cpu_seconds(proc.pid), rss(proc.pid)
     t0 = time.perf_counter()
-    r, seconds = post_file(f"{base}/v1/models/{MODEL}/datasets", path)
+    r, seconds = post_file(f"{base}/v1/models/{MODEL}/datasets", path, key)
     if r.status_code != 201:
         raise RuntimeError(f"upload: HTTP {r.status_code} {r.text[:300]}")
     out = {
@@ -164,6 +168,8 @@ def main() -> int:
     parser.add_argument("--before", type=Path, help="another commit's tree, served beside")
     parser.add_argument("--no-transfer", dest="transfer", action="store_false",
                         help="skip the bare transfer of the body")
+    parser.add_argument("--idempotency-key", action="store_true",
+                        help="send every upload with an Idempotency-Key of its own")
     args = parser.parse_args()
     z, y = make_logits(args.n, args.k, "float32")
     with tempfile.TemporaryDirectory(prefix="wt-upload-lm-") as d:
@@ -186,7 +192,9 @@ def main() -> int:
                     y[0] = (y[0] + 1) % args.k  # new content: nothing is deduplicated
                     np.savez(body, logits=z, labels=y)
                     base_floor = min(upload_floor(body, tmp) for _ in range(2))
-                    got = upload(proc, base, body)
+                    key = f"upload-lm-{rnd}-{name.replace(' ', '-')}"
+                    key = key if args.idempotency_key else None
+                    got = upload(proc, base, body, key)
                     ratios[name].append(got["seconds"] / base_floor)
                     moved = transfer(sink[1], body) if sink is not None else float("nan")
                     over_transfer[name].append(got["seconds"] / moved)

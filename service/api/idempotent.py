@@ -75,14 +75,15 @@ _CHUNK = 1 << 20
 
 def body_sha256(body: bytes | bytearray | memoryview | Upload) -> str:
     """The sha256 of a body as read: the buffer of a JSON body, or the file an upload
-    was spooled to, read a chunk at a time (a multipart upload: its ``file`` field; a body
-    spooled split, its two files spliced)."""
+    was spooled to, read a chunk at a time (a multipart upload: its ``file`` field); a body
+    spooled split, :meth:`NpzBody.digest` (its member hashed once, as it arrived)."""
     if isinstance(body, Upload):
         if body.npz is None:
             body = body.json
+        elif isinstance(body.npz, NpzBody):
+            return body.npz.digest()
         else:
-            spooled = body.npz
-            with spooled.open() if isinstance(spooled, NpzBody) else open(spooled, "rb") as f:
+            with open(body.npz, "rb") as f:
                 return hashlib.file_digest(f, "sha256").hexdigest()
     return hashlib.sha256(body).hexdigest()
 

@@ -52,12 +52,11 @@ import h11
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.errors import RequestTimeout
 from service.server.exchange import Exchange
 from service.server.problems import error_response
-from service.server.transport import JoinedWritesProtocol
+from service.server.transport import HeldBodyProtocol, JoinedWritesProtocol
 
 log = logging.getLogger("welltempered.timeouts")
 
@@ -234,9 +233,11 @@ class GuardedH11Protocol(_HeaderDeadline, JoinedWritesProtocol, H11Protocol):
         return self.conn.their_state is h11.IDLE and bool(self.conn.trailing_data[0])
 
 
-class GuardedHttpToolsProtocol(_HeaderDeadline, JoinedWritesProtocol, HttpToolsProtocol):
-    """uvicorn's protocol on httptools (llhttp, in C) with the header deadline: what
-    ``welltempered serve`` runs when httptools is installed (a runtime dependency).
+class GuardedHttpToolsProtocol(_HeaderDeadline, JoinedWritesProtocol, HeldBodyProtocol):
+    """uvicorn's protocol on httptools (llhttp, in C) with the header deadline, its
+    request bodies held as :class:`~service.server.transport.HeldBodyProtocol` holds
+    them: what ``welltempered serve`` runs when httptools is installed (a runtime
+    dependency).
 
     llhttp reports where a request is through callbacks; the phase is kept from them:
     None between requests, then ``headers``, then ``body`` until the request's last byte.

@@ -14,12 +14,24 @@ sends both without waiting in between, leave as one vectored write (``writelines
 copy). Nothing waits longer than the rest of the step that wrote it, and once
 :data:`FLUSH_BYTES` are pending they go at once; a write that would block is buffered
 by the transport exactly as before, so flow control is unchanged.
+
+:class:`HeldBodyProtocol` shapes the other direction, a request body on its way to the
+application. uvicorn's httptools protocol appends each piece the parser hands it to a
+``bytearray`` (a copy), gives the application ``bytes`` of it (a second copy), and stops
+reading the socket once 64 KiB wait: a large body reaches the application in pieces of
+one socket read, each through every middleware's ``receive``. Here the pieces are held as
+the parser made them and joined once when the application asks (not at all when one
+piece waits), and the socket is read on until :data:`BODY_HIGH_WATER` bytes wait: while
+the application is busy with one piece (an upload's threads writing it), the next
+arrives whole.
 """
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 #: Pending bytes that go to the transport at once rather than at the end of the step, so
 #: that a body streamed in many writes within one step meets the transport's flow
@@ -120,3 +132,64 @@ class JoinedWritesProtocol:
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)  # type: ignore[misc]
         self.transport = JoinedWrites(self.transport, self.loop)  # type: ignore[has-type]
+
+
+#: Request-body bytes a connection holds for its application before it stops reading the
+#: socket (uvicorn's own limit is 64 KiB): at most this plus one read per connection.
+BODY_HIGH_WATER = 1 << 20
+
+
+class HeldBody:
+    """A request body's pieces not yet read by the application, as uvicorn's request
+    cycle holds them (its ``body``: ``+=``, ``len``, and ``bytes()`` when the application
+    reads): kept as received and joined only when more than one waits.
+
+    >>> held = HeldBody()
+    >>> piece = b"x" * 10
+    >>> held += piece
+    >>> bytes(held) is piece, len(held)
+    (True, 10)
+    >>> held += b"yz"
+    >>> bytes(held), len(held)
+    (b'xxxxxxxxxxyz', 12)
+    """
+
+    __slots__ = ("parts", "size")
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    def __iadd__(self, data: bytes) -> HeldBody:
+        self.parts.append(data)
+        self.size += len(data)
+        return self
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __bytes__(self) -> bytes:
+        parts = self.parts
+        if len(parts) == 1 and type(parts[0]) is bytes:
+            return parts[0]
+        return b"".join(parts)
+
+
+class HeldBodyProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a request body held as :class:`HeldBody` and read
+    from the socket until :data:`BODY_HIGH_WATER` bytes wait (module docstring)."""
+
+    def on_body(self, body: bytes) -> None:
+        cycle = self.cycle
+        if (self.parser.should_upgrade() and self._should_upgrade()) or cycle.response_complete:
+            return
+        held = cycle.body
+        if type(held) is not HeldBody:  # the bytearray the cycle starts, and restarts, with
+            fresh = HeldBody()
+            if held:
+                fresh += bytes(held)
+            held = cycle.body = fresh
+        held += body
+        if held.size > BODY_HIGH_WATER:
+            self.flow.pause_reading()
+        cycle.message_event.set()

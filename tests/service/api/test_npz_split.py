@@ -14,12 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from starlette.requests import ClientDisconnect
 
 from calibrators.validation import CalibrationInputError
+from service.api import uploads
 from service.api.codecs import npz
 from service.api.codecs.rules import Bounds
 from service.api.uploads import spool_npz
-from service.errors import MalformedBody
+from service.errors import InvalidInput, MalformedBody
 from tests.service.helpers import assert_problem, create_model
 
 BOUNDS = Bounds(5, "m", 10_000, 1 << 30, "dataset", None, True, True)
@@ -164,6 +166,78 @@ def test_a_bad_split_body_gets_the_error_of_the_whole_file(tmp_path, mangle, err
     with pytest.raises(error) as split:
         npz.labelled_from_npz(spool(tmp_path, body), BOUNDS)
     assert str(split.value) == str(whole.value) and words in str(split.value)
+
+
+def test_a_split_body_s_digest_names_its_bytes_without_reading_the_member_again(tmp_path):
+    z = scores(2000)
+    body = npz_body(logits=z, labels=np.arange(2000) % 5)
+    labels_changed = npz_body(logits=z, labels=(np.arange(2000) + 1) % 5)
+    digests = {}
+    for name, b, sizes in [("body", body, (65_536,)), ("again", body, (7, 100_000)),
+                           ("member", corrupt_member(body), (65_536,)),
+                           ("labels", labels_changed, (65_536,))]:  # fmt: skip
+        (tmp_path / name).mkdir()
+        spooled = spool(tmp_path / name, b, sizes)
+        assert spooled.routed is not None
+        spooled.member.unlink()  # hashed as it arrived: not read again
+        digests[name] = spooled.digest()
+    assert digests["body"] == digests["again"]
+    assert len({digests["body"], digests["member"], digests["labels"]}) == 3
+    # nothing routed: the file's own sha256
+    unrouted = npz.NpzBody(tmp_path / "plain.npz", len(body))
+    unrouted.path.write_bytes(body)
+    assert unrouted.digest() == hashlib.sha256(body).hexdigest()
+
+
+class _CutRequest(_Request):
+    """A body that stops after ``cut`` bytes as a client that goes away does (None: whole)."""
+
+    def __init__(self, body: bytes, cut: int | None):
+        super().__init__(body[:cut], [65_536])
+        self.headers = {"content-type": "application/octet-stream"}
+        self.cut = cut
+
+    async def stream(self):
+        async for chunk in super().stream():
+            yield chunk
+        if self.cut is not None:
+            raise ClientDisconnect()
+
+
+@pytest.mark.parametrize("cut", [100, 3 << 20, None])
+def test_a_cut_or_refused_split_body_leaves_no_file(tmp_path, monkeypatch, cut):
+    # flushes start every MiB: a cut comes while they run, on files then removed
+    monkeypatch.setattr(uploads, "_SYNC_BYTES", 1 << 20)
+    z = np.tile(scores(2000), (3, 1))  # 1.1 MiB of float32 per 2,000 rows: 3.4 MiB
+    body = npz_body(logits=z, labels=np.arange(len(z)) % 5)
+    spool_dir = tmp_path / "tmp"
+    spool_dir.mkdir()
+    made = iter(range(100))
+
+    def temp_path(suffix):
+        path = spool_dir / f"{next(made)}{suffix}"
+        path.touch()
+        return path
+
+    async def upload():
+        request = _CutRequest(body, cut)
+        async with uploads.labelled_body(request, json_limit=1000, temp_path=temp_path,
+                                         multipart=False, expected="", split_scores=True) as up:
+            assert up.npz.routed is not None and up.npz.written == z.nbytes + 128
+            raise InvalidInput("refused after the body, as validation may")  # fmt: skip
+
+    with pytest.raises(ClientDisconnect if cut is not None else InvalidInput):
+        asyncio.run(upload())
+    assert not any(spool_dir.iterdir())
+
+
+def test_the_spool_s_crc_is_the_zip_s():
+    # zlib-ng's where it is installed: the CRC-32 zip and zlib compute, piece after piece
+    data = np.random.default_rng(1).integers(0, 256, 3 << 20, np.uint8).tobytes()
+    crc = 0
+    for at in range(0, len(data), 777_777):
+        crc = uploads.crc32(memoryview(data)[at : at + 777_777], crc)
+    assert crc == zlib.crc32(data) and crc != 0
 
 
 def test_nan_in_a_split_member_is_refused_as_before(tmp_path):

@@ -1,14 +1,20 @@
 """The writes of one event-loop step leave as one (service/server/transport.py), on a
-recording transport and on a real connection through ``welltempered serve``'s protocol."""
+recording transport and on a real connection through ``welltempered serve``'s protocol;
+a request body is read on while the application is busy, up to the high-water mark."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import socket
 
+import numpy as np
 import pytest
+from uvicorn import Config
+from uvicorn.server import ServerState
 
-from service.server.transport import FLUSH_BYTES, JoinedWrites
+from service.server.timeouts import guarded_protocol
+from service.server.transport import BODY_HIGH_WATER, FLUSH_BYTES, JoinedWrites
 from tests.service.servers import protocol_server
 
 
@@ -152,3 +158,73 @@ def test_an_answer_leaves_in_one_write_on_a_real_connection(server):
                 got += c.recv(65536)
             assert got.startswith(b"HTTP/1.1 200 OK\r\n")
     assert sent == ["writelines"] * 3
+
+
+def held_body_app(gate: asyncio.Event):
+    """An app that waits on ``gate`` after the body's first message, then reads the rest;
+    it answers the body's sha256, its largest message and how many messages it read."""
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        sizes, digest, more = [], hashlib.sha256(), True
+        while more:
+            message = await receive()
+            sizes.append(len(message.get("body", b"")))
+            digest.update(message.get("body", b""))
+            more = message.get("more_body", False)
+            if len(sizes) == 1:
+                await gate.wait()
+        body = f"{digest.hexdigest()} {max(sizes)} {len(sizes)}".encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(body)).encode())]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+def test_a_body_is_read_on_while_the_app_is_busy_up_to_the_high_water_mark():
+    body = np.random.default_rng(0).integers(0, 256, 3 * BODY_HIGH_WATER, np.uint8).tobytes()
+
+    async def main():
+        gate = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        config = Config(held_body_app(gate), http=guarded_protocol(10, "httptools"),
+                        log_level="warning")  # fmt: skip
+        config.load()
+        state = ServerState()
+        server = await loop.create_server(
+            lambda: config.http_protocol_class(config=config, server_state=state, app_state={}),
+            host="127.0.0.1", port=0, family=socket.AF_INET,
+        )  # fmt: skip
+        try:
+            reader, writer = await asyncio.open_connection(
+                "127.0.0.1", server.sockets[0].getsockname()[1]
+            )
+            writer.write(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % len(body))
+            writer.write(body)
+            while not state.connections or not next(iter(state.connections)).flow.read_paused:
+                await asyncio.sleep(0.005)  # the app waits on the gate; the server reads on
+            (protocol,) = state.connections
+            held = len(protocol.cycle.body)
+            gate.set()
+            await writer.drain()
+            answer = await reader.readuntil(b"\r\n\r\n")
+            length = int(answer.split(b"content-length: ")[1].split(b"\r\n")[0])
+            digest, largest, messages = (await reader.readexactly(length)).split()
+            writer.close()
+            return held, digest.decode(), int(largest), int(messages)
+        finally:
+            server.close()
+            for protocol in list(state.connections):
+                protocol.transport.close()
+            await server.wait_closed()
+
+    held, digest, largest, messages = asyncio.run(main())
+    # Held while the app was busy: past the high-water mark (uvicorn stops at 64 KiB),
+    # by one socket read at most (asyncio's are 256 KiB); the app then got it in one
+    # message, and the body whole.
+    assert BODY_HIGH_WATER < held <= BODY_HIGH_WATER + (256 << 10)
+    assert held <= largest <= BODY_HIGH_WATER + (256 << 10)
+    assert digest == hashlib.sha256(body).hexdigest()
+    assert messages < len(body) // (64 << 10)
