@@ -210,13 +210,18 @@ def check_positive(
     return value if type(value) in (int, float) else float(value)
 
 
-def as_scores(scores, kind: str = "logits", *, n_classes: int | None = None) -> np.ndarray:
+def as_scores(
+    scores, kind: str = "logits", *, n_classes: int | None = None, assume_finite: bool = False
+) -> np.ndarray:
     """Validate a score matrix and return it as a float array of shape (N, K).
 
     float32 input stays float32 (no copy when already contiguous), anything
     else becomes float64. Probabilities are *not* converted here; see
     :func:`as_logits`. Scores are real floats or integers (:data:`SCORE_DTYPE_KINDS`);
-    integers must be exact in float64 (:data:`MAX_EXACT_INTEGER`).
+    integers must be exact in float64 (:data:`MAX_EXACT_INTEGER`). ``assume_finite``
+    (as scikit-learn's configuration of that name): the caller knows every value is
+    finite (parsed from JSON, which has no NaN or Infinity), so logits are not checked
+    for it; probabilities are still checked (signs and sums).
     """
     check_kind(kind)
     try:
@@ -253,6 +258,8 @@ def as_scores(scores, kind: str = "logits", *, n_classes: int | None = None) -> 
             _check_exact_integers(arr[rows], rows.start, kind)
     dtype = np.float32 if arr.dtype == np.float32 else np.float64
     arr = np.ascontiguousarray(arr, dtype=dtype)
+    if assume_finite and kind != "probabilities":
+        return arr
     # Checked in row blocks: no full-size boolean masks for big inputs.
     for rows in row_chunks(n, k):
         _check_block(arr[rows], rows.start, kind)

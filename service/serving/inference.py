@@ -280,6 +280,8 @@ def as_onnx_input(scores: np.ndarray, kind: str, first_row: int = 0) -> np.ndarr
     ``first_row``: the request's row number of ``scores[0]`` (for a chunk's message)."""
     if kind == "probabilities":
         return np.log(np.maximum(scores, PROBABILITY_FLOOR), dtype=np.float32)
+    if scores.dtype == np.float32 and scores.flags.c_contiguous:
+        return scores  # what the graph takes (JSON logits are read as float32)
     with np.errstate(over="ignore"):  # float64 beyond float32's range: refused just below
         logits = np.ascontiguousarray(scores, dtype=np.float32)
     if scores.dtype != np.float32 and not np.isfinite(logits).all():

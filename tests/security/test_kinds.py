@@ -163,3 +163,14 @@ def test_empty_query_values_are_422(served, method, url, query):
         kwargs = {"json": {"logits": [[1, 0, 0, 2]]}}
     r = getattr(served, method)(f"{url}?{query}", **kwargs)
     assert_problem(r, 422)
+
+
+def test_assume_finite_skips_only_the_finiteness_of_logits():
+    """``as_scores(..., assume_finite=True)`` is for callers that know their values are
+    finite (JSON): logits are not scanned, probabilities still are (signs and sums)."""
+    nan = np.array([[0.5, np.nan]])
+    with pytest.raises(CalibrationInputError, match="finite"):
+        as_scores(nan, "logits")
+    assert np.isnan(as_scores(nan, "logits", assume_finite=True)[0, 1])
+    with pytest.raises(CalibrationInputError, match="non-negative"):
+        as_scores(np.array([[1.5, -0.5]]), "probabilities", assume_finite=True)

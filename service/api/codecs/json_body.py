@@ -287,7 +287,9 @@ def _quotes_only_in_keys(body, keys: int) -> bool:
     return False
 
 
-def _only_numbers(key: str, value: Any, scan: bool, no_strings: bool = False) -> Any:
+def _only_numbers(
+    key: str, value: Any, scan: bool, no_strings: bool = False, float32: bool = False
+) -> Any:
     """A parsed array of numbers as float64. true/false/null are looked for when ``scan``
     (a 422: numpy would read true as 1.0 next to a float); strings, ragged or nested
     arrays are left as they are, for the core's message.
@@ -295,12 +297,20 @@ def _only_numbers(key: str, value: Any, scan: bool, no_strings: bool = False) ->
     ``no_strings`` (the body holds none, :func:`_quotes_only_in_keys`) and no ``scan``:
     numbers and lists are all there is, and numpy converts them to float64 in one pass
     (what :func:`_numbers` does for large bodies), without first discovering a dtype:
-    a third of the conversion's time for a 1 x 1,000 predict.
+    a third of the conversion's time for a 1 x 1,000 predict. With ``float32`` (logits
+    for the served graph, which computes in float32) they are converted to float32
+    instead, the rounding of a float64 array cast to float32; a number past float32's
+    range leaves them float64, for the serving path's message.
     """
     if not isinstance(value, list):
         return value
     if no_strings and not scan:
         try:
+            if float32:
+                with np.errstate(over="raise"):
+                    return np.asarray(value, dtype=np.float32)
+            return np.asarray(value, dtype=np.float64)
+        except FloatingPointError:
             return np.asarray(value, dtype=np.float64)
         except (ValueError, TypeError, OverflowError):
             pass  # ragged, nested or out of range: the checks below word it
@@ -319,9 +329,15 @@ def _only_numbers(key: str, value: Any, scan: bool, no_strings: bool = False) ->
     return arr.astype(np.float64, copy=False) if arr.dtype.kind in "fiu" else value
 
 
-def json_object(body: bytes | bytearray, allowed_keys: set[str], bounds: Bounds) -> dict:
+def json_object(
+    body: bytes | bytearray,
+    allowed_keys: set[str],
+    bounds: Bounds,
+    float32_keys: tuple[str, ...] = (),
+) -> dict:
     """The body as a JSON object with no keys but ``allowed_keys`` (400 if not JSON, else
-    422); number arrays become float64 arrays, rows limited by ``bounds`` (413)."""
+    422); number arrays become float64 arrays (those of ``float32_keys`` float32 where
+    they fit: :func:`_only_numbers`), rows limited by ``bounds`` (413)."""
     if len(body) > _JSON_GROUP_BYTES:
         plain = plain_object(body, allowed_keys, bounds)
         if plain is not None:
@@ -350,7 +366,10 @@ def json_object(body: bytes | bytearray, allowed_keys: set[str], bounds: Bounds)
     scan = _may_hold_literals(body)
     plain = _quotes_only_in_keys(body, len(obj))
     raw = ("version", SEQUENCE_KEY)
-    return {k: _only_numbers(k, v, scan, plain) if k not in raw else v for k, v in obj.items()}
+    return {
+        k: _only_numbers(k, v, scan, plain, k in float32_keys) if k not in raw else v
+        for k, v in obj.items()
+    }
 
 
 def score_key(obj: dict, allowed: tuple[str, ...]) -> str:
@@ -368,6 +387,8 @@ _JSON_FIX = "Send them under the key 'probabilities'."
 
 
 def _json_scores(obj: dict, bounds: Bounds, kind: str | None) -> tuple[np.ndarray, str, bool]:
+    # JSON numbers are finite (orjson refuses NaN, Infinity and numbers past float64's
+    # range), so the scores' finiteness needs no check here.
     if bounds.dtype is not None:
         raise InvalidInput(
             f"?dtype={bounds.dtype} says how a binary body's raw scores are read; a JSON body "
@@ -375,7 +396,7 @@ def _json_scores(obj: dict, bounds: Bounds, kind: str | None) -> tuple[np.ndarra
         )
     key = score_key(obj, JSON_SCORE_KEYS)
     kind, explicit = resolve_kind(kind, key, f"key {key!r}")
-    scores = validated_scores(obj[key], kind, bounds.num_classes, bounds.model)
+    scores = validated_scores(obj[key], kind, bounds.num_classes, bounds.model, finite=True)
     bounds.check_rows(scores.shape[0])
     return scores, kind, explicit
 
@@ -383,8 +404,10 @@ def _json_scores(obj: dict, bounds: Bounds, kind: str | None) -> tuple[np.ndarra
 def scores_from_json(
     body: bytes | bytearray, bounds: Bounds, kind: str | None = None
 ) -> tuple[np.ndarray, str]:
-    """``{"logits" | "probabilities": [[...]]}`` for predict."""
-    obj = json_object(body, set(JSON_SCORE_KEYS), bounds)
+    """``{"logits" | "probabilities": [[...]]}`` for predict: logits as float32 where they
+    fit (the served graph's precision; probabilities stay float64, their log is taken
+    first)."""
+    obj = json_object(body, set(JSON_SCORE_KEYS), bounds, float32_keys=("logits",))
     scores, kind, explicit = _json_scores(obj, bounds, kind)
     check_not_probabilities(scores, kind, explicit, _JSON_FIX)
     return scores, kind

@@ -11,6 +11,7 @@ logits look like probabilities. Pure: no web framework.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,11 +90,20 @@ def bounds(
 ) -> Bounds:
     """The :class:`Bounds` of a ``what`` request (``predict``, ``feedback`` or ``dataset``)
     for a model of ``num_classes`` classes; ``dtype`` is the request's ``?dtype=``."""
-    rows = getattr(settings, _ROW_SETTINGS[what])
-    return Bounds(
-        num_classes, model, rows, settings.max_body_bytes, what, dtype, what == "dataset",
-        what == "dataset", what == "dataset",
+    return _bounds(
+        num_classes, model, getattr(settings, _ROW_SETTINGS[what]), settings.max_body_bytes,
+        what, dtype,
     )
+
+
+@functools.lru_cache(maxsize=1024)
+def _bounds(
+    num_classes: int, model: str, rows: int, max_bytes: int, what: str, dtype: str | None
+) -> Bounds:
+    # One frozen object per distinct set of values (immutable, so shared): building one
+    # per predict took more than a few of its checks.
+    dataset = what == "dataset"
+    return Bounds(num_classes, model, rows, max_bytes, what, dtype, dataset, dataset, dataset)
 
 
 @dataclass(frozen=True)
@@ -176,8 +186,12 @@ def _check_classes(arr: np.ndarray, kind: str, num_classes: int, model: str) -> 
         )
 
 
-def validated_scores(scores: Any, kind: str, num_classes: int, model: str) -> np.ndarray:
-    arr = as_scores(scores, kind)
+def validated_scores(
+    scores: Any, kind: str, num_classes: int, model: str, finite: bool = False
+) -> np.ndarray:
+    """``as_scores`` and the model's K; ``finite``: the caller knows every score is
+    finite (parsed from JSON), so that is not checked again."""
+    arr = as_scores(scores, kind, assume_finite=finite)
     _check_classes(arr, kind, num_classes, model)
     return arr
 
@@ -242,13 +256,20 @@ def validated_sequences(values: Any, n: int, max_bytes: int) -> np.ndarray:
         raise _sequence_error("Got an integer beyond int64.") from None
 
 
+#: Values of the first row looked at before its sum (:func:`every_row_a_distribution`):
+#: read as Python floats, no numpy reduction (a predict of one row, every time).
+_FIRST_VALUES = 16
+
+
 def every_row_a_distribution(arr: np.ndarray) -> bool:
     """True when every row of validated scores is non-negative and sums to 1 within
     :data:`PROBABILITY_LIKE_TOLERANCE` (checked in row chunks; stops at the first row
     that is not)."""
     n, k = arr.shape
+    if n and min(arr[0, :_FIRST_VALUES].tolist()) < 0:
+        return False  # most logits: decided by a negative among the first row's first values
     if n and abs(arr[0].sum(dtype=np.float64) - 1.0) > PROBABILITY_LIKE_TOLERANCE:
-        return False  # most logits: decided by the first row's sum
+        return False  # the others: by the first row's sum
     for rows in row_chunks(n, k):
         block = arr[rows]
         if (block < 0).any():
