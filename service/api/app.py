@@ -95,9 +95,7 @@ def create_app(settings: Settings | None = None, metrics: ServiceMetrics | None 
                 settings, engine, sessions, arrays, fits, serving, metrics, limiter,
                 served_counts, HoldoutCache(), filler,
             )
-            flusher = Flusher(
-                served_counts, sessions, settings.served_flush_seconds, metrics.fold
-            ).start()
+            flusher = Flusher(served_counts, sessions, settings.served_flush_seconds).start()
             sweeper = None
             if settings.sweep_interval_seconds > 0:
                 sweeper = Sweeper(

@@ -106,6 +106,7 @@ modes. A dedicated ``welltempered worker`` does the same with a
 from __future__ import annotations
 
 import bisect
+import collections
 import functools
 import glob
 import logging
@@ -851,7 +852,12 @@ class ServiceMetrics:
         #: Answers of a few rows not counted yet (:meth:`fold`): ``deque`` appends and
         #: pops are atomic, so threads may add and fold at once.
         self._pending_predictions: deque = deque()
+        #: Requests not counted yet (:meth:`observe_request`, :meth:`fold`).
+        self._pending_requests: deque = deque()
         self._fold_by = time.monotonic() + _FOLD_SECONDS
+        # In multiprocess mode another process answers the scrapes (the parent's
+        # listener, or another worker), from the files: each event goes there at once.
+        self._fold_answers = 1 if self.multiprocess_dir is not None else _FOLD_ANSWERS
 
     def _request_values(self, route: str, method: str, status_code: int) -> tuple:
         """What :meth:`observe_request` adds to for these arguments: the request
@@ -889,16 +895,34 @@ class ServiceMetrics:
         seconds : float
             Wall time from receiving the request to sending the response start.
         """
-        # What Counter.inc and Histogram.observe do, without their checks (the children
-        # exist, the amounts are valid) and with observe's bucket search by bisection,
-        # as _observe_many does: a request through the request middleware took 46,500
-        # instructions with them, 34,400 without (bench/README.md, "Serving through
-        # http.client").
-        count, bounds, buckets, total = self._request_children(route, method, status_code)
-        count.inc(1)
-        seconds = max(0.0, float(seconds))
-        buckets[bisect.bisect_left(bounds, seconds)].inc(1)
-        total.inc(seconds)
+        # Counted with the next requests' (:meth:`fold`), as answers of a few rows are.
+        pending = self._pending_requests
+        pending.append((route, method, status_code, seconds))
+        if len(pending) >= self._fold_answers or time.monotonic() >= self._fold_by:
+            self.fold()
+
+    def _count_requests(self) -> None:
+        """What Counter.inc and Histogram.observe do for the requests kept, without their
+        checks (the children exist, the amounts are valid), with observe's bucket search
+        by bisection, one increment per series, bucket and sum."""
+        pending = self._pending_requests
+        groups: dict[tuple[str, str, int], list[float]] = {}
+        while True:
+            try:
+                route, method, status_code, seconds = pending.popleft()
+            except IndexError:
+                break
+            groups.setdefault((route, method, status_code), []).append(
+                max(0.0, float(seconds))
+            )
+        for key, durations in groups.items():
+            count, bounds, buckets, total = self._request_children(*key)
+            count.inc(len(durations))
+            for bucket, n in collections.Counter(
+                bisect.bisect_left(bounds, s) for s in durations
+            ).items():
+                buckets[bucket].inc(n)
+            total.inc(math.fsum(durations))
 
     @contextmanager
     def track_in_progress(self) -> Iterator[None]:
@@ -949,16 +973,17 @@ class ServiceMetrics:
         # its server time over HTTP (bench/README.md, "Serving through http.client").
         pending = self._pending_predictions
         pending.append((key, entropy, confidence, int(flipped)))
-        if len(pending) >= _FOLD_ANSWERS or time.monotonic() >= self._fold_by:
+        if len(pending) >= self._fold_answers or time.monotonic() >= self._fold_by:
             self.fold()
 
     def fold(self) -> None:
-        """Count the answers of a few rows that :meth:`observe_predictions` has kept: done
-        when :data:`_FOLD_ANSWERS` are waiting or the oldest has waited
-        :data:`_FOLD_SECONDS`, before every :meth:`render`, and by the app's served-counts
-        thread (``Settings.served_flush_seconds``): a scrape of this process sees every
-        answer; in multiprocess mode, another process's scrape may miss the answers of
-        this one's last second until that thread's next turn. Safe from any thread."""
+        """Count the requests and the answers of a few rows that :meth:`observe_request` and
+        :meth:`observe_predictions` have kept: done when :data:`_FOLD_ANSWERS` of either
+        are waiting or the oldest has waited :data:`_FOLD_SECONDS`, and before every
+        :meth:`render`, so a scrape of this process sees every request and answer. In
+        multiprocess mode nothing waits (another process answers the scrapes, from the
+        files). Safe from any thread."""
+        self._count_requests()
         pending = self._pending_predictions
         groups: dict[tuple[str, str, str], list] = {}
         while True:
@@ -1057,11 +1082,8 @@ class ServiceMetrics:
     def mark_process_dead(self, pid: int | None = None) -> None:
         """prometheus_client's ``mark_process_dead`` for ``pid`` (default: this process).
 
-        A worker calls it as the last step of its lifespan; a no-op in single-process mode
-        but for :meth:`fold` (this process's answers counted before its files are final).
+        A worker calls it as the last step of its lifespan; a no-op in single-process mode.
         """
-        if pid is None or pid == os.getpid():
-            self.fold()
         if self.multiprocess_dir is not None:
             multiprocess.mark_process_dead(
                 os.getpid() if pid is None else pid, self.multiprocess_dir

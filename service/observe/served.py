@@ -186,22 +186,12 @@ class ServedCounts:
 
 class Flusher:
     """Calls :meth:`ServedCounts.flush` every ``interval`` seconds until :meth:`stop`,
-    which flushes once more; a failed flush is logged and retried at the next one.
-    ``fold``, if given, is called before each flush (the prediction metrics'
-    :meth:`~service.observe.metrics.ServiceMetrics.fold`: their answers of a few rows
-    reach this process's metric files while no requests come)."""
+    which flushes once more; a failed flush is logged and retried at the next one."""
 
-    def __init__(
-        self,
-        served: ServedCounts,
-        sessions: sessionmaker,
-        interval: float,
-        fold: Callable[[], None] | None = None,
-    ):
+    def __init__(self, served: ServedCounts, sessions: sessionmaker, interval: float):
         self.served = served
         self.sessions = sessions
         self.interval = interval
-        self.fold = fold
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="welltempered-served", daemon=True)
 
@@ -211,8 +201,6 @@ class Flusher:
 
     def _flush(self) -> None:
         try:
-            if self.fold is not None:
-                self.fold()
             self.served.flush(self.sessions)
         except Exception:
             log.warning(

@@ -120,7 +120,7 @@ def test_lines_wait_for_the_flush_and_go_in_whole_lines(out, monkeypatch):
 
 
 def test_a_full_buffer_is_written_at_once(out, monkeypatch):
-    monkeypatch.setattr(access, "FLUSH_BYTES", 500)
+    monkeypatch.setattr(access, "FLUSH_LINES", 6)
     log = AccessLog(out, flush_seconds=60)
 
     async def main():
@@ -129,8 +129,7 @@ def test_a_full_buffer_is_written_at_once(out, monkeypatch):
         return lines_of(out), log._lines
 
     written, pending = asyncio.run(main())
-    assert len(written) + len(pending) == 20
-    assert 500 // 100 <= len(written) and len(pending) < 500 // 60
+    assert len(written) == 18 and len(pending) == 2  # three full buffers written
 
 
 def test_without_a_loop_a_line_goes_at_once(out):

@@ -309,6 +309,21 @@ def test_kept_answers_are_counted_when_enough_wait_or_the_oldest_has_waited():
     assert metrics._fold_by > 0.0
 
 
+def test_requests_are_kept_and_counted_with_the_next_ones():
+    metrics = obs.ServiceMetrics()
+    metrics._fold_by = float("inf")
+    count = metrics._request_children("/x", "GET", 200)[0]
+    for _ in range(obs._FOLD_ANSWERS - 1):
+        metrics.observe_request("/x", "GET", 200, 0.01)
+    assert count.get() == 0
+    metrics.observe_request("/x", "GET", 200, 0.01)  # enough: all counted
+    assert count.get() == obs._FOLD_ANSWERS
+    metrics.observe_request("/x", "GET", 200, 0.01)
+    body = families(metrics.render()[0])  # a scrape counts the one kept
+    name = "welltempered_http_requests"
+    assert sample(body, name, name + "_total", route="/x") == obs._FOLD_ANSWERS + 1
+
+
 def test_answers_kept_and_folded_from_several_threads_are_counted_once():
     import threading
 
@@ -428,9 +443,7 @@ WORKER = """
     metrics.observe_fit("temperature", 0.3)
     metrics.http_in_progress.inc()  # a request still running when the worker dies
     if os.environ.get("CLEAN_EXIT") == "1":
-        metrics.mark_process_dead()  # counts the answers it kept (fold) too
-    else:  # killed later: the served-counts thread's turn has counted them (fold)
-        metrics.fold()
+        metrics.mark_process_dead()
     print(os.getpid())
 """
 

@@ -146,10 +146,3 @@ def test_kept_batches_are_counted_once_enough_wait_and_under_threads():
         t.join()
     assert counter.drain()[(key, 0)][0] == 4 * 3000
 
-
-def test_the_flusher_folds_before_each_flush_and_at_stop():
-    folds = []
-    counter = served.ServedCounts(60, clock=lambda: 0.0)
-    flusher = served.Flusher(counter, sessions=None, interval=3600, fold=lambda: folds.append(1))
-    flusher.start().stop()  # stop flushes once more (nothing to write: no session opened)
-    assert folds == [1]
