@@ -138,6 +138,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from service.observe.pending import drain_by_key
+
 log = logging.getLogger("welltempered.metrics")
 
 __all__ = [
@@ -897,7 +899,7 @@ class ServiceMetrics:
         """
         # Counted with the next requests' (:meth:`fold`), as answers of a few rows are.
         pending = self._pending_requests
-        pending.append((route, method, status_code, seconds))
+        pending.append(((route, method, status_code), seconds))
         if len(pending) >= self._fold_answers or time.monotonic() >= self._fold_by:
             self.fold()
 
@@ -905,17 +907,8 @@ class ServiceMetrics:
         """What Counter.inc and Histogram.observe do for the requests kept, without their
         checks (the children exist, the amounts are valid), with observe's bucket search
         by bisection, one increment per series, bucket and sum."""
-        pending = self._pending_requests
-        groups: dict[tuple[str, str, int], list[float]] = {}
-        while True:
-            try:
-                route, method, status_code, seconds = pending.popleft()
-            except IndexError:
-                break
-            groups.setdefault((route, method, status_code), []).append(
-                max(0.0, float(seconds))
-            )
-        for key, durations in groups.items():
+        for key, seconds in drain_by_key(self._pending_requests).items():
+            durations = [max(0.0, float(s)) for s in seconds]
             count, bounds, buckets, total = self._request_children(*key)
             count.inc(len(durations))
             for bucket, n in collections.Counter(
@@ -972,7 +965,7 @@ class ServiceMetrics:
         # locks and the small conversions cost a predict of one row about a tenth of
         # its server time over HTTP (bench/README.md, "Serving through http.client").
         pending = self._pending_predictions
-        pending.append((key, entropy, confidence, int(flipped)))
+        pending.append((key, (entropy, confidence, int(flipped))))
         if len(pending) >= self._fold_answers or time.monotonic() >= self._fold_by:
             self.fold()
 
@@ -984,14 +977,7 @@ class ServiceMetrics:
         multiprocess mode nothing waits (another process answers the scrapes, from the
         files). Safe from any thread."""
         self._count_requests()
-        pending = self._pending_predictions
-        groups: dict[tuple[str, str, str], list] = {}
-        while True:
-            try:
-                key, entropy, confidence, flipped = pending.popleft()
-            except IndexError:
-                break
-            groups.setdefault(key, []).append((entropy, confidence, flipped))
+        groups = drain_by_key(self._pending_predictions)
         self._fold_by = time.monotonic() + _FOLD_SECONDS
         for key, answers in groups.items():
             entropy, confidence, flips = zip(*answers, strict=True)

@@ -38,6 +38,7 @@ from sqlalchemy.orm import sessionmaker
 
 from service.errors import NotFound
 from service.observe.monitoring import bucket_start
+from service.observe.pending import drain_by_key
 from service.storage import counts
 from service.storage.db import ServedClass
 
@@ -111,21 +112,13 @@ class ServedCounts:
             self._count(key, num_classes, labels)
             return
         pending = self._pending
-        pending.append((key, num_classes, labels))
+        pending.append(((key, num_classes), labels))
         if len(pending) >= _FOLD_BATCHES:
             self.fold()
 
     def fold(self) -> None:
         """Count the batches :meth:`add` has kept (safe from any thread)."""
-        pending = self._pending
-        groups: dict[tuple[VersionKey, int], tuple[int, list[np.ndarray]]] = {}
-        while True:
-            try:
-                key, num_classes, labels = pending.popleft()
-            except IndexError:
-                break
-            groups.setdefault(key, (num_classes, []))[1].append(labels)
-        for key, (num_classes, batches) in groups.items():
+        for (key, num_classes), batches in drain_by_key(self._pending).items():
             self._count(key, num_classes, np.concatenate(batches))
 
     def _count(self, key: tuple[VersionKey, int], num_classes: int, labels: np.ndarray) -> None:
